@@ -1,0 +1,83 @@
+"""The one interface every speech backend implements, and the scheduler drives.
+
+A backend is stepped, never called per request: each `step` advances a batch
+of requests (from any number of sessions) by one unit of the backend's work
+and returns what each produced. For piper a unit is a whole segment; for
+cosyvoice it is one LM decode step plus whatever token-to-wave chunks became
+ready. The scheduler calls `prepare`, `step` and `release` from one worker
+thread, never from the event loop, so a backend needs no locking of its own.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.types import RequestId, SynthesisRequest, VoiceInfo, WordTiming
+
+
+@dataclass(slots=True)
+class BackendRequest:
+    """A request as a backend holds it between steps.
+
+    `state` is the backend's own (phonemes, KV cache slot, hop state...).
+    `est_audio_s` is the backend's estimate of the audio the request will
+    produce, used by the scheduler's deadline and admission policy.
+    """
+
+    request: SynthesisRequest
+    state: Any = None
+    est_audio_s: float = 0.0
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.request.request_id
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one request produced in one step.
+
+    `pcm` may be empty (an LM step that made tokens but no audio yet).
+    `is_finished` means the request produced its last audio in this step.
+    `error` ends only this request (the engine reports it as `internal`).
+    """
+
+    pcm: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    words: list[WordTiming] | None = None
+    is_finished: bool = False
+    error: BaseException | None = None
+
+
+class Backend(ABC):
+    """A speech model behind the engine's scheduler."""
+
+    name: str = "backend"
+    sample_rate: int = 22050
+    max_batch_size: int = 8
+
+    @abstractmethod
+    def load(self) -> None:
+        """Load weights and warm up; blocking, run off the event loop."""
+
+    @abstractmethod
+    def voices(self) -> list[VoiceInfo]:
+        """The voices this backend can speak with now."""
+
+    @abstractmethod
+    def prepare(self, request: SynthesisRequest) -> BackendRequest:
+        """Validate and pre-process one request (text frontend, voice lookup).
+
+        Raises UnknownVoiceError or UnsupportedOptionError for bad requests.
+        """
+
+    @abstractmethod
+    def step(self, batch: list[BackendRequest]) -> list[StepResult]:
+        """Advance every request of the batch by one unit; one result per item, in order."""
+
+    def release(self, item: BackendRequest) -> None:
+        """Free what the request holds (a finished or cancelled request)."""
+        item.state = None

@@ -1,0 +1,23 @@
+"""Speech backends, created by name.
+
+Each backend module is imported only when asked for, so a CPU install never
+imports torch (cosyvoice) and a GPU install pays nothing for piper.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.backend import Backend
+
+BACKEND_NAMES = ("piper",)
+
+
+def create_backend(name: str, **options: Any) -> Backend:
+    """A backend by name, its config built from `options` (not loaded yet: call `load()`)."""
+    if name == "piper":
+        from engine.backends.piper import PiperBackend, PiperBackendConfig
+
+        return PiperBackend(PiperBackendConfig(**options))
+    expected = ", ".join(BACKEND_NAMES)
+    raise ValueError(f"unknown backend {name!r}; expected one of: {expected}")

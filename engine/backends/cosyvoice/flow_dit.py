@@ -1,0 +1,173 @@
+"""CosyVoice 3's flow-matching estimator: a DiT (F5-TTS style) with adaptive layer norm.
+
+Upstream `cosyvoice/flow/DiT/dit.py`: [x, cond, mu, spk] (4 x 80) projected to
+`dim`, plus a causal grouped-convolution position embedding; `depth` blocks of
+AdaLN-Zero self-attention and a tanh-GELU feed-forward, both modulated by the
+time embedding; rotary position embedding applied to the first `dim_head`
+channels of q and k only (x-transformers' partial rotary on the un-split
+projection, which is what the checkpoints were trained with).
+
+Attention is full offline and chunked when streaming (50-frame chunks). Right
+padding is exact: the position convolutions are causal and padded keys are
+masked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.backends.cosyvoice.flow_unet import chunk_attention_mask
+
+
+def sinus_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
+    arg = scale * t[:, None] * freqs[None]
+    return torch.cat([arg.sin(), arg.cos()], dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...) on the last dimension."""
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+
+    def forward(self, seq_len: int) -> torch.Tensor:
+        """-> freqs [T, dim], each frequency repeated for its pair."""
+        t = torch.arange(seq_len, device=self.inv_freq.device).to(self.inv_freq)
+        freqs = t[:, None] * self.inv_freq[None]
+        return freqs.repeat_interleave(2, dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [B, T, inner]: rotate the first freqs.shape[-1] channels, leave the rest."""
+    d = freqs.shape[-1]
+    head, rest = x[..., :d], x[..., d:]
+    head = head * freqs.cos() + rotate_pairs(head) * freqs.sin()
+    return torch.cat([head, rest], dim=-1)
+
+
+class AdaNorm(nn.Module):
+    """LayerNorm without affine, modulated by `linear(silu(t))` split into `n` chunks."""
+
+    def __init__(self, dim: int, n: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim * n)
+        self.n = n
+
+    def chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(c[:, None] for c in self.linear(F.silu(t)).chunk(self.n, dim=1))
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+
+
+class DiTAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int) -> None:
+        super().__init__()
+        inner = heads * dim_head
+        self.heads = heads
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # mask: [B, T, T] bool
+        q = apply_rotary(self.to_q(x), freqs)
+        k = apply_rotary(self.to_k(x), freqs)
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        out = self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+        # upstream zeroes outputs at keys invisible from the last query (padding)
+        return out.masked_fill(~mask[:, -1, :, None], 0.0)
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, dim_head: int, ff_mult: int) -> None:
+        super().__init__()
+        self.attn_norm = AdaNorm(dim, 6)
+        self.attn = DiTAttention(dim, heads, dim_head)
+        self.ff = nn.Module()
+        self.ff.ff = nn.ModuleList([nn.ModuleList([nn.Linear(dim, dim * ff_mult)]), nn.Identity(),
+                                    nn.Linear(dim * ff_mult, dim)])
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.chunks(t)
+        x = x + gate_msa * self.attn(norm(x) * (1 + scale_msa) + shift_msa, mask, freqs)
+        h = norm(x) * (1 + scale_mlp) + shift_mlp
+        h = self.ff.ff[2](F.gelu(self.ff.ff[0][0](h), approximate="tanh"))
+        return x + gate_mlp * h
+
+
+class CausalPosConv(nn.Module):
+    """Two grouped causal convolutions (k=31, 16 groups) with Mish: a learned relative position signal."""
+
+    def __init__(self, dim: int, kernel: int = 31, groups: int = 16) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.conv1 = nn.ModuleList([nn.Conv1d(dim, dim, kernel, groups=groups)])
+        self.conv2 = nn.ModuleList([nn.Conv1d(dim, dim, kernel, groups=groups)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
+        h = x.transpose(1, 2)
+        h = F.mish(self.conv1[0](F.pad(h, (self.kernel - 1, 0))))
+        h = F.mish(self.conv2[0](F.pad(h, (self.kernel - 1, 0))))
+        return h.transpose(1, 2)
+
+
+class DiTEstimator(nn.Module):
+    """(x, mask, mu, t, spks, cond) -> velocity [B, 80, T]."""
+
+    def __init__(self, dim: int, depth: int, heads: int, dim_head: int, ff_mult: int, mel_dim: int,
+                 mu_dim: int, spk_dim: int, static_chunk_size: int) -> None:
+        super().__init__()
+        self.static_chunk_size = static_chunk_size
+        self.time_embed = nn.Module()
+        self.time_embed.time_mlp = nn.ModuleList([nn.Linear(256, dim), nn.SiLU(), nn.Linear(dim, dim)])
+        self.input_embed = nn.Module()
+        self.input_embed.proj = nn.Linear(mel_dim * 2 + mu_dim + spk_dim, dim)
+        self.input_embed.conv_pos_embed = CausalPosConv(dim)
+        self.rotary_embed = RotaryEmbedding(dim_head)
+        self.transformer_blocks = nn.ModuleList([DiTBlock(dim, heads, dim_head, ff_mult) for _ in range(depth)])
+        self.norm_out = AdaNorm(dim, 2)
+        self.proj_out = nn.Linear(dim, mel_dim)
+
+    @classmethod
+    def from_hparams(cls, est: dict[str, Any]) -> DiTEstimator:
+        if est.get("long_skip_connection"):
+            raise ValueError("expected a DiT without long_skip_connection (as released), got one")
+        mel = int(est.get("mel_dim", 80))
+        return cls(int(est["dim"]), int(est.get("depth", 8)), int(est.get("heads", 8)),
+                   int(est.get("dim_head", 64)), int(est.get("ff_mult", 4)), mel,
+                   int(est.get("mu_dim") or mel), int(est.get("spk_dim") or 0),
+                   int(est.get("static_chunk_size", 50)))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+        # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80]
+        temb = sinus_embedding(t, 256).to(t.dtype)
+        for layer in self.time_embed.time_mlp:
+            temb = layer(temb)
+        seq = x.shape[2]
+        h = torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)], dim=1).transpose(1, 2)
+        h = self.input_embed.proj(h)
+        h = self.input_embed.conv_pos_embed(h) + h
+        freqs = self.rotary_embed(seq)
+        attn_mask = chunk_attention_mask(mask[:, 0].bool(), self.static_chunk_size, streaming)
+        for block in self.transformer_blocks:
+            h = block(h, temb, attn_mask, freqs)
+        scale, shift = self.norm_out.chunks(temb)
+        h = norm(h) * (1 + scale) + shift
+        return self.proj_out(h).transpose(1, 2)

@@ -1,0 +1,273 @@
+"""The piper backend: Piper VITS voices on onnxruntime, batched across sessions.
+
+A step synthesizes whole segments. Items that share a voice and synthesis
+scales run in ONE onnxruntime call: phoneme ids padded to the longest item,
+`input_lengths` per item. The model masks the padding, but its vocoder still
+writes audio past each item's end (convolution biases over the masked frames),
+so every item is cut to its true length, sum(durations) * hop_length, from the
+duration output that piper_voices patches into the graph. The same durations
+give the word timings (piper_align).
+
+Loudness: piper's own `synthesize` peak-normalizes each sentence, which makes
+consecutive segments of one turn jump in level. We apply one fixed gain per
+voice instead, measured once at load on a reference sentence (`target_peak`),
+and clip to [-1, 1].
+
+`SamplingParams.seed` is not honoured: the exported graph draws its noise with
+onnxruntime's RandomNormalLike, which takes no per-call seed. With both noise
+scales at 0 the output is deterministic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.backend import Backend, BackendRequest, StepResult
+from engine.backends.piper_align import align_words, word_timings
+from engine.backends.piper_voices import (
+    LoadedVoice,
+    VoiceFiles,
+    default_voice_files,
+    discover_voices,
+    load_voice,
+)
+from engine.errors import (
+    BackendFailure,
+    EngineError,
+    UnknownVoiceError,
+    UnsupportedOptionError,
+)
+from engine.types import SynthesisRequest, VoiceInfo
+
+logger = logging.getLogger("voxgate.engine")
+
+
+def _default_num_threads() -> int:
+    # Half the cores, so the event loop (Opus encoding, sockets) keeps the rest.
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(slots=True)
+class PiperBackendConfig:
+    """Options of the piper backend (CLI/`VOXGATE_PIPER_*` map onto these)."""
+
+    voices_dir: Path | None = None
+    max_batch_size: int = 8
+    num_threads: int = field(default_factory=_default_num_threads)
+    # Peak of the voice's noise-free reference sentence after its fixed gain; sampled
+    # speech peaks up to ~1.8x higher (measured on joe), so 0.5 keeps it under 1.
+    # None keeps the model's raw level (gain 1).
+    target_peak: float | None = 0.5
+
+    def __post_init__(self) -> None:
+        if self.voices_dir is not None:
+            self.voices_dir = Path(self.voices_dir)
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
+            raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
+
+
+@dataclass(slots=True)
+class PiperState:
+    """What `prepare` computed for one segment."""
+
+    voice: LoadedVoice
+    phonemes: list[str]
+    ids: list[int]
+    phoneme_id_spans: list[tuple[int, int]]  # per phoneme: its range in `ids`
+    words: list[str]
+    word_spans: list[tuple[int, int]]  # per word: its range in `phonemes`
+    scales: tuple[float, float, float]  # noise_scale, length_scale, noise_w
+
+
+class PiperBackend(Backend):
+    """Piper voices through onnxruntime; one step finishes every segment of its batch."""
+
+    name = "piper"
+
+    def __init__(self, config: PiperBackendConfig | None = None) -> None:
+        self.config = config or PiperBackendConfig()
+        self.max_batch_size = self.config.max_batch_size
+        files = [default_voice_files()]
+        if self.config.voices_dir is not None:
+            files.extend(discover_voices(self.config.voices_dir))
+        self._files: dict[str, VoiceFiles] = {}
+        for entry in files:
+            if entry.voice_id in self._files:
+                logger.warning("piper voice id %r appears twice; keeping the first", entry.voice_id)
+                continue
+            self._files[entry.voice_id] = entry
+        self._aliases = {alias: f.voice_id for f in self._files.values() for alias in f.aliases}
+        self._voices: dict[str, LoadedVoice] = {}
+        self.sample_rate = 22050
+
+    # -- Backend --------------------------------------------------------------
+
+    def load(self) -> None:
+        voices: dict[str, LoadedVoice] = {}
+        for voice_id, entry in self._files.items():
+            voice = load_voice(entry, self.config.num_threads, self.config.target_peak)
+            if entry.is_builtin:
+                self.sample_rate = voice.info.sample_rate
+            voices[voice_id] = voice
+        for voice_id, voice in list(voices.items()):
+            # StepResult carries no rate: every voice must speak at the backend's.
+            if voice.info.sample_rate != self.sample_rate:
+                logger.warning(
+                    "piper voice %r skipped: expected sample rate %d, got %d",
+                    voice_id,
+                    self.sample_rate,
+                    voice.info.sample_rate,
+                )
+                del voices[voice_id]
+        self._voices = voices
+        logger.info("piper backend loaded voices: %s", ", ".join(voices))
+
+    def voices(self) -> list[VoiceInfo]:
+        return [voice.info for voice in self._voices.values()]
+
+    def get_voice(self, voice_id: str) -> LoadedVoice:
+        """A loaded voice by id or alias; raises UnknownVoiceError."""
+        if not self._voices:
+            raise EngineError("piper backend is not loaded; expected load() before prepare()")
+        voice = self._voices.get(self._aliases.get(voice_id, voice_id))
+        if voice is None:
+            expected = ", ".join(self._voices)
+            raise UnknownVoiceError(f"unknown voice {voice_id!r}; expected one of: {expected}")
+        return voice
+
+    def get_files(self, voice_id: str) -> VoiceFiles:
+        """Where a known voice (loaded or not) lives on disk; raises UnknownVoiceError."""
+        files = self._files.get(self._aliases.get(voice_id, voice_id))
+        if files is None:
+            expected = ", ".join(self._files)
+            raise UnknownVoiceError(f"unknown voice {voice_id!r}; expected one of: {expected}")
+        return files
+
+    def prepare(self, request: SynthesisRequest) -> BackendRequest:
+        voice = self.get_voice(request.voice)
+        if request.instructions:
+            raise UnsupportedOptionError(
+                f"piper voices take no instructions; expected none, got {request.instructions!r}"
+            )
+        self._check_language(voice, request.language)
+        params = request.params
+        config = voice.config
+        noise_scale = config.noise_scale if params.noise_scale is None else params.noise_scale
+        noise_w = config.noise_w_scale if params.noise_w_scale is None else params.noise_w_scale
+        length_scale = config.length_scale / params.speed
+        phonemes = voice.phonemize(request.text)
+        ids, id_spans = voice.phonemes_to_ids(phonemes)
+        words = request.text.split()
+        word_spans = align_words([voice.phonemize_word(w) for w in words], phonemes)
+        state = PiperState(
+            voice,
+            phonemes,
+            ids,
+            id_spans,
+            words,
+            word_spans,
+            (float(noise_scale), float(length_scale), float(noise_w)),
+        )
+        est = 0.0
+        if phonemes:
+            est = voice.sec_overhead + len(phonemes) * voice.sec_per_phoneme
+            est *= length_scale / config.length_scale
+        return BackendRequest(request=request, state=state, est_audio_s=est)
+
+    def step(self, batch: list[BackendRequest]) -> list[StepResult]:
+        results: list[StepResult | None] = [None] * len(batch)
+        groups: dict[tuple[str, tuple[float, float, float]], list[int]] = {}
+        for index, item in enumerate(batch):
+            state = item.state
+            if not isinstance(state, PiperState):
+                results[index] = StepResult(
+                    is_finished=True,
+                    error=BackendFailure(f"expected a prepared piper request, got {state!r}"),
+                )
+            elif not state.phonemes:
+                results[index] = self._silent_result(state)  # nothing speakable
+            else:
+                key = (state.voice.info.voice_id, state.scales)
+                groups.setdefault(key, []).append(index)
+        for indices in groups.values():
+            for index, result in zip(indices, self._run_group([batch[i].state for i in indices])):
+                results[index] = result
+        return [r if r is not None else StepResult(is_finished=True) for r in results]
+
+    # -- internals ------------------------------------------------------------
+
+    @staticmethod
+    def _check_language(voice: LoadedVoice, language: str | None) -> None:
+        if not language:
+            return
+        wanted = language.replace("_", "-").lower()
+        spoken = voice.info.language.lower()
+        if not (spoken == wanted or spoken.split("-")[0] == wanted.split("-")[0]):
+            raise UnsupportedOptionError(
+                f"voice {voice.info.voice_id!r} speaks {voice.info.language}; "
+                f"expected language {voice.info.language} or none, got {language!r}"
+            )
+
+    def _silent_result(self, state: PiperState) -> StepResult:
+        words = word_timings(state.words, state.word_spans, np.zeros(0), 0, self.sample_rate)
+        return StepResult(words=words, is_finished=True)
+
+    def _run_group(self, states: list[PiperState]) -> list[StepResult]:
+        """One onnxruntime call for items of one voice and one set of scales."""
+        voice = states[0].voice
+        config = voice.config
+        lengths = np.array([len(s.ids) for s in states], dtype=np.int64)  # [B]
+        ids = np.zeros((len(states), int(lengths.max())), dtype=np.int64)  # [B, L]
+        for row, state in enumerate(states):
+            ids[row, : len(state.ids)] = state.ids
+        scales = np.array(states[0].scales, dtype=np.float32)  # [3]
+        sids = None
+        if config.num_speakers > 1:
+            sids = np.full(len(states), config.default_speaker_id, dtype=np.int64)
+        try:
+            audio, durations = voice.run(ids, lengths, scales, sids)  # [B, T], [B, L]
+        except Exception as exc:  # onnxruntime raises its own types
+            logger.exception("piper step failed for a batch of %d", len(states))
+            failure = BackendFailure(f"piper synthesis failed: {exc}")
+            return [StepResult(is_finished=True, error=failure) for _ in states]
+        return [
+            self._finish(state, audio[row], durations[row, : len(state.ids)])
+            for row, state in enumerate(states)
+        ]
+
+    def _finish(self, state: PiperState, audio: np.ndarray, durations: np.ndarray) -> StepResult:
+        """Trim one item to its true length, apply the voice gain, time its words.
+
+        audio: [T] padded raw output; durations: [L_i] frames per phoneme id.
+        """
+        try:
+            hop = state.voice.config.hop_length
+            frames = np.rint(durations).astype(np.int64)  # [L_i]
+            num_samples = int(frames.sum()) * hop
+            if num_samples > audio.shape[0]:
+                raise BackendFailure(
+                    f"expected at most {audio.shape[0]} samples from durations, got {num_samples}"
+                )
+            pcm = np.clip(audio[:num_samples] * state.voice.gain, -1.0, 1.0).astype(np.float32)
+            id_ends = np.cumsum(frames) * hop  # [L_i] end sample of each id
+            phoneme_ends = np.array(
+                [id_ends[end - 1] if end > 0 else 0 for _, end in state.phoneme_id_spans],
+                dtype=np.int64,
+            )  # [P]
+            words = word_timings(
+                state.words, state.word_spans, phoneme_ends, num_samples, self.sample_rate
+            )
+            return StepResult(pcm=pcm, words=words, is_finished=True)
+        except Exception as exc:
+            logger.exception("piper postprocessing failed")
+            error = exc if isinstance(exc, BackendFailure) else BackendFailure(str(exc))
+            return StepResult(is_finished=True, error=error)

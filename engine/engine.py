@@ -1,0 +1,282 @@
+"""The shared speech engine: one scheduler loop per process, every session's requests.
+
+Public face (DESIGN.md): `submit(SynthesisRequest) -> AsyncIterator[AudioChunk]`,
+`cancel(request_id)`, `voices`, `sample_rate`, `start()`, `stop()`, admission
+(`admit`/`release_context`) and `stats` for metrics. Each loop iteration is
+prepare (new requests), schedule (EDF batch), run (one backend step in the
+worker thread), route (chunks to each request's bounded queue). A request is
+never stepped while its output queue is full, so a slow reader holds back only
+its own work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.backend import Backend, BackendRequest, StepResult
+from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
+
+log = logging.getLogger("voxgate.engine")
+
+_QUEUE_DEPTH = 16
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    max_pending: int = 4096
+    warmup_text: str = "Warming up the voice."
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters the gateway exports to /metrics."""
+
+    num_submitted: int = 0
+    num_finished: int = 0
+    num_cancelled: int = 0
+    num_failed: int = 0
+    num_steps: int = 0
+    audio_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    last_step_seconds: float = 0.0
+    last_batch_size: int = 0
+
+
+class _Handle:
+    __slots__ = ("request", "queue", "is_cancelled", "is_done")
+
+    def __init__(self, request: SynthesisRequest) -> None:
+        self.request = request
+        self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue(_QUEUE_DEPTH)
+        self.is_cancelled = False
+        self.is_done = False
+
+
+class Engine:
+    """Runs one backend for all sessions with continuous batching."""
+
+    def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
+        self.backend = backend
+        self.config = config or EngineConfig()
+        self.config.scheduler.max_batch_size = min(
+            self.config.scheduler.max_batch_size, backend.max_batch_size
+        )
+        self.scheduler = Scheduler(self.config.scheduler)
+        self.stats = EngineStats()
+        self._handles: dict[RequestId, _Handle] = {}
+        self._incoming: list[_Handle] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-engine")
+        self._task: asyncio.Task[None] | None = None
+        self._voices: list[VoiceInfo] = []
+        self.is_ready = False
+        self.failure: str | None = None
+
+    # -- lifecycle --------------------------------------------------------
+    @property
+    def sample_rate(self) -> int:
+        return self.backend.sample_rate
+
+    @property
+    def voices(self) -> list[VoiceInfo]:
+        return self._voices
+
+    def refresh_voices(self) -> None:
+        self._voices = self.backend.voices()
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self.backend.load)
+        self.refresh_voices()
+        self._task = asyncio.create_task(self._run(), name="voxgate-engine")
+        if self.config.warmup_text and self._voices:
+            await self._warm_up()
+        self.is_ready = True
+        log.info("engine %s ready: %d voices, sample rate %d",
+                 self.backend.name, len(self._voices), self.sample_rate)
+
+    async def _warm_up(self) -> None:
+        # One real step measures the step cost before the first client arrives.
+        request = SynthesisRequest(RequestId("warmup"), self.config.warmup_text,
+                                   self._voices[0].voice_id, deadline=time.monotonic())
+        async for _ in self.submit(request):
+            pass
+
+    async def stop(self) -> None:
+        self.is_ready = False
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        for handle in list(self._handles.values()):
+            self._fail(handle, EngineStoppedError("the engine stopped"))
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    # -- admission --------------------------------------------------------
+    def admit(self, context_key: str) -> None:
+        """Reserve capacity for a new context; raises EngineBusyError when full."""
+        if not self.scheduler.admit(context_key):
+            raise EngineBusyError(
+                f"the engine is at capacity ({self.scheduler.max_contexts()} talking contexts); "
+                "try again shortly"
+            )
+
+    def release_context(self, context_key: str) -> None:
+        self.scheduler.release_context(context_key)
+
+    # -- requests ---------------------------------------------------------
+    def submit(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        """Queue a request; iterate the result for its audio chunks."""
+        if self._task is None:
+            raise EngineStoppedError("the engine is not running")
+        if request.request_id in self._handles:
+            raise EngineError(f"request id {request.request_id!r} is already in use")
+        if len(self._handles) >= self.config.max_pending:
+            raise EngineBusyError(f"the engine holds {self.config.max_pending} requests already")
+        handle = _Handle(request)
+        self._handles[request.request_id] = handle
+        self._incoming.append(handle)
+        self.stats.num_submitted += 1
+        self._wake.set()
+        return self._iterate(handle)
+
+    async def _iterate(self, handle: _Handle) -> AsyncIterator[AudioChunk]:
+        try:
+            while True:
+                item = await handle.queue.get()
+                self._wake.set()  # room in the queue may make the request runnable again
+                if item is None:  # cancelled: end quietly
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.is_last:
+                    return
+        finally:
+            if not handle.is_done:
+                self.cancel(handle.request.request_id)
+
+    def cancel(self, request_id: RequestId) -> None:
+        """Forget a request: it is never stepped again and its results are dropped."""
+        handle = self._handles.pop(request_id, None)
+        if handle is None or handle.is_done:
+            return
+        handle.is_cancelled = True
+        handle.is_done = True
+        self.stats.num_cancelled += 1
+        item = self.scheduler.remove(request_id)
+        if item is not None:
+            self.backend.release(item)
+        self._post(handle, None)
+
+    # -- the loop ---------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._incoming:
+                fresh, self._incoming = self._incoming, []
+                fresh = [h for h in fresh if not h.is_cancelled]
+                prepared = await loop.run_in_executor(self._executor, self._prepare_all, fresh)
+                for handle, outcome in zip(fresh, prepared):
+                    if handle.is_cancelled:
+                        if isinstance(outcome, BackendRequest):
+                            self.backend.release(outcome)
+                    elif isinstance(outcome, BackendRequest):
+                        self.scheduler.add(outcome)
+                    else:
+                        self._fail(handle, outcome)
+            batch = self.scheduler.schedule(time.monotonic(), self._is_runnable)
+            if not batch:
+                self._wake.clear()
+                if not self._incoming:
+                    await self._wake.wait()
+                continue
+            started = time.monotonic()
+            try:
+                results = await loop.run_in_executor(self._executor, self.backend.step, batch)
+                if len(results) != len(batch):
+                    raise BackendFailure(f"backend returned {len(results)} results for {len(batch)} items")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed step ends only its batch
+                log.exception("backend step failed for %d requests", len(batch))
+                results = [StepResult(error=exc) for _ in batch]
+            elapsed = time.monotonic() - started
+            self._route(batch, results, elapsed)
+
+    def _prepare_all(self, handles: list[_Handle]) -> list[BackendRequest | BaseException]:
+        out: list[BackendRequest | BaseException] = []
+        for handle in handles:
+            try:
+                out.append(self.backend.prepare(handle.request))
+            except Exception as exc:  # noqa: BLE001 - reported to that request alone
+                out.append(exc)
+        return out
+
+    def _is_runnable(self, item: BackendRequest) -> bool:
+        handle = self._handles.get(item.request_id)
+        return handle is not None and not handle.queue.full()
+
+    def _route(self, batch: list[BackendRequest], results: list[StepResult], elapsed: float) -> None:
+        audio_s = 0.0
+        for item, result in zip(batch, results):
+            audio_s += len(result.pcm) / self.sample_rate
+            handle = self._handles.get(item.request_id)
+            if handle is None or handle.is_cancelled:
+                continue
+            if result.error is not None:
+                self.scheduler.remove(item.request_id)
+                self.backend.release(item)
+                self._fail(handle, result.error)
+                continue
+            chunk = AudioChunk(item.request_id, np.asarray(result.pcm, dtype=np.float32),
+                               self.sample_rate, result.is_finished, result.words)
+            if result.is_finished:
+                self.scheduler.remove(item.request_id)
+                self.backend.release(item)
+                handle.is_done = True
+                self._handles.pop(item.request_id, None)
+                self.stats.num_finished += 1
+            if len(chunk.pcm) or chunk.is_last:
+                handle.queue.put_nowait(chunk)
+        self.scheduler.record_step(batch, elapsed, audio_s, time.monotonic())
+        self.stats.num_steps += 1
+        self.stats.audio_seconds += audio_s
+        self.stats.busy_seconds += elapsed
+        self.stats.last_step_seconds = elapsed
+        self.stats.last_batch_size = len(batch)
+
+    def _fail(self, handle: _Handle, exc: BaseException) -> None:
+        handle.is_done = True
+        self._handles.pop(handle.request.request_id, None)
+        self.stats.num_failed += 1
+        if not isinstance(exc, EngineError):
+            log.error("request %s failed: %r", handle.request.request_id, exc)
+            wrapped = BackendFailure("speech synthesis failed for this segment")
+            wrapped.__cause__ = exc
+            exc = wrapped
+        self._post(handle, exc)
+
+    @staticmethod
+    def _post(handle: _Handle, item: BaseException | None) -> None:
+        """Put a terminal item, displacing the oldest chunk if the queue is full."""
+        if handle.queue.full():
+            handle.queue.get_nowait()
+        handle.queue.put_nowait(item)

@@ -1,0 +1,204 @@
+"""Scheduling policy: which requests run in the next backend step.
+
+Plain Python with the clock passed in, so a test drives it step by step.
+Earliest deadline first (DESIGN.md, Engine): the first segment of a turn is
+due "now", a later one when its context's audio runs out. The batch grows
+while the step it makes still ends before the most urgent deadline (a batch
+that would make the urgent request late is cut back); it never shrinks below
+one, so the most urgent request always runs.
+
+Admission control counts open contexts against a capacity estimated from the
+measured step costs (`StepCostModel`): a context that cannot be served without
+breaking the deadlines already held is refused with `busy` at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from engine.backend import BackendRequest
+from engine.types import RequestId
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Policy knobs; `max_contexts` of 0 means "estimate from measured cost"."""
+
+    max_batch_size: int = 8
+    max_queued_requests: int = 4096
+    max_contexts: int = 0
+    min_contexts: int = 2
+    target_utilization: float = 0.7
+    #: a context is assumed to need this much audio per second of wall time
+    #: (1.0: it talks all the time); lower values admit more listeners who pause.
+    talk_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.max_contexts < 0:
+            raise ValueError(f"max_contexts must be >= 0, got {self.max_contexts}")
+        if not 0.1 <= self.target_utilization <= 1.0:
+            raise ValueError(
+                f"target_utilization must be within 0.1-1.0, got {self.target_utilization}"
+            )
+        if not 0.05 <= self.talk_ratio <= 1.0:
+            raise ValueError(f"talk_ratio must be within 0.05-1.0, got {self.talk_ratio}")
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """Online estimate of a step's cost: seconds = fixed + per_item * batch.
+
+    Kept as exponentially weighted sums of the quantities a least-squares fit
+    needs, so it adapts when the machine's speed drifts.
+    """
+
+    decay: float = 0.9
+    fixed_s: float = 0.02
+    per_item_s: float = 0.05
+    audio_s_per_item: float = 2.0
+    _n: float = 0.0
+    _sx: float = 0.0
+    _sy: float = 0.0
+    _sxx: float = 0.0
+    _sxy: float = 0.0
+    _audio: float = 0.0
+    _items: float = 0.0
+
+    def observe(self, batch_size: int, seconds: float, audio_s: float) -> None:
+        d = self.decay
+        x, y = float(batch_size), seconds
+        self._n = d * self._n + 1.0
+        self._sx = d * self._sx + x
+        self._sy = d * self._sy + y
+        self._sxx = d * self._sxx + x * x
+        self._sxy = d * self._sxy + x * y
+        self._audio = d * self._audio + audio_s
+        self._items = d * self._items + x
+        var = self._sxx / self._n - (self._sx / self._n) ** 2
+        if var > 1e-6:
+            slope = (self._sxy / self._n - self._sx * self._sy / self._n**2) / var
+            self.per_item_s = max(slope, 1e-4)
+            self.fixed_s = max(self._sy / self._n - self.per_item_s * self._sx / self._n, 0.0)
+        else:
+            self.per_item_s = max((self._sy / self._n) / max(self._sx / self._n, 1.0), 1e-4)
+            self.fixed_s = 0.0
+        if self._items > 0:
+            self.audio_s_per_item = max(self._audio / self._items, 0.05)
+
+    def step_seconds(self, batch_size: int) -> float:
+        return self.fixed_s + self.per_item_s * batch_size
+
+    def realtime_capacity(self, max_batch_size: int) -> float:
+        """Audio seconds the backend makes per wall second at full batches."""
+        return max_batch_size * self.audio_s_per_item / self.step_seconds(max_batch_size)
+
+
+@dataclass(slots=True)
+class _Entry:
+    item: BackendRequest
+    seq: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_deadline_misses: int = 0
+    num_admitted: int = 0
+    num_refused: int = 0
+    last_batch_size: int = 0
+
+
+class Scheduler:
+    """Holds the runnable requests and picks each step's batch."""
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        self.cost = StepCostModel()
+        self.stats = SchedulerStats()
+        self._entries: dict[RequestId, _Entry] = {}
+        self._contexts: set[str] = set()
+        self._seq = 0
+
+    # -- requests -------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        return len(self._entries)
+
+    def has_room(self) -> bool:
+        return len(self._entries) < self.config.max_queued_requests
+
+    def add(self, item: BackendRequest) -> None:
+        if not self.has_room():
+            raise OverflowError(
+                f"scheduler queue is full ({self.config.max_queued_requests} requests)"
+            )
+        self._seq += 1
+        self._entries[item.request_id] = _Entry(item, self._seq)
+
+    def remove(self, request_id: RequestId) -> BackendRequest | None:
+        """Drop a request (finished or cancelled); it is never scheduled again."""
+        entry = self._entries.pop(request_id, None)
+        return entry.item if entry else None
+
+    def items(self) -> Iterable[BackendRequest]:
+        return (e.item for e in self._entries.values())
+
+    def schedule(
+        self, now: float, is_runnable: Callable[[BackendRequest], bool] = lambda _: True
+    ) -> list[BackendRequest]:
+        """The next batch: earliest deadline first, sized so the urgent one is on time."""
+        ready = [e for e in self._entries.values() if is_runnable(e.item)]
+        if not ready:
+            return []
+        # Ties (e.g. many first segments due "now") go to the older request: no starvation.
+        ready.sort(key=lambda e: (e.item.request.deadline, e.seq))
+        urgent_deadline = ready[0].item.request.deadline
+        size = 1
+        limit = min(self.config.max_batch_size, len(ready))
+        while size < limit:
+            step_end = now + self.cost.step_seconds(size + 1)
+            # Grow while the urgent request still makes its deadline, or while the
+            # candidate is itself due before the step could end (then serving it
+            # now, batched, beats making it wait a whole further step).
+            if step_end <= urgent_deadline or ready[size].item.request.deadline <= step_end:
+                size += 1
+            else:
+                break
+        batch = [e.item for e in ready[:size]]
+        self.stats.num_steps += 1
+        self.stats.last_batch_size = len(batch)
+        return batch
+
+    def record_step(self, batch: list[BackendRequest], seconds: float, audio_s: float, now: float) -> None:
+        self.cost.observe(len(batch), seconds, audio_s)
+        self.stats.num_deadline_misses += sum(1 for b in batch if b.request.deadline + seconds < now - 1e-3)
+
+    # -- admission ------------------------------------------------------
+    @property
+    def num_contexts(self) -> int:
+        return len(self._contexts)
+
+    def max_contexts(self) -> int:
+        if self.config.max_contexts:
+            return self.config.max_contexts
+        capacity = self.cost.realtime_capacity(self.config.max_batch_size)
+        estimate = int(capacity * self.config.target_utilization / self.config.talk_ratio)
+        return max(self.config.min_contexts, estimate)
+
+    def admit(self, context_key: str) -> bool:
+        if context_key in self._contexts:
+            return True
+        if len(self._contexts) >= self.max_contexts():
+            self.stats.num_refused += 1
+            return False
+        self._contexts.add(context_key)
+        self.stats.num_admitted += 1
+        return True
+
+    def release_context(self, context_key: str) -> None:
+        self._contexts.discard(context_key)

@@ -1,0 +1,97 @@
+"""Plain data that crosses the engine's public face.
+
+Nothing here imports a model library: the gateway imports these types, and the
+scheduler and backends share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+import numpy as np
+
+RequestId = NewType("RequestId", str)
+
+
+@dataclass(slots=True, frozen=True)
+class WordTiming:
+    """One word of a segment and where its audio lies, in ms from the segment start."""
+
+    word: str
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(slots=True, frozen=True)
+class VoiceInfo:
+    """A voice a backend can speak with."""
+
+    voice_id: str
+    name: str
+    language: str
+    backend: str
+    sample_rate: int
+    is_builtin: bool = True
+    supports_instructions: bool = False
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Backend knobs a request may carry (vLLM's vocabulary).
+
+    `noise_scale`/`noise_w_scale` are VITS's; None keeps the voice's defaults.
+    `seed` makes sampling backends reproducible.
+    """
+
+    speed: float = 1.0
+    noise_scale: float | None = None
+    noise_w_scale: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.speed <= 2.0:
+            raise ValueError(f"speed must be within 0.5-2.0, got {self.speed}")
+
+
+@dataclass(slots=True)
+class SynthesisRequest:
+    """One segment of text to speak.
+
+    `deadline` is on the engine's monotonic clock (seconds): the time by which
+    this request's first audio must exist to avoid a gap. The first segment of
+    a turn is due "now" (its TTFA); a later one is due when the audio already
+    sent for its context runs out (DESIGN.md, Engine).
+
+    `context_key` groups the requests of one spoken turn so that admission
+    control counts turns, not segments.
+    """
+
+    request_id: RequestId
+    text: str
+    voice: str
+    deadline: float
+    context_key: str = ""
+    language: str | None = None
+    instructions: str | None = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(slots=True)
+class AudioChunk:
+    """PCM produced for one request.
+
+    `pcm` is mono float32 in [-1, 1] at `sample_rate`. `words` is set on the
+    chunk that carries timings (piper gives them for the whole segment with its
+    only chunk). `is_last` marks the request's final chunk.
+    """
+
+    request_id: RequestId
+    pcm: np.ndarray
+    sample_rate: int
+    is_last: bool
+    words: list[WordTiming] | None = None
+
+    @property
+    def duration_ms(self) -> float:
+        return 1000.0 * len(self.pcm) / self.sample_rate

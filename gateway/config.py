@@ -1,0 +1,64 @@
+"""Gateway configuration: one dataclass, filled from CLI flags and VOXGATE_* variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from gateway.messages import Limits
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "voxgate"
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "piper"
+    voice: str = "joe"
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    max_batch_size: int = 8
+    max_contexts: int = 0
+    data_dir: Path = field(default_factory=_default_data_dir)
+    limits: Limits = field(default_factory=Limits)
+    web_dir: Path | None = None
+    ws_ping_interval_s: float = 20.0
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be within 0-65535, got {self.port}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_contexts < 0:
+            raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
+        self.data_dir = Path(self.data_dir)
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> GatewayConfig:
+        """VOXGATE_<FIELD> variables (e.g. VOXGATE_PORT=9000), then explicit overrides."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        simple = {f.name: f for f in fields(cls) if f.name not in ("limits", "engine_options")}
+        for name in simple:
+            raw = env.get("VOXGATE_" + name.upper())
+            if raw is None:
+                continue
+            current = getattr(cls(), name)
+            if isinstance(current, bool):
+                values[name] = raw.lower() in ("1", "true", "yes", "on")
+            elif isinstance(current, int):
+                values[name] = int(raw)
+            elif isinstance(current, float):
+                values[name] = float(raw)
+            elif isinstance(current, Path) or name == "web_dir":
+                values[name] = Path(raw)
+            else:
+                values[name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

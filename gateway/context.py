@@ -1,0 +1,116 @@
+"""One spoken turn: its text, its segments, its audio accounting.
+
+A context owns a segmenter, the segments it released (each one engine
+request), the audio chunks received and not yet framed, and the counters that
+`cancelled` and `context.done` report. It knows no socket and no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.types import AudioChunk, RequestId, WordTiming
+from gateway.audio import StreamEncoder
+from gateway.messages import SessionOptions
+from gateway.segmenter import Segmenter
+
+
+class ContextState(enum.Enum):
+    OPEN = "open"            # taking text
+    FLUSHED = "flushed"      # no more text; speaking what is left
+    DONE = "done"            # all audio sent
+    CANCELLED = "cancelled"  # barge-in
+    FAILED = "failed"        # engine error
+
+
+@dataclass(slots=True)
+class Segment:
+    segment_id: int
+    text: str
+    request_id: RequestId
+    submitted_at: float
+    chunks: deque[AudioChunk] = field(default_factory=deque)
+    is_synthesized: bool = False
+    is_started: bool = False
+    is_sent: bool = False
+    pts_ms: float = 0.0
+    audio_ms: float = 0.0
+    words: list[WordTiming] | None = None
+
+
+@dataclass(slots=True)
+class Context:
+    context_id: str
+    key: str
+    segmenter: Segmenter
+    encoder: StreamEncoder
+    options: SessionOptions
+    created_at: float
+    state: ContextState = ContextState.OPEN
+    segments: list[Segment] = field(default_factory=list)
+    num_text_chars: int = 0
+    seq: int = 0
+    audio_ms_queued: float = 0.0   # whole frames framed (sent or waiting for pacing)
+    audio_ms_sent: float = 0.0     # whole frames sent (what the client has)
+    pcm_ms_framed: float = 0.0     # PCM handed to the encoder, sample-exact
+    played_ms: float | None = None  # last `playback` report
+    play_started_at: float | None = None
+    first_audio_at: float | None = None
+    is_audio_flushed: bool = False
+    outbox: deque[tuple[float, dict[str, object]]] = field(default_factory=deque)
+
+    @property
+    def is_closed(self) -> bool:
+        return self.state in (ContextState.DONE, ContextState.CANCELLED, ContextState.FAILED)
+
+    def segment_for(self, request_id: RequestId) -> Segment | None:
+        for segment in self.segments:
+            if segment.request_id == request_id:
+                return segment
+        return None
+
+    def pending_requests(self) -> list[RequestId]:
+        return [s.request_id for s in self.segments if not s.is_synthesized]
+
+    def is_drained(self) -> bool:
+        """Every segment synthesized and framed, and no more text can come."""
+        return (self.state is ContextState.FLUSHED and not self.segmenter.pending_text.strip()
+                and all(s.is_sent for s in self.segments) and not self.outbox)
+
+    def split_heard(self, heard_ms: float) -> tuple[str, str]:
+        """(spoken_text, unspoken_text) for a cut at `heard_ms` of this context's audio.
+
+        Whole words where the engine gave timings, whole segments otherwise: a
+        segment counts as heard once its audio began playing (PROTOCOL.md,
+        `cancelled`).
+        """
+        spoken: list[str] = []
+        unspoken: list[str] = []
+        for segment in self.segments:
+            if not segment.is_started or segment.pts_ms >= heard_ms:
+                unspoken.append(segment.text)
+                continue
+            end_ms = segment.pts_ms + segment.audio_ms
+            if segment.is_sent and heard_ms >= end_ms:
+                spoken.append(segment.text)
+                continue
+            head, tail = _split_by_words(segment, heard_ms - segment.pts_ms)
+            if head:
+                spoken.append(head)
+            if tail:
+                unspoken.append(tail)
+        pending = self.segmenter.pending_text.strip()
+        if pending:
+            unspoken.append(" ".join(pending.split()))
+        return " ".join(spoken), " ".join(unspoken)
+
+
+def _split_by_words(segment: Segment, offset_ms: float) -> tuple[str, str]:
+    tokens = segment.text.split()
+    words = segment.words
+    if not words or len(words) != len(tokens):
+        return segment.text, ""
+    num_heard = sum(1 for w in words if w.end_ms <= offset_ms + 1e-6)
+    return " ".join(tokens[:num_heard]), " ".join(tokens[num_heard:])

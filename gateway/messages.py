@@ -1,0 +1,217 @@
+"""Wire messages: parsing and validating client frames, encoding server frames.
+
+PROTOCOL.md, "Client -> server" and "Server -> client". Client frames are JSON
+text or msgpack binary carrying the same objects; every failure here raises a
+ProtocolError whose message says what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import msgpack
+
+from gateway.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+CONTEXT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+CODECS = ("opus", "pcm16", "mulaw")
+SAMPLE_RATES = (48000, 24000, 16000, 8000)
+FRAME_MS = (20, 40, 60)
+ENCODINGS = ("json", "msgpack")
+AUDIO_AS = ("binary", "base64")
+PACINGS = ("asap", "realtime")
+
+
+@dataclass(slots=True)
+class Limits:
+    """Per-session limits, announced in `session.ready`."""
+
+    max_message_bytes: int = 65536
+    max_text_per_context: int = 50000
+    max_open_contexts: int = 16
+    idle_timeout_s: float = 300.0
+    max_send_buffer_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_text_per_context", "max_open_contexts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"max_message_bytes": self.max_message_bytes,
+                "max_text_per_context": self.max_text_per_context,
+                "max_open_contexts": self.max_open_contexts,
+                "idle_timeout_s": self.idle_timeout_s}
+
+
+@dataclass(slots=True)
+class SessionOptions:
+    """The effective options of a session (PROTOCOL.md `session.update`)."""
+
+    voice: str = "joe"
+    language: str | None = None
+    instructions: str | None = None
+    speed: float = 1.0
+    codec: str = "opus"
+    sample_rate: int = 48000
+    bitrate: int | None = None
+    frame_ms: int = 20
+    encoding: str = "json"
+    audio_as: str = "binary"
+    pacing: str = "asap"
+    max_buffer_delay_ms: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("extra")
+        return out
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int in Python, never on the wire.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ProtocolError("bad_message",
+                            f"{name} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+             "NoneType": "null", "dict": "an object"}
+    return " or ".join(names.get(k.__name__, k.__name__) for k in kinds)
+
+
+def _choice(value: Any, choices: tuple[Any, ...], name: str) -> Any:
+    if value not in choices:
+        raise ProtocolError("unsupported_option",
+                            f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+    return value
+
+
+def apply_update(options: SessionOptions, fields: dict[str, Any],
+                 voice_ids: set[str]) -> SessionOptions:
+    """Validate a `session.update` (or query parameters) against the current options."""
+    changes: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key == "type":
+            continue
+        if key == "voice":
+            _expect(value, str, "voice")
+            if value not in voice_ids:
+                known = ", ".join(sorted(voice_ids)[:20])
+                raise ProtocolError("unknown_voice", f"unknown voice {value!r}; expected one of: {known}")
+        elif key in ("language", "instructions"):
+            _expect(value, (str, type(None)), key)
+        elif key == "speed":
+            _expect(value, (int, float), "speed")
+            if not 0.5 <= float(value) <= 2.0:
+                raise ProtocolError("unsupported_option", f"speed must be within 0.5-2.0, got {value}")
+            value = float(value)
+        elif key == "codec":
+            _choice(_expect(value, str, "codec"), CODECS, "codec")
+        elif key == "sample_rate":
+            _choice(_expect(value, int, "sample_rate"), SAMPLE_RATES, "sample_rate")
+        elif key == "bitrate":
+            _expect(value, (int, type(None)), "bitrate")
+            if value is not None and not 6000 <= value <= 510000:
+                raise ProtocolError("unsupported_option", f"bitrate must be within 6000-510000, got {value}")
+        elif key == "frame_ms":
+            _choice(_expect(value, int, "frame_ms"), FRAME_MS, "frame_ms")
+        elif key == "encoding":
+            _choice(_expect(value, str, "encoding"), ENCODINGS, "encoding")
+        elif key == "audio_as":
+            _choice(_expect(value, str, "audio_as"), AUDIO_AS, "audio_as")
+        elif key == "pacing":
+            _choice(_expect(value, str, "pacing"), PACINGS, "pacing")
+        elif key == "max_buffer_delay_ms":
+            _expect(value, int, "max_buffer_delay_ms")
+            if not 0 <= value <= 60000:
+                raise ProtocolError("unsupported_option",
+                                    f"max_buffer_delay_ms must be within 0-60000, got {value}")
+        else:
+            raise ProtocolError("unsupported_option", f"unknown option {key!r}")
+        changes[key] = value
+    updated = replace(options, **changes)
+    if updated.codec == "mulaw":
+        updated.sample_rate = 8000
+    return updated
+
+
+# -- client messages --------------------------------------------------------
+
+def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
+    """Parse one client frame into a message object with a string `type`."""
+    size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
+    if size > max_bytes:
+        raise ProtocolError("message_too_large", f"message is {size} bytes; the limit is {max_bytes}")
+    try:
+        if isinstance(raw, str):
+            message = json.loads(raw)
+        else:
+            message = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
+        kind = "JSON" if isinstance(raw, str) else "msgpack"
+        raise ProtocolError("bad_message", f"frame is not valid {kind}: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("bad_message", f"a message must be an object, got {type(message).__name__}")
+    kind = message.get("type")
+    if not isinstance(kind, str):
+        raise ProtocolError("bad_message", "a message needs a string field 'type'")
+    return message
+
+
+def context_id_of(message: dict[str, Any], *, required: bool) -> str | None:
+    value = message.get("context_id")
+    if value is None:
+        if required:
+            raise ProtocolError("bad_message", f"'{message['type']}' needs a string field 'context_id'")
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError("bad_message", f"context_id must be a string, got {type(value).__name__}")
+    if not CONTEXT_ID.fullmatch(value):
+        raise ProtocolError("bad_context_id",
+                            "context_id must be 1-64 characters of [A-Za-z0-9._:-], got "
+                            f"{value[:80]!r}")
+    return value
+
+
+def optional_ms(message: dict[str, Any], name: str) -> float | None:
+    value = message.get(name)
+    if value is None:
+        return None
+    _expect(value, (int, float), name)
+    if value < 0:
+        raise ProtocolError("bad_message", f"{name} must be >= 0, got {value}")
+    return float(value)
+
+
+# -- server messages --------------------------------------------------------
+
+def encode_event(message: dict[str, Any], encoding: str) -> str | bytes:
+    """An event frame in the session's encoding."""
+    if encoding == "msgpack":
+        return msgpack.packb(message, use_bin_type=True)
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+
+
+def encode_audio(message: dict[str, Any], options: SessionOptions) -> str | bytes:
+    """Audio is binary msgpack in both encodings, or base64 JSON when asked for."""
+    if options.encoding == "json" and options.audio_as == "base64":
+        out = dict(message)
+        if "packets" in out:
+            out["packets"] = [base64.b64encode(p).decode("ascii") for p in out["packets"]]
+        if "data" in out:
+            out["data"] = base64.b64encode(out["data"]).decode("ascii")
+        return json.dumps(out, separators=(",", ":"))
+    return msgpack.packb(message, use_bin_type=True)

@@ -1,0 +1,73 @@
+"""Prometheus metrics, one registry per app (so tests may build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.engine import Engine
+
+TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        e, s = self.engine.stats, self.engine.scheduler
+        values = {
+            "voxgate_engine_queue_depth": ("requests held by the scheduler", s.num_queued),
+            "voxgate_engine_batch_size": ("size of the last batch", e.last_batch_size),
+            "voxgate_engine_step_seconds": ("duration of the last backend step", e.last_step_seconds),
+            "voxgate_engine_steps_total": ("backend steps run", e.num_steps),
+            "voxgate_engine_busy_seconds_total": ("seconds spent in backend steps", e.busy_seconds),
+            "voxgate_engine_audio_seconds_total": ("audio seconds synthesized", e.audio_seconds),
+            "voxgate_engine_requests_submitted_total": ("requests submitted", e.num_submitted),
+            "voxgate_engine_requests_cancelled_total": ("requests cancelled", e.num_cancelled),
+            "voxgate_engine_requests_failed_total": ("requests failed", e.num_failed),
+            "voxgate_engine_deadline_misses_total": ("batches that ended after a member's deadline",
+                                                     s.stats.num_deadline_misses),
+            "voxgate_engine_contexts_admitted_total": ("contexts admitted", s.stats.num_admitted),
+            "voxgate_engine_contexts_refused_total": ("contexts refused with busy", s.stats.num_refused),
+            "voxgate_engine_active_contexts": ("contexts holding engine capacity", s.num_contexts),
+            "voxgate_engine_max_contexts": ("admission limit on talking contexts", s.max_contexts()),
+            "voxgate_engine_ready": ("1 when the engine is loaded and warmed", int(self.engine.is_ready)),
+        }
+        for name, (doc, value) in values.items():
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], float(value))
+            yield family
+
+
+class Metrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.sessions = Gauge("voxgate_sessions", "open WebSocket sessions", registry=r)
+        self.contexts = Gauge("voxgate_contexts", "open contexts across sessions", registry=r)
+        self.ttfa = Histogram("voxgate_ttfa_seconds",
+                              "first segment complete in the input -> first audio frame sent",
+                              buckets=TTFA_BUCKETS, registry=r)
+        self.audio_seconds = Counter("voxgate_audio_sent_seconds", "audio seconds sent", registry=r)
+        self.errors = Counter("voxgate_errors", "error events sent, by code", ["code"], registry=r)
+        self.cancels = Counter("voxgate_cancels", "contexts cancelled by clients", registry=r)
+        self.http_speech = Counter("voxgate_http_speech_requests", "POST /v1/audio/speech requests",
+                                   registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe(self, name: str, value: float) -> None:
+        if name == "ttfa":
+            self.ttfa.observe(value)
+        elif name == "audio_ms":
+            self.audio_seconds.inc(value / 1000.0)
+        elif name == "cancel":
+            self.cancels.inc()
+        elif name.startswith("error:"):
+            self.errors.labels(code=name[6:]).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

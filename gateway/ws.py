@@ -1,0 +1,238 @@
+"""The `/v1/stream` endpoint: a thin I/O loop around the sans-I/O Session.
+
+Three kinds of task per socket, all on the event loop: the reader (client
+frames -> session), one consumer per engine request (chunks -> session), and
+the writer (a byte-bounded send queue -> socket). A timer wakes the session
+for time-based text release and realtime pacing. Every action the session
+returns is carried out in `_execute`, the only place that touches the socket
+or the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engine.engine import Engine
+from engine.errors import VoxgateError
+from engine.types import RequestId, SynthesisRequest
+from gateway.errors import (
+    CLOSE_GOING_AWAY, CLOSE_IDLE_TIMEOUT, CLOSE_POLICY_VIOLATION, CLOSE_SLOW_CONSUMER, ProtocolError,
+    error_message,
+)
+from gateway.messages import SessionOptions, apply_update, encode_audio, encode_event
+from gateway.session import Action, Cancel, Close, Observe, Send, Session, Submit
+
+log = logging.getLogger("voxgate.gateway")
+
+_INT_OPTIONS = ("sample_rate", "bitrate", "frame_ms", "max_buffer_delay_ms")
+_QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms", "encoding",
+                  "audio_as", "pacing", "speed", "max_buffer_delay_ms")
+
+
+def options_from_query(query: dict[str, str], base: SessionOptions,
+                       voice_ids: set[str]) -> SessionOptions:
+    """Initial options from the handshake's query string (all values arrive as text)."""
+    fields: dict[str, Any] = {}
+    for key in _QUERY_OPTIONS:
+        if key not in query:
+            continue
+        raw = query[key]
+        try:
+            fields[key] = int(raw) if key in _INT_OPTIONS else float(raw) if key == "speed" else raw
+        except ValueError:
+            raise ProtocolError("bad_message", f"query parameter {key} must be a number, got {raw!r}") from None
+    return apply_update(base, fields, voice_ids)
+
+
+class Connection:
+    """One accepted socket and its session."""
+
+    def __init__(self, websocket: WebSocket, session: Session, engine: Engine, app_state: Any) -> None:
+        self.ws = websocket
+        self.session = session
+        self.engine = engine
+        self.state = app_state
+        self.metrics = app_state.metrics
+        self._consumers: dict[RequestId, asyncio.Task[None]] = {}
+        self._outbox: deque[str | bytes | Close] = deque()
+        self._outbox_bytes = 0
+        self._wake_writer = asyncio.Event()
+        self._wake_timer = asyncio.Event()
+        self._closing: Close | None = None
+        self._done = asyncio.Event()
+
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._write_loop())
+        timer = asyncio.create_task(self._timer_loop())
+        try:
+            self._execute(self.session.start(time.monotonic()))
+            await self._read_loop()
+        finally:
+            for task in (timer, *self._consumers.values()):
+                task.cancel()
+            self._execute(self.session.disconnect())
+            if not self._done.is_set():
+                await self._drain_writer(writer)
+            writer.cancel()
+
+    async def _drain_writer(self, writer: asyncio.Task[None]) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(writer), timeout=1.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
+            pass
+
+    # -- reading ---------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        idle = self.session.limits.idle_timeout_s
+        while not self._done.is_set():
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), timeout=idle)
+            except asyncio.TimeoutError:
+                if self.session.contexts:
+                    continue  # still speaking: not idle
+                self._execute([Send(error_message(ProtocolError(
+                    "bad_message", f"closing after {idle:.0f} s without messages", fatal=True))),
+                    Close(CLOSE_IDLE_TIMEOUT, "idle timeout")])
+                return
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            raw = message.get("text")
+            if raw is None:
+                raw = message.get("bytes") or b""
+            self._execute(self.session.receive_frame(raw, time.monotonic()))
+            if self._closing is not None:
+                await self._done.wait()
+                return
+
+    # -- engine requests ---------------------------------------------------------
+    def _start_request(self, request: SynthesisRequest) -> None:
+        task = asyncio.create_task(self._consume(request))
+        self._consumers[request.request_id] = task
+
+    async def _consume(self, request: SynthesisRequest) -> None:
+        try:
+            async for chunk in self.engine.submit(request):
+                self._execute(self.session.receive_audio(chunk, time.monotonic()))
+        except asyncio.CancelledError:
+            raise
+        except VoxgateError as exc:
+            self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
+        except Exception as exc:  # noqa: BLE001 - ends this context only
+            log.exception("request %s failed", request.request_id)
+            self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
+        finally:
+            self._consumers.pop(request.request_id, None)
+
+    # -- acting ------------------------------------------------------------------
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, Submit):
+                self._start_request(action.request)
+            elif isinstance(action, Cancel):
+                self.engine.cancel(action.request_id)
+                task = self._consumers.pop(action.request_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(action, Observe):
+                self.metrics.observe(action.name, action.value)
+            elif isinstance(action, Close):
+                self._close(action)
+        self.metrics.contexts.set(sum(len(c.session.contexts) for c in self.state.connections))
+        self._wake_timer.set()
+
+    def _send(self, action: Send) -> None:
+        if self._closing is not None:
+            return
+        options = self.session.options
+        frame = encode_audio(action.message, options) if action.is_audio else encode_event(
+            action.message, options.encoding)
+        self._outbox.append(frame)
+        self._outbox_bytes += len(frame)
+        self._wake_writer.set()
+        if self._outbox_bytes > self.session.limits.max_send_buffer_bytes:
+            # PROTOCOL.md: a client that stops reading may not grow server memory.
+            self._outbox.clear()
+            self._outbox_bytes = 0
+            slow = error_message(ProtocolError("slow_consumer", "the client is not reading its audio; "
+                                               "closing", fatal=True))
+            self._outbox.append(encode_event(slow, options.encoding))
+            self.metrics.observe("error:slow_consumer", 1)
+            self._close(Close(CLOSE_SLOW_CONSUMER, "slow consumer"))
+
+    def _close(self, action: Close) -> None:
+        if self._closing is None:
+            self._closing = action
+            self._outbox.append(action)
+            self._wake_writer.set()
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                while not self._outbox:
+                    self._wake_writer.clear()
+                    await self._wake_writer.wait()
+                frame = self._outbox.popleft()
+                if isinstance(frame, Close):
+                    await self.ws.close(frame.code, frame.reason)
+                    return
+                self._outbox_bytes -= len(frame)
+                if isinstance(frame, bytes):
+                    await self.ws.send_bytes(frame)
+                else:
+                    await self.ws.send_text(frame)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        finally:
+            self._done.set()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            wakeup = self.session.next_wakeup()
+            self._wake_timer.clear()
+            delay = None if wakeup is None else max(0.0, wakeup - time.monotonic())
+            try:
+                await asyncio.wait_for(self._wake_timer.wait(), timeout=delay)
+                continue
+            except asyncio.TimeoutError:
+                pass
+            self._execute(self.session.tick(time.monotonic()))
+
+
+async def stream_endpoint(websocket: WebSocket) -> None:
+    state = websocket.app.state.voxgate
+    engine: Engine = state.engine
+    voice_ids = {v.voice_id for v in engine.voices}
+    base = SessionOptions(voice=state.config.voice)
+    await websocket.accept()
+    if state.is_shutting_down:
+        await websocket.close(CLOSE_GOING_AWAY, "server is shutting down")
+        return
+    try:
+        options = options_from_query(dict(websocket.query_params), base, voice_ids)
+    except ProtocolError as exc:
+        exc.fatal = True
+        await websocket.send_text(encode_event(error_message(exc), "json"))
+        await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
+        return
+    session = Session(uuid.uuid4().hex[:16], voice_ids=voice_ids, sample_rate=engine.sample_rate,
+                      options=options, limits=state.config.limits,
+                      admit=engine.admit, release=engine.release_context)
+    connection = Connection(websocket, session, engine, state)
+    state.connections.add(connection)
+    state.metrics.sessions.inc()
+    try:
+        await connection.run()
+    finally:
+        state.connections.discard(connection)
+        state.metrics.sessions.dec()

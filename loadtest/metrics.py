@@ -1,0 +1,219 @@
+"""What a listener feels, as numbers: the playback clock, turn records, summaries.
+
+Pure arithmetic with time passed in (seconds on the client's monotonic clock),
+so every rule here is unit-tested with a fake clock and no server.
+
+The playback clock models the listener's player: audio starts playing in real
+time when the first frame of a turn arrives (plus an optional playout delay, a
+player's jitter buffer; 0 by default) and plays each frame for its
+`duration_ms`. When a frame arrives after the audio already received has run
+out, the listener hears silence: that is a gap, of length arrival minus
+run-out, and playback resumes from the late frame (DESIGN.md, "Gaps").
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation between closest ranks.
+
+    Same definition as numpy's default ("linear"), so results can be checked
+    against numpy; NaN for an empty list.
+    """
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"expected a percentile within 0-100, got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def distribution(values: list[float]) -> dict[str, float | int]:
+    """n, mean, min, max and the report's percentiles (ms values stay ms)."""
+    out: dict[str, float | int] = {"n": len(values)}
+    if not values:
+        out.update({"mean": math.nan, "min": math.nan, "max": math.nan})
+    else:
+        out.update({"mean": sum(values) / len(values), "min": min(values), "max": max(values)})
+    for q in PERCENTILES:
+        out[f"p{q:g}"] = percentile(values, q)
+    return out
+
+
+class PlaybackClock:
+    """A listener's player for one turn: where playback is, and every underrun."""
+
+    __slots__ = ("playout_delay_s", "started_at", "run_out_at", "audio_ms", "num_frames",
+                 "num_gaps", "gap_ms", "gaps")
+
+    def __init__(self, playout_delay_ms: float = 0.0) -> None:
+        if playout_delay_ms < 0:
+            raise ValueError(f"expected playout_delay_ms >= 0, got {playout_delay_ms}")
+        self.playout_delay_s = playout_delay_ms / 1000.0
+        self.started_at: float | None = None
+        self.run_out_at = 0.0  # wall time at which the audio received so far has all played
+        self.audio_ms = 0.0
+        self.num_frames = 0
+        self.num_gaps = 0
+        self.gap_ms = 0.0
+        self.gaps: list[float] = []
+
+    def on_frame(self, now: float, duration_ms: float) -> float:
+        """Account a frame that arrived at `now`; return the gap it ended (0 if none)."""
+        if duration_ms < 0:
+            raise ValueError(f"expected duration_ms >= 0, got {duration_ms}")
+        gap_ms = 0.0
+        if self.started_at is None:
+            self.started_at = now
+            self.run_out_at = now + self.playout_delay_s
+        elif now > self.run_out_at:
+            gap_ms = (now - self.run_out_at) * 1000.0
+            self.num_gaps += 1
+            self.gap_ms += gap_ms
+            self.gaps.append(gap_ms)
+            self.run_out_at = now
+        self.run_out_at += duration_ms / 1000.0
+        self.audio_ms += duration_ms
+        self.num_frames += 1
+        return gap_ms
+
+    def played_ms(self, now: float) -> float:
+        """How much audio the listener has heard by `now` (stalls during a gap)."""
+        if self.started_at is None:
+            return 0.0
+        buffered_ms = max(0.0, (self.run_out_at - now) * 1000.0)
+        return max(0.0, self.audio_ms - buffered_ms)
+
+    def time_at_played(self, played_ms: float) -> float | None:
+        """The wall time playback reaches `played_ms`, if that audio was received."""
+        if self.started_at is None or played_ms > self.audio_ms:
+            return None
+        return self.run_out_at - (self.audio_ms - played_ms) / 1000.0
+
+
+class Outcome(str, Enum):
+    """How a turn ended; every started turn ends in exactly one of these."""
+
+    COMPLETED = "completed"  # context.done received
+    CANCELLED = "cancelled"  # barge-in: cancelled received
+    FAILED = "failed"  # an error ended it (busy, internal, fatal, connection lost)
+    TIMED_OUT = "timed_out"  # no end within the turn timeout
+    ABORTED = "aborted"  # still running when the run's drain period ended
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One turn (one context, one LLM answer) as the client saw it; times in ms."""
+
+    session: int
+    context_id: str
+    num_tokens: int
+    num_chars: int
+    outcome: Outcome = Outcome.ABORTED
+    ttfa_segment_ms: float | None = None  # first segment complete in input -> first frame
+    ttfa_first_token_ms: float | None = None  # first token sent -> first frame
+    audio_ms: float = 0.0
+    num_frames: int = 0
+    num_gaps: int = 0
+    gap_ms: float = 0.0
+    gaps_ms: list[float] = field(default_factory=list)
+    cancel_latency_ms: float | None = None  # cancel sent -> cancelled received
+    cancel_to_last_frame_ms: float | None = None  # cancel sent -> last frame (0: none after)
+    played_ms_at_cancel: float | None = None
+    error_codes: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)  # protocol breaches seen
+    server_audio_ms: float | None = None  # audio_ms reported by context.done / cancelled
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["outcome"] = self.outcome.value
+        return out
+
+
+@dataclass(slots=True)
+class RunStats:
+    """Facts about the run itself, beside the turns."""
+
+    wall_s: float
+    client_cpu_s: float
+    num_sessions: int
+    num_connect_failures: int = 0
+    num_cores: int = 1
+
+    @property
+    def client_cpu_share(self) -> float:
+        """The tool's CPU time over wall time: 1.0 means one core fully busy."""
+        return self.client_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
+    """The report's numbers; every count here adds up (tests check it)."""
+    outcomes = Counter(t.outcome.value for t in turns)
+    errors = Counter(code for t in turns for code in t.error_codes)
+    violations = Counter(v for t in turns for v in t.violations)
+    with_audio = [t for t in turns if t.num_frames > 0]
+    audio_ms = sum(t.audio_ms for t in turns)
+    num_frames = sum(t.num_frames for t in turns)
+    cpu_share = stats.client_cpu_share
+    return {
+        "turns": {
+            "started": len(turns),
+            **{o.value: outcomes.get(o.value, 0) for o in Outcome},
+            "with_audio": len(with_audio),
+        },
+        "ttfa_segment_ms": distribution(
+            [t.ttfa_segment_ms for t in turns if t.ttfa_segment_ms is not None]),
+        "ttfa_first_token_ms": distribution(
+            [t.ttfa_first_token_ms for t in turns if t.ttfa_first_token_ms is not None]),
+        "gaps": {
+            "count": sum(t.num_gaps for t in turns),
+            "total_ms": sum(t.gap_ms for t in turns),
+            "turns_with_gaps": sum(1 for t in turns if t.num_gaps > 0),
+            "gap_ms": distribution([g for t in turns for g in t.gaps_ms]),
+        },
+        "cancel_latency_ms": distribution(
+            [t.cancel_latency_ms for t in turns if t.cancel_latency_ms is not None]),
+        "cancel_to_last_frame_ms": distribution(
+            [t.cancel_to_last_frame_ms for t in turns if t.cancel_to_last_frame_ms is not None]),
+        "errors": dict(sorted(errors.items())),
+        "violations": dict(sorted(violations.items())),
+        "audio": {
+            "seconds": audio_ms / 1000.0,
+            "frames": num_frames,
+            "per_wall_second": audio_ms / 1000.0 / stats.wall_s if stats.wall_s > 0 else 0.0,
+        },
+        "run": {
+            "wall_s": stats.wall_s,
+            "sessions": stats.num_sessions,
+            "connect_failures": stats.num_connect_failures,
+            "client_cpu_s": stats.client_cpu_s,
+            "client_cpu_share_of_one_core": cpu_share,
+            "client_cpu_share_of_machine": cpu_share / max(1, stats.num_cores),
+            "cores": stats.num_cores,
+        },
+    }
+
+
+def passes(summary: dict[str, Any], ttfa_p95_target_ms: float) -> bool:
+    """A load level holds when TTFA p95 meets the target, no gap was heard and no
+    turn failed or timed out (a `busy` answer is a user turned away)."""
+    ttfa = summary["ttfa_segment_ms"]
+    turns = summary["turns"]
+    return (
+        ttfa["n"] > 0
+        and ttfa["p95"] <= ttfa_p95_target_ms
+        and summary["gaps"]["count"] == 0
+        and turns["failed"] == 0
+        and turns["timed_out"] == 0
+    )
