@@ -44,7 +44,7 @@ def wav_duration_ms(wav: bytes) -> float:
         pos += 8 + size + (size & 1)
     if not byte_rate or data_len is None:
         raise ValueError("expected fmt and data chunks in the WAV, got neither or one")
-    return data_len * 1000.0 / byte_rate
+    return float(data_len * 1000.0 / byte_rate)
 
 
 async def post_synthesize(url: str, text: str, timeout_s: float) -> tuple[int, float, bytes]:

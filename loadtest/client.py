@@ -24,6 +24,8 @@ from loadtest.config import LoadConfig
 from loadtest.corpus import Answer, first_segment_token, tokenize
 from loadtest.metrics import Outcome, PlaybackClock, TurnRecord
 
+_CANCEL_TIMEOUT_S = 5.0
+_MAX_KEPT_TURNS = 4
 # Errors that end the turn they name; others (e.g. for a session.update) do not.
 _NON_ENDING = frozenset({"context_closed", "unsupported_option"})
 
@@ -70,15 +72,27 @@ class SpeechRate:
 class TurnState:
     """The live side of a TurnRecord while its context is open."""
 
-    __slots__ = ("record", "clock", "ended", "frame_arrived", "first_token_at",
-                 "segment_complete_at", "first_frame_at", "last_frame_at", "cancel_sent_at",
-                 "cancelled_at", "next_seq")
+    __slots__ = (
+        "cancel_answered",
+        "cancel_sent_at",
+        "cancelled_at",
+        "clock",
+        "ended",
+        "first_frame_at",
+        "first_token_at",
+        "frame_arrived",
+        "last_frame_at",
+        "next_seq",
+        "record",
+        "segment_complete_at",
+    )
 
     def __init__(self, record: TurnRecord, playout_delay_ms: float) -> None:
         self.record = record
         self.clock = PlaybackClock(playout_delay_ms)
         self.ended = asyncio.Event()
         self.frame_arrived = asyncio.Event()
+        self.cancel_answered = asyncio.Event()
         self.first_token_at: float | None = None
         self.segment_complete_at: float | None = None
         self.first_frame_at: float | None = None
@@ -91,6 +105,7 @@ class TurnState:
         if not self.ended.is_set():
             self.record.outcome = outcome
             self.ended.set()
+            self.frame_arrived.set()  # wakes a barge-in waiting for audio that will not come
 
     def on_audio(self, now: float, message: dict[str, Any]) -> None:
         record = self.record
@@ -154,6 +169,7 @@ class VoxgateSession:
         self._turns: dict[str, TurnState] = {}
         self._num_turns = 0
         self._reader: asyncio.Task[None] | None = None
+        self._is_closing = False
 
     async def run(self, deadline: float, max_turns: int | None = None,
                   first_think: bool = True) -> None:
@@ -194,6 +210,7 @@ class VoxgateSession:
         return True
 
     async def _close(self) -> None:
+        self._is_closing = True  # turns still open now are aborted by the run, not failed
         ws, self._ws = self._ws, None
         if ws is not None:
             await ws.close()
@@ -220,8 +237,10 @@ class VoxgateSession:
         record = TurnRecord(self.index, context_id, len(plan.tokens), len(plan.answer.text))
         self.records.append(record)
         state = TurnState(record, self.config.playout_delay_ms)
-        self._turns = {k: v for k, v in self._turns.items() if not v.ended.is_set()}
         self._turns[context_id] = state
+        if len(self._turns) > _MAX_KEPT_TURNS:  # keep recent ones to catch late frames
+            oldest = next(k for k, v in self._turns.items() if v.ended.is_set() or k != context_id)
+            del self._turns[oldest]
         barge = None
         if plan.barge_in_share is not None:
             barge = asyncio.create_task(self._barge_in(state, plan))
@@ -234,14 +253,19 @@ class VoxgateSession:
                 state.end(Outcome.TIMED_OUT)
                 if self._ws is not None:  # free the server's work for it
                     await self._send({"type": "cancel", "context_id": context_id})
+            if record.outcome is Outcome.COMPLETED:
+                self.rate.learn(plan.answer, record.audio_ms)
+                if barge is not None:  # all audio is sent, the listener may still interrupt
+                    await asyncio.wait_for(barge, max(0.0, state.clock.run_out_at - loop.time())
+                                           + _CANCEL_TIMEOUT_S)
         except (ConnectionClosed, ConnectionError):
             self._fail(state, "connection_closed")
+        except asyncio.TimeoutError:  # no answer to a cancel sent after context.done
+            record.error_codes.append("cancel_unanswered")
         finally:
             if barge is not None:
                 barge.cancel()
             state.finalize()
-            if record.outcome is Outcome.COMPLETED:
-                self.rate.learn(plan.answer, record.audio_ms)
         return state
 
     async def _stream_text(self, state: TurnState, plan: TurnPlan, context_id: str) -> None:
@@ -263,28 +287,40 @@ class VoxgateSession:
             state.segment_complete_at = loop.time()
 
     async def _barge_in(self, state: TurnState, plan: TurnPlan) -> None:
-        """Cancel once the listener has heard `share` of the (estimated) audio."""
+        """Cancel once the listener has heard `share` of the (estimated) audio.
+
+        The listener may interrupt while audio still arrives, or after
+        `context.done` while the rest plays out; then the turn counts as
+        cancelled after done and stays out of the cancel latency figures.
+        """
         assert plan.barge_in_share is not None
         loop = asyncio.get_running_loop()
         target_ms = plan.barge_in_share * self.rate.estimate_ms(plan.answer)
-        while not state.ended.is_set():
+        while True:
+            if state.ended.is_set() and state.record.outcome is not Outcome.COMPLETED:
+                return
             at = state.clock.time_at_played(target_ms)
             if at is None:  # that audio has not arrived yet
+                if state.ended.is_set():
+                    return  # it never will: the answer was shorter than estimated
                 state.frame_arrived.clear()
                 await state.frame_arrived.wait()
                 continue
             if at > loop.time():
                 await asyncio.sleep(at - loop.time())
                 continue
-            played = state.clock.played_ms(loop.time())
-            state.cancel_sent_at = loop.time()
-            state.record.played_ms_at_cancel = played
-            try:
-                await self._send({"type": "cancel", "context_id": state.record.context_id,
-                                  "played_ms": round(played)})
-            except (ConnectionClosed, ConnectionError):
-                pass  # the reader fails the turn
-            return
+            break
+        played = state.clock.played_ms(loop.time())
+        state.cancel_sent_at = loop.time()
+        state.record.played_ms_at_cancel = played
+        state.record.is_cancelled_after_done = state.ended.is_set()
+        try:
+            await self._send({"type": "cancel", "context_id": state.record.context_id,
+                              "played_ms": round(played)})
+        except (ConnectionClosed, ConnectionError):
+            return  # the reader fails the turn
+        if state.record.is_cancelled_after_done:
+            await state.cancel_answered.wait()
 
     async def _listen_out(self, state: TurnState, deadline: float) -> None:
         """The user hears the answer to its end before replying."""
@@ -311,8 +347,9 @@ class VoxgateSession:
         finally:
             if self._ws is ws:
                 self._ws = None
-            for state in self._turns.values():
-                self._fail(state, "connection_closed")
+            if not self._is_closing:
+                for state in self._turns.values():
+                    self._fail(state, "connection_closed")
 
     def _dispatch(self, now: float, message: dict[str, Any]) -> None:
         kind = message.get("type")
@@ -327,8 +364,12 @@ class VoxgateSession:
         elif kind == "cancelled":
             if state is not None:
                 state.cancelled_at = now
-                state.record.server_audio_ms = message.get("audio_ms_sent")
-                state.end(Outcome.CANCELLED)
+                if state.record.is_cancelled_after_done:
+                    state.record.outcome = Outcome.CANCELLED
+                else:
+                    state.record.server_audio_ms = message.get("audio_ms_sent")
+                    state.end(Outcome.CANCELLED)
+                state.cancel_answered.set()
         elif kind == "error":
             self._on_error(message, state)
 

@@ -65,7 +65,8 @@ def load_corpus(path: str | Path | None = None) -> list[Answer]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: expected a JSON object, got {exc}") from exc
             if not isinstance(item, dict) or not isinstance(item.get("text"), str):
-                raise ValueError(f"{path}:{number}: expected an object with a string 'text'")
+                raise TypeError(f"{path}:{number}: expected an object with a string 'text', "
+                                f"got {type(item).__name__}")
             answers.append(
                 Answer(str(item.get("id", number)), str(item.get("lang", "en")), item["text"]))
     if not answers:

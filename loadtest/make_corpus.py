@@ -213,8 +213,9 @@ def _numbers_answer(rng: random.Random) -> str:
         km = rng.choice([5, 10, 21.1, 42.195])
         minutes = round(km * rng.uniform(4.5, 7.5))
         pace = minutes / km
-        hours = f"{minutes // 60} hour{'s' if minutes // 60 != 1 else ''} and " if minutes >= 60 else ""
-        return (f"To cover {km} km in {hours}{minutes % 60} minutes, "
+        whole = minutes // 60
+        span = f"{whole} hour{'s' if whole != 1 else ''} and " if whole else ""
+        return (f"To cover {km} km in {span}{minutes % 60} minutes, "
                 f"you need an average pace of about {int(pace)}:{int(pace % 1 * 60):02d} per km. "
                 f"In miles that is roughly {km * 0.621371:.2f} miles.")
     if kind == 2:

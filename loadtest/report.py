@@ -18,7 +18,7 @@ _ROWS = (
 )
 
 
-def _fmt(value: float | int) -> str:
+def _fmt(value: float) -> str:
     if isinstance(value, float) and math.isnan(value):
         return "-"
     return f"{value:.0f}" if isinstance(value, float) else str(value)
@@ -56,10 +56,11 @@ def format_table(result: LevelResult) -> str:
 def format_sweep(name: str, results: list[LevelResult], capacity: int,
                  ttfa_target_ms: float) -> str:
     """One line per level, then the capacity."""
-    lines = [f"== capacity sweep: {name} (TTFA p95 <= {ttfa_target_ms:g} ms, no gaps, "
-             "no failed turns) ==",
-             f"{'sessions':>8} {'turns':>6} {'ttfa p50':>9} {'ttfa p95':>9} {'ttfa p99':>9} "
-             f"{'gaps':>5} {'failed':>6} {'cpu %':>6}  holds"]
+    title = (f"== capacity sweep: {name} (TTFA p95 <= {ttfa_target_ms:g} ms, no gaps, "
+             "no failed turns) ==")
+    head = (f"{'sessions':>8} {'turns':>6} {'ttfa p50':>9} {'ttfa p95':>9} {'ttfa p99':>9} "
+            f"{'gaps':>5} {'failed':>6} {'cpu %':>6}  holds")
+    lines = [title, head]
     for r in results:
         s = r.summary
         d = s["ttfa_segment_ms"]

@@ -15,7 +15,8 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol as TypingProtocol, TextIO
+from typing import Any, TextIO
+from typing import Protocol as TypingProtocol
 
 from loadtest.anchor import PiperHttpSession
 from loadtest.client import SpeechRate, VoxgateSession
@@ -78,12 +79,12 @@ class Progress:
             await asyncio.sleep(1.0)
             recent = [t.ttfa_segment_ms for t in self.records[-500:]
                       if t.ttfa_segment_ms is not None]
-            p95 = percentile(recent, 95) if recent else float("nan")
+            p95 = f"{percentile(recent, 95):.0f}ms" if recent else "-"
             gaps = sum(t.num_gaps for t in self.records)
             errors = sum(len(t.error_codes) for t in self.records)
             audio_s = sum(t.audio_ms for t in self.records) / 1000.0
             line = (f"[{self.label}] {loop.time() - started:6.1f}s active={self.active} "
-                    f"turns={len(self.records)} ttfa_p95={p95:.0f}ms gaps={gaps} "
+                    f"turns={len(self.records)} ttfa_p95={p95} gaps={gaps} "
                     f"errors={errors} audio={audio_s:.1f}s")
             self.stream.write(("\r" + line + "\x1b[K") if is_tty else line + "\n")
             self.stream.flush()

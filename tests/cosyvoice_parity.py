@@ -7,6 +7,8 @@ log alone.
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,5 +65,27 @@ def assert_equal_report(name: str, got: Any, want: Any) -> None:
     )
     raise AssertionError(
         f"{name}: expected {len(want_l)} values, got {len(got_l)}; first difference at "
-        f"position {first}: got {got_l[first:first + 5]}, want {want_l[first:first + 5]}"
+        f"position {first}: got {got_l[first : first + 5]}, want {want_l[first : first + 5]}"
     )
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "cosyvoice-upstream-tiny"
+
+
+def fixture_dir(version: int) -> Path:
+    """The upstream-made tiny model directory of a version (../shared/fixtures, never copied in)."""
+    return FIXTURES / f"cosyvoice{version}"
+
+
+def copy_model_dir(version: int, dest: Path) -> Path:
+    """A writable copy of the fixture directory; weight files are symlinked, not copied."""
+    src = fixture_dir(version)
+    dest.mkdir(parents=True)
+    for item in src.iterdir():
+        if item.is_dir():
+            shutil.copytree(item, dest / item.name)
+        elif item.suffix == ".pt":
+            (dest / item.name).symlink_to(item)
+        else:
+            shutil.copy(item, dest / item.name)
+    return dest

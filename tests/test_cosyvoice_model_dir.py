@@ -12,26 +12,7 @@ from engine.backends.cosyvoice.hyperyaml import YamlRefError, load_hyperyaml
 from engine.backends.cosyvoice.llm import load_speech_lm
 from engine.backends.cosyvoice.model_dir import detect_version, load_model_dir
 from engine.errors import ModelLoadError
-
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "cosyvoice-upstream-tiny"
-
-
-def fixture_dir(version: int) -> Path:
-    return FIXTURES / f"cosyvoice{version}"
-
-
-def copy_model_dir(version: int, dest: Path) -> Path:
-    """A writable copy of the fixture; large weight files are symlinked, not copied."""
-    src = fixture_dir(version)
-    dest.mkdir()
-    for item in src.iterdir():
-        if item.is_dir():
-            shutil.copytree(item, dest / item.name)
-        elif item.suffix == ".pt":
-            (dest / item.name).symlink_to(item)
-        else:
-            shutil.copy(item, dest / item.name)
-    return dest
+from tests.cosyvoice_parity import copy_model_dir, fixture_dir
 
 
 @pytest.mark.parametrize("version", [2, 3])
@@ -44,8 +25,12 @@ def test_official_layout_loads_with_its_version_and_hyperparameters(version: int
     assert llm["speech_token_size"] == 6561
     assert llm["llm_input_size"] == 32  # resolved from !ref <llm_input_size>
     assert llm["sampling"] == {
-        "_kind": "name", "_target": "cosyvoice.utils.common.ras_sampling",
-        "top_p": 0.8, "top_k": 25, "win_size": 10, "tau_r": 0.1,
+        "_kind": "name",
+        "_target": "cosyvoice.utils.common.ras_sampling",
+        "top_p": 0.8,
+        "top_k": 25,
+        "win_size": 10,
+        "tau_r": 0.1,
     }
     assert llm["llm"]["pretrain_path"] == str(fixture_dir(version) / "CosyVoice-BlankEN")
     assert model_dir.hparams["sample_rate"] == 24000
@@ -81,8 +66,12 @@ item: !ref <obj[size]>
     assert doc["path"] == "/models/file.txt"
     assert doc["eps"] == pytest.approx(1e-5)
     assert doc["seed"] == {"_kind": "apply", "_target": "os.system", "_args": [f"touch {marker}"]}
-    assert doc["obj"] == {"_kind": "new", "_target": "pkg.Cls", "size": 3,
-                          "inner": {"_kind": "name", "_target": "pkg.fn"}}
+    assert doc["obj"] == {
+        "_kind": "new",
+        "_target": "pkg.Cls",
+        "size": 3,
+        "inner": {"_kind": "name", "_target": "pkg.fn"},
+    }
     assert doc["whole"] == doc["obj"] and doc["item"] == 3
 
 
@@ -103,7 +92,9 @@ def test_missing_directory_is_a_model_load_error(tmp_path: Path) -> None:
 
 
 def test_directory_without_yaml_is_a_model_load_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="expected cosyvoice2.yaml or cosyvoice3.yaml, got neither"):
+    with pytest.raises(
+        ModelLoadError, match="expected cosyvoice2.yaml or cosyvoice3.yaml, got neither"
+    ):
         detect_version(tmp_path)
 
 
@@ -128,7 +119,9 @@ def test_wrong_expected_version_is_a_model_load_error() -> None:
 def test_yaml_naming_the_other_versions_lm_is_a_model_load_error(tmp_path: Path) -> None:
     model = copy_model_dir(2, tmp_path / "m")
     (model / "cosyvoice2.yaml").rename(model / "cosyvoice3.yaml")
-    with pytest.raises(ModelLoadError, match="expected LM class CosyVoice3LM for CosyVoice 3, got Qwen2LM"):
+    with pytest.raises(
+        ModelLoadError, match="expected LM class CosyVoice3LM for CosyVoice 3, got Qwen2LM"
+    ):
         load_model_dir(model)
 
 
@@ -157,7 +150,10 @@ def _rewrite_llm(model: Path, edit: object) -> None:
 def test_shape_mismatch_in_llm_names_the_tensor_and_both_shapes(tmp_path: Path) -> None:
     model = copy_model_dir(3, tmp_path / "m")
     _rewrite_llm(model, lambda s: s.update({"speech_embedding.weight": torch.zeros(6564, 32)}))
-    with pytest.raises(ModelLoadError, match=r"expected speech_embedding.weight of shape \[6761, 32\], got \[6564, 32\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"expected speech_embedding.weight of shape \[6761, 32\], got \[6564, 32\]",
+    ):
         load_speech_lm(load_model_dir(model))
 
 

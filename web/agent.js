@@ -25,9 +25,10 @@ export function newStats() {
 export class Agent {
   // ui: {onStatus(state, text), onError(msg), onLog(text), onOptions(opts),
   //      captions: Captions, onCut(cancel), onTurnPlayed(turn)}
-  constructor({ ui, codec, voice, jitterMs }) {
+  constructor({ ui, codec, voice, jitterMs, pacing }) {
     this.ui = ui;
     this.wantCodec = codec;
+    this.pacing = pacing;
     this.voice = voice;
     this.jitterMs = jitterMs;
     this.stats = newStats();
@@ -191,8 +192,14 @@ export class Agent {
       case "session.ready":
         this.stats.session_id = msg.session_id ?? null;
         this.applyOptions(msg);
-        if (this.wantCodec && this.stats.codec && this.stats.codec !== this.wantCodec) {
-          this.updateSession({ codec: this.wantCodec });
+        {
+          // Ask for what the query could not say, or the server did not take.
+          const update = {};
+          if (this.wantCodec && this.stats.codec && this.stats.codec !== this.wantCodec) {
+            update.codec = this.wantCodec;
+          }
+          if (this.pacing && this.options.pacing !== this.pacing) update.pacing = this.pacing;
+          if (Object.keys(update).length > 0) this.updateSession(update);
         }
         break;
       case "session.updated":
@@ -297,7 +304,7 @@ export class Agent {
         this.stats.state = msg.state;
         this.stats.frames_played = msg.frames;
         this.stats.playing_context = msg.ctx;
-        if (turn && turn.state !== "cancelled") {
+        if (turn && turn.state !== "cancelled" && turn.state !== "played") {
           this.stats.played_ms = msg.played_ms;
           turn.played_ms = msg.played_ms;
           this.ui.captions.highlight(turn.id, msg.played_ms - this.outputLatencyMs());

@@ -3,7 +3,9 @@
 // ({stats, agent, speak, interrupt}) for scripts and the browser tests.
 //
 // URL parameters: codec=opus|pcm16 forces a codec; voice=ID picks a voice;
-// jitter_ms=N sets the jitter buffer (default 60).
+// jitter_ms=N sets the jitter buffer (default 60); pacing=realtime|asap
+// (default realtime: the server stays a bounded lead ahead of playback, so a
+// barge-in wastes little work and the server can say what was heard).
 
 import { Agent } from "./agent.js";
 import { Captions } from "./captions.js";
@@ -361,6 +363,7 @@ async function main() {
   agent = new Agent({
     ui, codec, voice: params.get("voice") ?? undefined,
     jitterMs: Number.isFinite(jitter) ? jitter : 60,
+    pacing: params.get("pacing") === "asap" ? "asap" : "realtime",
   });
   window.voxgate = {
     agent, stats: agent.stats, captions, mic,

@@ -2,7 +2,9 @@
 //
 // Opus goes through WebCodecs `AudioDecoder`; pcm16 is converted here. One
 // decoder serves every context: its outputs come in decode order, and a map
-// from chunk timestamp to (context, pts) tells each output where it belongs.
+// queue of chunk timestamps, on a running microsecond clock that advances by
+// each packet's duration (decoders derive output timestamps that way), tells
+// each output which context and pts it belongs to.
 
 const OUTPUT_RATE = 48000;
 
@@ -51,13 +53,14 @@ export class Player {
     this.ac = null;
     this.node = null;
     this.decoder = null;
-    this.chunkInfo = new Map(); // opus chunk timestamp -> {ctx, pts_ms}
-    this.nextTimestamp = 0;
+    this.chunkInfo = []; // [{timestamp, ctx, pts_ms}] of chunks sent to the decoder
+    this.clockUs = 0;
     this.resamplers = new Map(); // ctx -> Resampler
     this.dropped = new Set(); // contexts whose audio must not play any more
     this.flushWaiters = new Map();
     this.nextFlushId = 1;
     this.decodeErrors = 0;
+    this.numOrphans = 0; // decoder outputs matched to no chunk (dropped)
   }
 
   async start(jitterMs) {
@@ -127,9 +130,12 @@ export class Player {
     const packets = frame.packets ?? (frame.data ? [frame.data] : []);
     const each = packets.length ? (frame.duration_ms ?? 20) / packets.length : 0;
     packets.forEach((packet, i) => {
-      const timestamp = this.nextTimestamp++ * 1000;
-      this.chunkInfo.set(timestamp, { ctx, pts_ms: frame.pts_ms + i * each });
-      this.decoder.decode(new EncodedAudioChunk({ type: "key", timestamp, data: packet }));
+      const timestamp = Math.round(this.clockUs);
+      this.clockUs += Math.max(1, each) * 1000;
+      this.chunkInfo.push({ timestamp, ctx, pts_ms: frame.pts_ms + i * each });
+      this.decoder.decode(new EncodedAudioChunk({
+        type: "key", timestamp, duration: Math.round(each * 1000), data: packet,
+      }));
     });
   }
 
@@ -146,10 +152,19 @@ export class Player {
     this.decoder.configure({ codec: "opus", sampleRate: OUTPUT_RATE, numberOfChannels: 1 });
   }
 
+  // The info of the chunk that produced an output; chunks that produced
+  // nothing (the decoder may swallow one) are skipped over.
+  takeInfo(timestamp) {
+    const queue = this.chunkInfo;
+    while (queue.length > 0 && queue[0].timestamp < timestamp - 500) queue.shift();
+    if (queue.length > 0 && Math.abs(queue[0].timestamp - timestamp) <= 500) return queue.shift();
+    return undefined;
+  }
+
   decoded(data) {
-    const info = this.chunkInfo.get(data.timestamp);
-    this.chunkInfo.delete(data.timestamp);
+    const info = this.takeInfo(data.timestamp);
     try {
+      if (!info) this.numOrphans += 1;
       if (!info || this.dropped.has(info.ctx)) return;
       const samples = new Float32Array(data.numberOfFrames);
       data.copyTo(samples, { planeIndex: 0, format: "f32-planar" });
@@ -192,7 +207,7 @@ export class Player {
       this.decoder.reset();
       this.decoder.configure({ codec: "opus", sampleRate: OUTPUT_RATE, numberOfChannels: 1 });
     }
-    this.chunkInfo.clear();
+    this.chunkInfo = [];
     this.resamplers.clear();
     if (this.node === null) return Promise.resolve({ ctx: null, played_ms: 0 });
     const id = this.nextFlushId++;

@@ -1,8 +1,9 @@
 """The piper backend: Piper VITS voices on onnxruntime, batched across sessions.
 
 A step synthesizes whole segments. Items that share a voice and synthesis
-scales run in ONE onnxruntime call: phoneme ids padded to the longest item,
-`input_lengths` per item. The model masks the padding, but its vocoder still
+scales (and, by default, are of similar length: `max_padding_waste`) run in
+ONE onnxruntime call: phoneme ids padded to the longest item, `input_lengths`
+per item. The model masks the padding, but its vocoder still
 writes audio past each item's end (convolution biases over the masked frames),
 so every item is cut to its true length, sum(durations) * hop_length, from the
 duration output that piper_voices patches into the graph. The same durations
@@ -63,6 +64,11 @@ class PiperBackendConfig:
     # speech peaks up to ~1.8x higher (measured on joe), so 0.5 keeps it under 1.
     # None keeps the model's raw level (gain 1).
     target_peak: float | None = 0.5
+    # Items of a step share one onnxruntime call only while the padding adds at most
+    # this fraction of real phoneme ids (None: one call per voice and scales, however
+    # ragged). On CPU a call costs about its padded length, so padding is pure loss
+    # (docs/benchmarks.md, "piper batching").
+    max_padding_waste: float | None = 0.25
 
     def __post_init__(self) -> None:
         if self.voices_dir is not None:
@@ -73,6 +79,10 @@ class PiperBackendConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
+        if self.max_padding_waste is not None and self.max_padding_waste < 0:
+            raise ValueError(
+                f"max_padding_waste must be >= 0 or None, got {self.max_padding_waste}"
+            )
 
 
 @dataclass(slots=True)
@@ -86,6 +96,27 @@ class PiperState:
     words: list[str]
     word_spans: list[tuple[int, int]]  # per word: its range in `phonemes`
     scales: tuple[float, float, float]  # noise_scale, length_scale, noise_w
+
+
+def pack_by_length(lengths: list[int], max_waste: float | None) -> list[list[int]]:
+    """Split items (by index) into calls whose padding stays within `max_waste`.
+
+    Longest first, greedily: an item joins the current call while
+    count * longest <= (1 + max_waste) * sum of lengths.
+    """
+    if max_waste is None:
+        return [list(range(len(lengths)))] if lengths else []
+    calls: list[list[int]] = []
+    total = longest = 0
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[index]
+        if calls and (len(calls[-1]) + 1) * longest <= (1 + max_waste) * (total + length):
+            calls[-1].append(index)
+            total += length
+        else:
+            calls.append([index])
+            total = longest = length
+    return calls
 
 
 class PiperBackend(Backend):
@@ -198,9 +229,13 @@ class PiperBackend(Backend):
             else:
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
-        for indices in groups.values():
-            for index, result in zip(indices, self._run_group([batch[i].state for i in indices])):
-                results[index] = result
+        for group in groups.values():
+            lengths = [len(batch[i].state.ids) for i in group]
+            for call in pack_by_length(lengths, self.config.max_padding_waste):
+                indices = [group[k] for k in call]
+                states = [batch[i].state for i in indices]
+                for index, result in zip(indices, self._run_group(states), strict=True):
+                    results[index] = result
         return [r if r is not None else StepResult(is_finished=True) for r in results]
 
     # -- internals ------------------------------------------------------------

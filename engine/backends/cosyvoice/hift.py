@@ -196,7 +196,15 @@ class F0Predictor(nn.Module):
 
 
 class SourceModule(nn.Module):
-    """f0 [B, L] at the sample rate -> harmonic source [B, 1, L] (sine harmonics merged by l_linear)."""
+    """f0 per frame [B, T] -> harmonic source [B, 1, T * 480] (sine harmonics merged by l_linear).
+
+    Upstream integrates the phase at the frame rate (its linear down-sampling of
+    the per-sample f0 reads two samples inside each frame, so the random initial
+    phase it adds to sample 0 never reaches the output) and spreads it back to
+    samples: linearly for v2, nearest (one phase per frame) for v3. We integrate
+    in float64 cycles and can start from a carried phase, so a window of recent
+    frames continues the phase of the frames before it.
+    """
 
     def __init__(self, cfg: HiFTConfig) -> None:
         super().__init__()
@@ -205,32 +213,27 @@ class SourceModule(nn.Module):
         self.l_linear = nn.Linear(self.dim, 1)
         if cfg.causal:
             gen = torch.Generator().manual_seed(cfg.seed)
-            rand_ini = torch.rand(1, self.dim, generator=gen)
-            rand_ini[:, 0] = 0
-            self.register_buffer("rand_ini", rand_ini, persistent=False)
             table = torch.rand(NOISE_TABLE_SECONDS * cfg.sampling_rate, self.dim, generator=gen)
             self.register_buffer("noise_table", table, persistent=False)
 
-    def forward(self, f0: torch.Tensor, start: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
-        """`start`: absolute index of the first sample (v3 noise table); `generator`: v2 randomness."""
+    def phase(self, f0: torch.Tensor, phase0: torch.Tensor | None = None) -> torch.Tensor:
+        """f0 [B, T] -> cumulative phase in cycles [B, T, H] (float64), from `phase0` [B, H]."""
+        cfg = self.cfg
+        harmonics = torch.arange(1, self.dim + 1, device=f0.device, dtype=torch.float64)
+        rad = (f0.double()[:, :, None] * harmonics / cfg.sampling_rate) % 1
+        cycles = torch.cumsum(rad * cfg.samples_per_frame, dim=1)
+        return cycles if phase0 is None else cycles + phase0[:, None, :]
+
+    def forward(self, f0: torch.Tensor, cycles: torch.Tensor, start: int = 0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+        """f0 [B, T], cycles [B, T, H] -> source [B, 1, T * 480]; `start`: absolute first sample (v3 noise)."""
         cfg, up = self.cfg, self.cfg.samples_per_frame
-        harmonics = torch.arange(1, self.dim + 1, device=f0.device, dtype=f0.dtype)
-        rad = (f0[:, :, None] * harmonics / cfg.sampling_rate) % 1  # [B, L, H]
         if cfg.causal:
-            ini = self.rand_ini.to(rad)
+            per_sample = cycles.repeat_interleave(up, dim=1)
         else:
-            ini = torch.rand(f0.shape[0], self.dim, generator=generator).to(rad)
-            ini[:, 0] = 0
-        rad[:, 0, :] = rad[:, 0, :] + ini
-        # integrate the phase at the frame rate, then spread it back to samples
-        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / up, mode="linear")
-        phase = torch.cumsum(rad, dim=2) * 2 * math.pi * up
-        if cfg.causal:
-            phase = F.interpolate(phase, scale_factor=up, mode="nearest")
-        else:
-            phase = F.interpolate(phase, scale_factor=up, mode="linear")
-        sines = torch.sin(phase).transpose(1, 2) * cfg.nsf_alpha  # [B, L, H]
-        uv = (f0[:, :, None] > cfg.nsf_voiced_threshold).to(sines)
+            per_sample = F.interpolate(cycles.transpose(1, 2), scale_factor=up, mode="linear").transpose(1, 2)
+        sines = torch.sin(2 * math.pi * (per_sample % 1)).to(f0.dtype) * cfg.nsf_alpha  # [B, L, H]
+        uv = (f0.repeat_interleave(up, dim=1)[:, :, None] > cfg.nsf_voiced_threshold).to(sines)
         amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
         if cfg.causal:
             n = self.noise_table.shape[0]
@@ -298,10 +301,17 @@ class HiFT(nn.Module):
             return self.f0_predictor(mel.double(), finalize=finalize).to(mel.dtype)
         return self.f0_predictor(mel)
 
-    def source(self, f0: torch.Tensor, start: int = 0, generator: torch.Generator | None = None) -> torch.Tensor:
-        """f0 [B, T] -> source [B, 1, T * samples_per_frame]."""
-        f0_up = f0.repeat_interleave(self.cfg.samples_per_frame, dim=1)
-        return self.m_source(f0_up, start=start, generator=generator)
+    def source(self, f0: torch.Tensor, phase0: torch.Tensor | None = None, start: int = 0,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """f0 [B, T] -> (source [B, 1, T * 480], cumulative phase cycles [B, T, H] float64)."""
+        cycles = self.m_source.phase(f0, phase0)
+        return self.m_source(f0, cycles, start=start, generator=generator), cycles
+
+    def inference(self, mel: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Offline vocoding of a whole mel [B, 80, T] -> wave [B, T * 480]."""
+        f0 = self.predict_f0(mel)
+        source, _ = self.source(f0, generator=generator)
+        return self.decode(mel, source)
 
     def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         """mel [B, 80, T], source [B, 1, T * 480] -> wave [B, T * 480] (causal non-final: (T - 5) * 480)."""

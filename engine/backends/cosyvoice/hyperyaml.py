@@ -72,17 +72,17 @@ def _tagged(kind: str) -> Any:
 
 
 def _construct_ref(loader: _Loader, node: yaml.Node) -> _Ref:
-    return _Ref(str(loader.construct_scalar(node)))  # type: ignore[arg-type]
+    return _Ref(str(loader.construct_scalar(node)))
 
 
 def _construct_copy(loader: _Loader, node: yaml.Node) -> _Ref:
-    return _Ref(str(loader.construct_scalar(node)), is_copy=True)  # type: ignore[arg-type]
+    return _Ref(str(loader.construct_scalar(node)), is_copy=True)
 
 
 def _construct_tuple(loader: _Loader, node: yaml.Node) -> tuple[Any, ...]:
     if isinstance(node, yaml.SequenceNode):
         return tuple(loader.construct_sequence(node, deep=True))
-    text = str(loader.construct_scalar(node))  # type: ignore[arg-type]
+    text = str(loader.construct_scalar(node))
     return tuple(yaml.safe_load(f"[{text.strip('()')}]"))
 
 
@@ -184,9 +184,9 @@ def load_hyperyaml(text: str, overrides: dict[str, Any] | None = None) -> dict[s
     `overrides` replace top-level keys before references are resolved, as
     HyperPyYAML's `overrides=` does (upstream sets `qwen_pretrain_path`).
     """
-    doc = yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    doc = yaml.load(text, Loader=_Loader)  # a SafeLoader subclass
     if not isinstance(doc, dict):
-        raise ValueError(f"expected a yaml mapping at the top level, got {type(doc).__name__}")
+        raise TypeError(f"expected a yaml mapping at the top level, got {type(doc).__name__}")
     doc.update(overrides or {})
     resolver = _Resolver(doc)
     for key in list(doc):

@@ -30,10 +30,11 @@ from torch import nn
 from engine.backends.cosyvoice.model_dir import ModelDir
 from engine.backends.cosyvoice.qwen2 import CacheView, Qwen2Config, Qwen2Encoder, SlotKVCache
 from engine.backends.cosyvoice.sampling import RasConfig, mask_min_length, sample_tokens
+from engine.backends.cosyvoice.tokens import FIRST_ADDED_ID
 from engine.errors import ModelLoadError
 
 # CosyVoice 3 refuses text without `<|endofprompt|>` (upstream asserts it).
-END_OF_PROMPT_ID = 151646
+END_OF_PROMPT_ID = FIRST_ADDED_ID
 
 
 @dataclass(slots=True, frozen=True)
@@ -87,7 +88,9 @@ class SpeechLM(nn.Module):
         table = self.llm_embedding if self.spec.version == 2 else self.speech_embedding
         return table.weight[index : index + 1]  # [1, D]
 
-    def prompt_embeds(self, text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor) -> torch.Tensor:
+    def prompt_embeds(
+        self, text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
+    ) -> torch.Tensor:
         """text_ids [N] (prompt text then text), prompt_speech_tokens [M] -> [1 + N + 1 + M, D]."""
         if self.spec.version == 3 and not bool((text_ids == END_OF_PROMPT_ID).any()):
             raise ValueError(
@@ -95,7 +98,9 @@ class SpeechLM(nn.Module):
             )
         text = self.body.model.embed_tokens(text_ids)  # [N, D]
         speech = self.speech_embedding(prompt_speech_tokens)  # [M, D]
-        return torch.cat([self._special(self.spec.sos), text, self._special(self.spec.task), speech], dim=0)
+        return torch.cat(
+            [self._special(self.spec.sos), text, self._special(self.spec.task), speech], dim=0
+        )
 
     def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] speech ids -> [B, 1, D]."""
@@ -116,7 +121,9 @@ def _check_state_dict(module: SpeechLM, state: dict[str, Any], source: str) -> N
     missing = sorted(set(want) - set(got))
     unexpected = sorted(set(got) - set(want))
     if missing:
-        raise ModelLoadError(f"{source}: expected tensor {missing[0]} ({len(missing)} missing), got none")
+        raise ModelLoadError(
+            f"{source}: expected tensor {missing[0]} ({len(missing)} missing), got none"
+        )
     if unexpected:
         raise ModelLoadError(
             f"{source}: expected only the tensors of the CosyVoice {module.spec.version} LM, "
@@ -124,11 +131,17 @@ def _check_state_dict(module: SpeechLM, state: dict[str, Any], source: str) -> N
         )
     for key, shape in want.items():
         if got[key] != shape:
-            raise ModelLoadError(f"{source}: expected {key} of shape {list(shape)}, got {list(got[key])}")
+            raise ModelLoadError(
+                f"{source}: expected {key} of shape {list(shape)}, got {list(got[key])}"
+            )
 
 
-def load_speech_lm(model_dir: ModelDir, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32, drop_text_head: bool = True) -> SpeechLM:
+def load_speech_lm(
+    model_dir: ModelDir,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    drop_text_head: bool = True,
+) -> SpeechLM:
     """Build the LM from the directory's yaml and Qwen2 config and load `llm.pt` strictly.
 
     `drop_text_head` frees the Qwen2 text `lm_head` after loading (the speech
@@ -190,8 +203,14 @@ class SpeechLMRunner:
     activations.
     """
 
-    def __init__(self, lm: SpeechLM, max_batch: int, max_len: int, ras: RasConfig | None = None,
-                 seed: int | None = None) -> None:
+    def __init__(
+        self,
+        lm: SpeechLM,
+        max_batch: int,
+        max_len: int,
+        ras: RasConfig | None = None,
+        seed: int | None = None,
+    ) -> None:
         param = lm.speech_embedding.weight
         self.lm, self.device, self.dtype = lm, param.device, param.dtype
         self.spec = lm.spec
@@ -200,7 +219,9 @@ class SpeechLMRunner:
         self.max_batch, self.max_len = max_batch, max_len
         self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest slot
         self._logp = torch.zeros(max_batch, self.spec.num_rows, device=self.device)  # [S, V]
-        self._history = torch.full((max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device)
+        self._history = torch.full(
+            (max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device
+        )
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
             self.generator.manual_seed(seed)
@@ -214,13 +235,22 @@ class SpeechLMRunner:
         b, t, _ = embeds.shape
         starts = [s.num_cached for s in streams]
         if max(starts) + t > self.max_len:
-            raise ValueError(f"expected at most {self.max_len} cached positions, got {max(starts) + t}")
+            raise ValueError(
+                f"expected at most {self.max_len} cached positions, got {max(starts) + t}"
+            )
         slots_list = [s.slot for s in streams]
         slots = torch.tensor(slots_list, device=self.device)
-        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(t, device=self.device)
+        positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(
+            t, device=self.device
+        )
         is_range = slots_list == list(range(slots_list[0], slots_list[0] + b))
-        view = CacheView(self.cache, slots, positions, kv_len=max(starts) + t,
-                         row_range=(slots_list[0], slots_list[0] + b) if is_range else None)
+        view = CacheView(
+            self.cache,
+            slots,
+            positions,
+            kv_len=max(starts) + t,
+            row_range=(slots_list[0], slots_list[0] + b) if is_range else None,
+        )
         with torch.inference_mode():
             hidden = self.lm.forward_hidden(embeds.to(self.dtype), view)  # [B, T, D]
             logp = self.lm.head_logp(hidden[:, -1])  # [B, V]
@@ -229,10 +259,15 @@ class SpeechLMRunner:
         self._logp[slots] = logp
         return logp
 
-    def add_request(self, text_ids: list[int], prompt_text_ids: list[int] = (),  # type: ignore[assignment]
-                    prompt_speech_tokens: list[int] = (),  # type: ignore[assignment]
-                    is_greedy: bool = False, min_token_text_ratio: float = 2.0,
-                    max_token_text_ratio: float = 20.0) -> LMStream:
+    def add_request(
+        self,
+        text_ids: list[int],
+        prompt_text_ids: list[int] = (),  # type: ignore[assignment]
+        prompt_speech_tokens: list[int] = (),  # type: ignore[assignment]
+        is_greedy: bool = False,
+        min_token_text_ratio: float = 2.0,
+        max_token_text_ratio: float = 20.0,
+    ) -> LMStream:
         """Prefill `[sos, prompt_text + text, task, prompt_speech_tokens]` into a free slot.
 
         Length limits follow upstream: from the text's token count (prompt text
@@ -249,11 +284,19 @@ class SpeechLMRunner:
             embeds = self.lm.prompt_embeds(ids, speech)  # [P, D]
         prompt_len = embeds.shape[0]
         if prompt_len >= self.max_len:
-            raise ValueError(f"expected a prompt shorter than {self.max_len} positions, got {prompt_len}")
+            raise ValueError(
+                f"expected a prompt shorter than {self.max_len} positions, got {prompt_len}"
+            )
         max_len = min(int(len(text_ids) * max_token_text_ratio), self.max_len - prompt_len)
-        stream = LMStream(slot=self._free.pop(), min_len=int(len(text_ids) * min_token_text_ratio),
-                          max_len=max_len, is_greedy=is_greedy, prompt_len=prompt_len,
-                          num_cached=0, tokens=[])
+        stream = LMStream(
+            slot=self._free.pop(),
+            min_len=int(len(text_ids) * min_token_text_ratio),
+            max_len=max_len,
+            is_greedy=is_greedy,
+            prompt_len=prompt_len,
+            num_cached=0,
+            tokens=[],
+        )
         self._history[stream.slot] = -1
         try:
             self._forward([stream], embeds[None])
@@ -292,7 +335,9 @@ class SpeechLMRunner:
         below_min = torch.tensor([len(s.tokens) < s.min_len for s in streams], device=self.device)
         is_greedy = torch.tensor([s.is_greedy for s in streams], device=self.device)
         logp = mask_min_length(self._logp[slots], below_min, self.spec.min_length_mask_index)
-        chosen = sample_tokens(logp, self._history[slots], is_greedy, self.ras, self.generator).tolist()
+        chosen = sample_tokens(
+            logp, self._history[slots], is_greedy, self.ras, self.generator
+        ).tolist()
         out: list[int | None] = []
         live: list[tuple[LMStream, int]] = []
         for s, token in zip(streams, chosen, strict=True):

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ModelLoadError
 from engine.backends.cosyvoice.hyperyaml import YamlRefError, load_hyperyaml_file
+from engine.errors import ModelLoadError
 
 QWEN_DIR = "CosyVoice-BlankEN"
 # The LM class each version's yaml must name (upstream cosyvoice/llm/llm.py).
@@ -106,7 +106,9 @@ class ModelDir:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises several kinds for a corrupt file
-            raise ModelLoadError(f"{path}: expected a torch state dict, got an unreadable file ({exc})") from exc
+            raise ModelLoadError(
+                f"{path}: expected a torch state dict, got an unreadable file ({exc})"
+            ) from exc
         if not isinstance(state, dict):
             raise ModelLoadError(f"{path}: expected a state dict, got {type(state).__name__}")
         return state
@@ -148,9 +150,13 @@ def load_model_dir(path: str | Path, expected_version: int | None = None) -> Mod
     try:
         hparams = load_hyperyaml_file(yaml_path, {"qwen_pretrain_path": str(path / QWEN_DIR)})
     except (OSError, ValueError, YamlRefError) as exc:
-        raise ModelLoadError(f"{yaml_path}: expected HyperPyYAML, got an unreadable file ({exc})") from exc
+        raise ModelLoadError(
+            f"{yaml_path}: expected HyperPyYAML, got an unreadable file ({exc})"
+        ) from exc
     except Exception as exc:  # yaml.YAMLError and friends
-        raise ModelLoadError(f"{yaml_path}: expected HyperPyYAML, got a parse error ({exc})") from exc
+        raise ModelLoadError(
+            f"{yaml_path}: expected HyperPyYAML, got a parse error ({exc})"
+        ) from exc
     model_dir = ModelDir(path=path, version=version, hparams=hparams)
     llm = model_dir.section("llm")
     llm_class = str(llm.get("_target", "")).rsplit(".", 1)[-1]

@@ -40,10 +40,18 @@ class Qwen2Config:
     max_position_embeddings: int = 32768
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
             if int(getattr(self, name)) <= 0:
-                raise ModelLoadError(f"Qwen2 config: expected {name} > 0, got {getattr(self, name)}")
+                raise ModelLoadError(
+                    f"Qwen2 config: expected {name} > 0, got {getattr(self, name)}"
+                )
         if self.hidden_size % self.num_attention_heads:
             raise ModelLoadError(
                 f"Qwen2 config: expected hidden_size divisible by num_attention_heads "
@@ -62,16 +70,30 @@ class Qwen2Config:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> Qwen2Config:
         if config.get("model_type", "qwen2") != "qwen2":
-            raise ModelLoadError(f"Qwen2 config: expected model_type 'qwen2', got {config.get('model_type')!r}")
+            raise ModelLoadError(
+                f"Qwen2 config: expected model_type 'qwen2', got {config.get('model_type')!r}"
+            )
         if config.get("rope_scaling"):
-            raise ModelLoadError(f"Qwen2 config: expected rope_scaling null, got {config['rope_scaling']!r}")
+            raise ModelLoadError(
+                f"Qwen2 config: expected rope_scaling null, got {config['rope_scaling']!r}"
+            )
         try:
-            return cls(**{name: config[name] for name in (
-                "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads", "num_key_value_heads")},
+            return cls(
+                **{
+                    name: config[name]
+                    for name in (
+                        "vocab_size",
+                        "hidden_size",
+                        "intermediate_size",
+                        "num_hidden_layers",
+                        "num_attention_heads",
+                        "num_key_value_heads",
+                    )
+                },
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(config.get("rope_theta", 1_000_000.0)),
-                max_position_embeddings=int(config.get("max_position_embeddings", 32768)))
+                max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+            )
         except KeyError as exc:
             raise ModelLoadError(f"Qwen2 config: expected key {exc.args[0]!r}, got none") from exc
 
@@ -94,7 +116,9 @@ def rotary_table(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tenso
     # Built on the CPU explicitly, also when the module is constructed on "meta".
     steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
     inv_freq = 1.0 / (theta ** (steps / head_dim))
-    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32, device="cpu"), inv_freq)  # [L, Dh/2]
+    freqs = torch.outer(
+        torch.arange(max_len, dtype=torch.float32, device="cpu"), inv_freq
+    )  # [L, Dh/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [L, Dh]
     return emb.cos(), emb.sin()
 
@@ -109,8 +133,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SlotKVCache(nn.Module):
     """Keys and values for every layer: [layers][max_batch, kv_heads, max_len, head_dim]."""
 
-    def __init__(self, config: Qwen2Config, max_batch: int, max_len: int,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: Qwen2Config,
+        max_batch: int,
+        max_len: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         if max_batch <= 0 or max_len <= 0:
             raise ValueError(f"expected max_batch and max_len > 0, got {max_batch} and {max_len}")
@@ -118,8 +148,12 @@ class SlotKVCache(nn.Module):
         self.max_len = max_len
         shape = (max_batch, config.num_key_value_heads, max_len, config.head_dim)
         for i in range(config.num_hidden_layers):
-            self.register_buffer(f"k{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-            self.register_buffer(f"v{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+            self.register_buffer(
+                f"k{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False
+            )
+            self.register_buffer(
+                f"v{i}", torch.zeros(shape, device=device, dtype=dtype), persistent=False
+            )
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return getattr(self, f"k{i}"), getattr(self, f"v{i}")
@@ -145,19 +179,29 @@ class CacheView:
 class Qwen2Attention(nn.Module):
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
-        d, h, kv, dh = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        d, h, kv, dh = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, dh
         self.q_proj = nn.Linear(d, h * dh, bias=True)
         self.k_proj = nn.Linear(d, kv * dh, bias=True)
         self.v_proj = nn.Linear(d, kv * dh, bias=True)
         self.o_proj = nn.Linear(h * dh, d, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                view: CacheView, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: CacheView, layer: int
+    ) -> torch.Tensor:
         # x: [B, T, D]
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, Dh]
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, T, Dh]
+        q = (
+            self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        )  # [B, H, T, Dh]
+        k = (
+            self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        )  # [B, KV, T, Dh]
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = view.cache.layer(layer)
@@ -166,15 +210,25 @@ class Qwen2Attention(nn.Module):
         v_cache[rows, :, view.positions] = v.transpose(1, 2).to(v_cache.dtype)
         if view.row_range is not None:
             start, stop = view.row_range
-            keys, values = k_cache[start:stop, :, : view.kv_len], v_cache[start:stop, :, : view.kv_len]
+            keys, values = (
+                k_cache[start:stop, :, : view.kv_len],
+                v_cache[start:stop, :, : view.kv_len],
+            )
         else:
-            keys, values = k_cache[view.slots, :, : view.kv_len], v_cache[view.slots, :, : view.kv_len]
+            keys, values = (
+                k_cache[view.slots, :, : view.kv_len],
+                v_cache[view.slots, :, : view.kv_len],
+            )
         # A query at position p sees keys 0..p of its own row: [B, 1, T, L]
         key_pos = torch.arange(view.kv_len, device=x.device)
         mask = (key_pos[None, None, :] <= view.positions[:, :, None])[:, None]
         out = F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
-            scale=1.0 / math.sqrt(self.head_dim), enable_gqa=True,
+            q,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=mask,
+            scale=1.0 / math.sqrt(self.head_dim),
+            enable_gqa=True,
         )  # [B, H, T, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
@@ -198,8 +252,9 @@ class Qwen2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                view: CacheView, layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: CacheView, layer: int
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, view, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -210,7 +265,9 @@ class Qwen2Model(nn.Module):
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen2DecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -227,8 +284,9 @@ class Qwen2ForCausalLM(nn.Module):
 
     def reset_rope(self, device: torch.device | str = "cpu") -> None:
         """(Re)build the float32 rotary tables, e.g. after `.to(dtype)` rounded them."""
-        cos, sin = rotary_table(self.config.head_dim, self.config.max_position_embeddings,
-                                self.config.rope_theta)
+        cos, sin = rotary_table(
+            self.config.head_dim, self.config.max_position_embeddings, self.config.rope_theta
+        )
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 

@@ -90,27 +90,32 @@ def nucleus_candidates(logp: torch.Tensor, config: RasConfig) -> tuple[torch.Ten
     top_probs, top_ids = probs.sort(dim=-1, descending=True, stable=True)
     top_probs, top_ids = top_probs[:, :k], top_ids[:, :k]  # [B, k]
     # Mass kept before each rank, summed in rank order as upstream's loop does.
-    mass_before = torch.cat([torch.zeros_like(top_probs[:, :1]), top_probs.cumsum(dim=-1)[:, :-1]], dim=-1)
+    mass_before = torch.cat(
+        [torch.zeros_like(top_probs[:, :1]), top_probs.cumsum(dim=-1)[:, :-1]], dim=-1
+    )
     keep = mass_before < config.top_p
     return torch.where(keep, top_probs, torch.zeros_like(top_probs)), top_ids
 
 
-def nucleus(logp: torch.Tensor, config: RasConfig, generator: torch.Generator | None) -> torch.Tensor:
+def nucleus(
+    logp: torch.Tensor, config: RasConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """One draw per row from the nucleus set. [B, V] -> [B]."""
     weights, ids = nucleus_candidates(logp, config)
     choice = _categorical(weights, generator)
     return ids.gather(1, choice[:, None])[:, 0]
 
 
-def ras(logp: torch.Tensor, history: torch.Tensor, config: RasConfig,
-        generator: torch.Generator | None) -> torch.Tensor:
+def ras(
+    logp: torch.Tensor, history: torch.Tensor, config: RasConfig, generator: torch.Generator | None
+) -> torch.Tensor:
     """Repetition-aware sampling for a batch.
 
     logp: [B, V] (already masked for min length); history: [B, W] the last
     `win_size` tokens of each stream, -1 where the stream is shorter.
     """
     first = nucleus(logp, config, generator)  # [B]
-    repeats = (history[:, -config.win_size:] == first[:, None]).sum(dim=-1)
+    repeats = (history[:, -config.win_size :] == first[:, None]).sum(dim=-1)
     is_repeat = repeats >= config.win_size * config.tau_r  # [B]
     # Fallback: the full distribution without the repeated token.
     fallback_logp = logp.float().scatter(1, first[:, None], float("-inf"))
@@ -118,8 +123,13 @@ def ras(logp: torch.Tensor, history: torch.Tensor, config: RasConfig,
     return torch.where(is_repeat, fallback, first)
 
 
-def sample_tokens(logp: torch.Tensor, history: torch.Tensor, is_greedy: torch.Tensor,
-                  config: RasConfig, generator: torch.Generator | None) -> torch.Tensor:
+def sample_tokens(
+    logp: torch.Tensor,
+    history: torch.Tensor,
+    is_greedy: torch.Tensor,
+    config: RasConfig,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
     """Per row greedy or RAS. logp [B, V], history [B, W], is_greedy [B] -> tokens [B]."""
     if bool(is_greedy.all()):
         return greedy(logp)

@@ -18,7 +18,7 @@ CosyVoice 2's head has a bias and vLLM's Qwen2 head has none. Upstream
 registers its own model class (a Qwen2 with a biased head) in vLLM's
 ModelRegistry; that registration must then happen in vLLM's engine process
 too, which a spawned process does not inherit. Here the bias goes to
-`lm_head_bias.safetensors` and the speech logits processor (vllm_lm.py), which
+`voxgate/lm_head_bias.safetensors` and the speech logits processor (vllm_lm.py), which
 vLLM imports by name in its engine process, adds it to the logits. The sum is
 the same float32 addition, so greedy tokens are unchanged.
 
@@ -40,7 +40,8 @@ import torch
 from engine.backends.cosyvoice.llm import SpeechLM
 
 META_FILE = "voxgate_speech_lm.json"
-BIAS_FILE = "lm_head_bias.safetensors"
+# In a subfolder: vLLM loads every *.safetensors at the top level as model weights.
+BIAS_FILE = "voxgate/lm_head_bias.safetensors"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 # vLLM's CPU attention kernels take only these head sizes (vLLM 0.32,
@@ -126,10 +127,12 @@ def export_for_vllm(lm: SpeechLM, out_dir: str | Path, dtype: torch.dtype = torc
         save_file(export_state(lm, dtype), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if lm.llm_decoder.bias is not None:
             bias = lm.llm_decoder.bias.detach().to(device="cpu", dtype=torch.float32).contiguous()  # [V]
+            (tmp / BIAS_FILE).parent.mkdir()
             save_file({"bias": bias}, str(tmp / BIAS_FILE))
         config = qwen2_config(lm, dtype, max_model_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         (tmp / META_FILE).write_text(json.dumps(speech_lm_meta(lm), indent=2) + "\n", encoding="utf-8")
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -1,0 +1,223 @@
+"""Token-to-wave streaming: speech tokens as the LM makes them -> 24 kHz audio chunks, many streams at once.
+
+A backend drives it with plain calls (no threads, no clock):
+
+    t2w.add_stream(sid, prompt)       # voice prompt: prompt tokens, prompt mel, x-vector
+    t2w.feed(sid, tokens)             # tokens as the LM emits them
+    t2w.finish(sid)                   # the LM has stopped: the next chunk is the last
+    for chunk in t2w.run(t2w.ready()):  # one batched flow call + batched vocoder calls
+        ...chunk.stream_id, chunk.audio [n] float32, chunk.is_final
+    t2w.drop(sid)                     # cancel: the stream and any chunk it had ready are gone
+
+Chunking (per stream; upstream keeps the hop on the shared model object, so
+concurrent requests disturb each other's hops; here all hop state is the
+stream's own):
+- the first chunk covers `first_hop_tokens` tokens (default 15, smaller than
+  the trained 25) so first audio comes sooner; later chunks end on the flow's
+  chunk grid (multiples of 25 tokens counted from the start of the prompt,
+  where chunked attention draws its boundaries), at least `min_hop_tokens`
+  apart;
+- a chunk that is not the last needs `pre_lookahead_len` (3) more tokens, which
+  the flow reads as lookahead and does not emit;
+- the flow recomputes the prompt plus the token history each chunk (it is a
+  diffusion over the whole sequence); upstream keeps the whole history, so a
+  chunk costs more the longer the answer. `max_history_tokens` bounds it: only
+  the most recent history (cut on the 25-token grid, at least that many tokens)
+  is recomputed, with the noise of its absolute frames. docs/cosyvoice.md gives
+  the measured cost in fidelity; None keeps upstream's full recomputation.
+- CosyVoice 2's vocoder is not causal: as upstream, 8 mel frames are held back
+  and re-vocoded with the next chunk, the overlapping source is pinned and
+  3840 samples are cross-faded (Hamming). CosyVoice 3's vocoder is causal:
+  upstream re-vocodes the whole mel each chunk; we re-vocode only
+  `hift_context_frames` of context (its receptive field is shorter), carrying
+  the sine phase, which reproduces the full computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.backends.cosyvoice.flow import FlowModel, FlowRow
+from engine.backends.cosyvoice.hift import HiFT
+from engine.backends.cosyvoice.t2w_vocoder import V2VocoderState, V3VocoderState, vocode_batch
+
+
+@dataclass(slots=True)
+class T2WConfig:
+    first_hop_tokens: int | None = 15  # None: upstream's first hop (25 + padding to the grid)
+    min_hop_tokens: int = 8
+    max_history_tokens: int | None = 50  # None: recompute the whole history (upstream)
+    hift_context_frames: int = 24  # v3: mel frames re-vocoded before the new ones
+    streaming_attention: bool = True  # chunked attention in the flow (how upstream streams)
+
+    def __post_init__(self) -> None:
+        # a chunk must cover the 8 frames (4 tokens) the v2 vocoder holds back
+        if self.first_hop_tokens is not None and self.first_hop_tokens < 4:
+            raise ValueError(f"expected first_hop_tokens >= 4 or None, got {self.first_hop_tokens}")
+        if self.min_hop_tokens < 4:
+            raise ValueError(f"expected min_hop_tokens >= 4, got {self.min_hop_tokens}")
+        if self.max_history_tokens is not None and self.max_history_tokens < 0:
+            raise ValueError(f"expected max_history_tokens >= 0 or None, got {self.max_history_tokens}")
+        if self.hift_context_frames < 8:
+            raise ValueError(f"expected hift_context_frames >= 8, got {self.hift_context_frames}")
+
+
+@dataclass(slots=True)
+class VoicePrompt:
+    """tokens [Np] int64, mel [P, 80] (P = 2 Np as the frontend trims it), embedding [192]."""
+
+    tokens: torch.Tensor
+    mel: torch.Tensor
+    embedding: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1:
+            raise ValueError(f"expected prompt tokens [N], got shape {tuple(self.tokens.shape)}")
+        if self.mel.dim() != 2 or self.mel.shape[1] != 80 or self.mel.shape[0] > 2 * self.tokens.shape[0]:
+            raise ValueError(f"expected prompt mel [<= {2 * self.tokens.shape[0]}, 80], got {tuple(self.mel.shape)}")
+        if self.embedding.dim() != 1:
+            raise ValueError(f"expected embedding [D], got shape {tuple(self.embedding.shape)}")
+
+
+@dataclass(slots=True)
+class WaveChunk:
+    stream_id: str
+    audio: torch.Tensor  # [n] float32 at 24 kHz
+    is_final: bool
+    num_tokens: int  # speech tokens this chunk covered
+    mel: torch.Tensor  # [80, 2 * num_tokens] the chunk's new mel frames (for checks and metrics)
+
+
+def grid_end(prompt_len: int, after: int, hop: int, min_hop: int) -> int:
+    """Smallest token end e >= after + min_hop with (prompt_len + e) on the hop grid."""
+    e = after + min_hop
+    return e + (-(prompt_len + e)) % hop
+
+
+def first_end(prompt_len: int, hop: int, first_hop: int | None) -> int:
+    if first_hop is None:  # upstream: 25 tokens plus what brings the prompt onto the grid
+        return hop + (-prompt_len) % hop
+    return first_hop
+
+
+@dataclass(slots=True)
+class _Stream:
+    prompt: VoicePrompt
+    vocoder: V2VocoderState | V3VocoderState
+    next_end: int
+    tokens: list[int] = field(default_factory=list)
+    offset: int = 0  # tokens whose mel is emitted
+    is_input_done: bool = False
+
+
+class TokenToWave:
+    def __init__(self, flow: FlowModel, hift: HiFT, config: T2WConfig | None = None) -> None:
+        if flow.version != (3 if hift.cfg.causal else 2):
+            raise ValueError(f"expected flow and HiFT of one version, got flow v{flow.version} and "
+                             f"{'causal' if hift.cfg.causal else 'non-causal'} HiFT")
+        self.flow, self.hift = flow, hift
+        self.config = config or T2WConfig()
+        self.hop = flow.chunk_tokens
+        self.lookahead = flow.pre_lookahead_len
+        self.sample_rate = hift.cfg.sampling_rate
+        self._streams: dict[str, _Stream] = {}
+
+    # -- stream lifecycle -------------------------------------------------------------------------
+
+    def add_stream(self, stream_id: str, prompt: VoicePrompt, seed: int = 0) -> None:
+        if stream_id in self._streams:
+            raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
+        vocoder = V3VocoderState() if self.hift.cfg.causal else V2VocoderState.new(seed)
+        end = first_end(prompt.tokens.shape[0], self.hop, self.config.first_hop_tokens)
+        self._streams[stream_id] = _Stream(prompt=prompt, vocoder=vocoder, next_end=end)
+
+    def feed(self, stream_id: str, tokens: list[int] | torch.Tensor) -> None:
+        stream = self._get(stream_id)
+        if stream.is_input_done:
+            raise ValueError(f"expected tokens before finish(), got more for {stream_id!r}")
+        stream.tokens.extend(int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens))
+
+    def finish(self, stream_id: str) -> None:
+        self._get(stream_id).is_input_done = True
+
+    def drop(self, stream_id: str) -> None:
+        """Forget a stream (cancel); unknown ids are ignored, so a late cancel is harmless."""
+        self._streams.pop(stream_id, None)
+
+    def has_stream(self, stream_id: str) -> bool:
+        return stream_id in self._streams
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def ready(self) -> list[str]:
+        """Streams with a chunk that can be computed now, in the order they were added."""
+        return [sid for sid, s in self._streams.items() if self._plan(s) is not None]
+
+    def _get(self, stream_id: str) -> _Stream:
+        try:
+            return self._streams[stream_id]
+        except KeyError:
+            raise KeyError(f"expected a known stream id, got {stream_id!r}") from None
+
+    def _plan(self, s: _Stream) -> tuple[int, bool] | None:
+        """(end token, is_final) of the stream's next chunk, or None while it waits for tokens."""
+        if len(s.tokens) >= s.next_end + self.lookahead:
+            return s.next_end, False
+        if s.is_input_done:
+            return len(s.tokens), True
+        return None
+
+    # -- one batched step ---------------------------------------------------------------------------
+
+    def history_start(self, offset: int) -> int:
+        """First history token recomputed for a chunk starting at `offset` (a multiple of the hop)."""
+        limit = self.config.max_history_tokens
+        if limit is None or offset <= limit:
+            return 0
+        return (offset - limit) // self.hop * self.hop
+
+    def run(self, stream_ids: list[str]) -> list[WaveChunk]:
+        """Compute the next chunk of each listed stream that has one ready, as one batch.
+
+        Streams that were dropped, or have nothing ready, are skipped. A final
+        chunk ends its stream.
+        """
+        plans: list[tuple[str, _Stream, int, bool, int]] = []
+        rows: list[FlowRow] = []
+        for sid in dict.fromkeys(stream_ids):
+            s = self._streams.get(sid)
+            plan = self._plan(s) if s is not None else None
+            if s is None or plan is None:
+                continue
+            end, is_final = plan
+            start = self.history_start(s.offset)
+            la = 0 if is_final else self.lookahead
+            p = s.prompt.tokens.shape[0]
+            tokens = torch.cat([s.prompt.tokens.long(),
+                                torch.tensor(s.tokens[start:end + la], dtype=torch.long)])
+            noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
+            rows.append(FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index))
+            plans.append((sid, s, end, is_final, start))
+        if not rows:
+            return []
+        mels = self.flow.infer(rows, streaming=self.config.streaming_attention)
+        new_mels = []
+        for (_, s, _, _, start), mel in zip(plans, mels, strict=True):
+            p = s.prompt.tokens.shape[0]
+            new_mels.append(mel[:, 2 * (p + s.offset - start):])
+        audios = vocode_batch(self.hift, [s.vocoder for _, s, _, _, _ in plans], new_mels,
+                              [f for _, _, _, f, _ in plans], self.config.hift_context_frames)
+        out = []
+        for (sid, s, end, is_final, _), audio, mel in zip(plans, audios, new_mels, strict=True):
+            out.append(WaveChunk(sid, audio, is_final, end - s.offset, mel))
+            if is_final:
+                del self._streams[sid]
+            else:
+                s.offset = end
+                s.next_end = grid_end(s.prompt.tokens.shape[0], end, self.hop, self.config.min_hop_tokens)
+        return out
+

@@ -1,0 +1,280 @@
+"""The CosyVoice speech LM on vLLM's V1 async engine (`AsyncLLM`), one engine for all sessions.
+
+The LM is exported by vllm_export.py (a Qwen2 folder over the speech
+vocabulary). A request is a prompt row of embeddings (SpeechLM.prompt_embeds)
+and yields speech token ids as vLLM samples them; `abort` drops a request
+between two engine steps.
+
+Sampling. vLLM samples from `softmax(logits)` after its logits processors;
+`SpeechLogitsProcessor` below (loaded by vLLM in its engine process by name)
+turns the head's logits into upstream's rules:
+
+- adds CosyVoice 2's head bias (vLLM's Qwen2 head has none);
+- before a stream's minimum length, forbids index `speech_token_size` (6561),
+  exactly the index upstream's torch loop masks (not all stop ids, as vLLM's
+  own `min_tokens` would);
+- "ras" mode: replaces the row by the exact distribution of upstream's
+  repetition-aware sampling (`ras_logits`), so vLLM's plain draw from it is a
+  RAS draw (same distribution, not the same random stream).
+
+Modes: "ras" (upstream's torch default), "top_k" (what upstream's own vLLM path
+does: top-k 25, no RAS), "greedy" (argmax; for parity tests).
+
+Stop rules as upstream: every id from `speech_token_size` up ends the stream
+and is not yielded; at most `max_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from engine.backends.cosyvoice.vllm_export import read_head_bias, read_meta
+
+EXTRA_KEY = "voxgate_speech"
+PROCESSOR_FQCN = f"{__name__}:SpeechLogitsProcessor"
+MODES = ("ras", "top_k", "greedy")
+
+
+@dataclass(slots=True)
+class SpeechSampling:
+    """Per-request sampling; defaults are the official yamls' RAS values."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    mode: str = "ras"
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"expected mode one of {MODES}, got {self.mode!r}")
+        if self.max_tokens < 0 or self.min_tokens < 0:
+            raise ValueError(f"expected min/max tokens >= 0, got {self.min_tokens}/{self.max_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"expected top_p in (0, 1], got {self.top_p}")
+        if self.top_k < 1 or self.win_size < 1 or self.tau_r < 0:
+            raise ValueError(
+                f"expected top_k >= 1, win_size >= 1, tau_r >= 0, got {self.top_k}, {self.win_size}, {self.tau_r}"
+            )
+
+    @classmethod
+    def for_text(cls, num_text_tokens: int, min_ratio: float = 2.0, max_ratio: float = 20.0,
+                 **kwargs: Any) -> SpeechSampling:
+        """Upstream's lengths: int(n x 2) to int(n x 20) speech tokens for n text tokens (prompt text excluded)."""
+        return cls(max_tokens=int(num_text_tokens * max_ratio), min_tokens=int(num_text_tokens * min_ratio),
+                   **kwargs)
+
+    def to_vllm(self, stop_token_ids: list[int]) -> SamplingParams:
+        extra: dict[str, Any] = {"min_tokens": self.min_tokens}
+        if self.mode == "ras":
+            extra["ras"] = [self.top_p, self.top_k, self.win_size, self.tau_r]
+        common: dict[str, Any] = {
+            "max_tokens": self.max_tokens, "stop_token_ids": stop_token_ids, "seed": self.seed,
+            "output_kind": RequestOutputKind.DELTA, "detokenize": False, "extra_args": {EXTRA_KEY: extra},
+        }
+        if self.mode == "greedy":
+            return SamplingParams(temperature=0.0, **common)
+        if self.mode == "top_k":
+            return SamplingParams(temperature=1.0, top_k=self.top_k, **common)
+        return SamplingParams(temperature=1.0, top_p=1.0, top_k=0, **common)  # the processor does RAS
+
+
+def ras_logits(logits: torch.Tensor, history: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+               threshold: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of upstream's RAS outcome, per row.
+
+    logits [B, V] (float32, already masked); history [B, W] last tokens, -1
+    padded; top_p [B]; top_k [B] int; threshold [B] = win_size x tau_r.
+
+    Upstream draws s from the nucleus p_n (top-p within top-k of p = softmax);
+    if s occurs >= threshold times in the window (s in R) it forbids s and
+    draws from p. So the outcome t has probability
+        q(t) = p_n(t) [t not in R] + p(t) sum_{s in R, s != t} p_n(s) / (1 - p(s)).
+    """
+    b, v = logits.shape
+    p = logits.softmax(dim=-1)  # [B, V]
+    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(v, device=p.device)[None]
+    keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p[:, None]) & (rank < top_k[:, None])
+    keep[:, 0] = True
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    p_n = torch.zeros_like(p).scatter_(1, order, kept / kept.sum(dim=-1, keepdim=True))  # [B, V]
+    counts = torch.zeros(b, v + 1, device=p.device)
+    slots = torch.where(history < 0, v, history).long()  # -1 -> a spill column
+    counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=counts.dtype))
+    repeated = counts[:, :v] >= threshold[:, None]  # [B, V]: R
+    w = torch.where(repeated, p_n / (1.0 - p).clamp_min(1e-12), torch.zeros_like(p))
+    q = torch.where(repeated, torch.zeros_like(p), p_n) + p * (w.sum(dim=-1, keepdim=True) - w)
+    degenerate = q.sum(dim=-1, keepdim=True) <= 0  # p one-hot on a repeated token: keep p
+    return torch.where(degenerate, logits, q.log())
+
+
+@dataclass(slots=True)
+class _RowState:
+    min_tokens: int
+    ras: tuple[float, int, int, float] | None
+    output: list[int]  # vLLM's live list of this request's output tokens
+
+
+class SpeechLogitsProcessor(LogitsProcessor):
+    """Head bias, min-length mask and RAS for every request of the engine (see module doc)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        folder = vllm_config.model_config.model
+        meta = read_meta(folder)
+        self.mask_index = int(meta["min_length_mask_index"])
+        bias = read_head_bias(folder)
+        self.bias = None if bias is None else bias.to(device)  # [V] float32
+        self.device = device
+        self.rows: dict[int, _RowState] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        extra = (sampling_params.extra_args or {}).get(EXTRA_KEY)
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"expected extra_args[{EXTRA_KEY!r}] to be a dict, got {type(extra).__name__}")
+
+    def is_argmax_invariant(self) -> bool:
+        return False  # the bias and the mask change greedy tokens
+
+    @staticmethod
+    def _new_state(params: SamplingParams, _prompt: list[int] | None, output: list[int]) -> _RowState | None:
+        extra = (params.extra_args or {}).get(EXTRA_KEY)
+        if not extra:
+            return None
+        ras = extra.get("ras")
+        return _RowState(int(extra.get("min_tokens", 0)),
+                         None if ras is None else (float(ras[0]), int(ras[1]), int(ras[2]), float(ras[3])), output)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.rows, batch_update, self._new_state)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        # logits: [B, V] float32
+        if self.bias is not None:
+            logits += self.bias
+        if not self.rows:
+            return logits
+        masked = [i for i, s in self.rows.items() if len(s.output) < s.min_tokens]
+        if masked:
+            logits[masked, self.mask_index] = float("-inf")
+        ras_rows = [(i, s) for i, s in self.rows.items() if s.ras is not None]
+        if ras_rows:
+            win = max(s.ras[2] for _, s in ras_rows if s.ras is not None)
+            history = torch.full((len(ras_rows), win), -1, dtype=torch.long)
+            for j, (_, s) in enumerate(ras_rows):
+                assert s.ras is not None
+                recent = s.output[-s.ras[2]:]
+                if recent:
+                    history[j, win - len(recent):] = torch.tensor(recent)
+            params = [s.ras for _, s in ras_rows if s.ras is not None]
+            index = torch.tensor([i for i, _ in ras_rows], device=logits.device)
+            logits[index] = ras_logits(
+                logits[index], history.to(logits.device),
+                torch.tensor([r[0] for r in params], device=logits.device),
+                torch.tensor([r[1] for r in params], device=logits.device),
+                torch.tensor([r[2] * r[3] for r in params], device=logits.device),
+            )
+        return logits
+
+
+@dataclass(slots=True)
+class VllmLMConfig:
+    """The one engine's settings. `gpu_memory_utilization` is its share of the GPU
+    (weights + KV cache); `kv_cache_memory_bytes`, if set, fixes the KV cache instead
+    (on the CPU it is the only size that applies)."""
+
+    model: str
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.3
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    enforce_eager: bool = False
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"expected gpu_memory_utilization in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"expected kv_cache_memory_bytes > 0, got {self.kv_cache_memory_bytes}")
+        if self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError(f"expected max_num_seqs >= 1 and max_model_len >= 2, got "
+                             f"{self.max_num_seqs} and {self.max_model_len}")
+
+
+class VllmSpeechLM:
+    """`generate(request_id, prompt_embeds, sampling)` streams speech token ids; `abort` ends one."""
+
+    def __init__(self, config: VllmLMConfig) -> None:
+        self.config = config
+        meta = read_meta(config.model)
+        self.vocab_size = int(meta["vocab_size"])
+        self.stop_token_ids: list[int] = [int(t) for t in meta["stop_token_ids"]]
+        self._stop = frozenset(self.stop_token_ids)
+        self._engine: Any = None
+
+    def start(self) -> None:
+        """Start the engine (its core runs in a child process); blocking, seconds to minutes."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # The processor is written for the V1 model runner's interface (the one vLLM
+        # runs on the CPU); keep the GPU on the same runner.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        c = self.config
+        args = AsyncEngineArgs(
+            model=c.model, skip_tokenizer_init=True, enable_prompt_embeds=True, dtype=c.dtype,
+            gpu_memory_utilization=c.gpu_memory_utilization, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            max_num_seqs=c.max_num_seqs, max_model_len=c.max_model_len, enforce_eager=c.enforce_eager,
+            seed=c.seed, logits_processors=[PROCESSOR_FQCN], disable_log_stats=True, **c.engine_kwargs,
+        )
+        self._engine = AsyncLLM.from_engine_args(args)
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+    async def generate(self, request_id: str, prompt_embeds: torch.Tensor,
+                       sampling: SpeechSampling) -> AsyncIterator[int]:
+        """prompt_embeds [T, D] -> speech token ids as sampled, stop token excluded.
+
+        Closing the iterator or cancelling its task aborts the request in vLLM.
+        """
+        if self._engine is None:
+            raise RuntimeError("expected a started engine (call start()), got none")
+        if prompt_embeds.dim() != 2:
+            raise ValueError(f"expected prompt_embeds [T, D], got shape {list(prompt_embeds.shape)}")
+        if sampling.max_tokens == 0:
+            return
+        params = sampling.to_vllm(self.stop_token_ids)
+        stream = self._engine.generate({"prompt_embeds": prompt_embeds.detach().cpu()}, params, request_id)
+        try:
+            async for out in stream:
+                for token in out.outputs[0].token_ids:
+                    if token in self._stop:
+                        return
+                    yield int(token)
+                if out.finished:
+                    return
+        finally:
+            await stream.aclose()  # aborts the request in vLLM if it is still running
+
+    async def abort(self, request_id: str) -> None:
+        """End a request now; its `generate` iterator stops without further tokens."""
+        if self._engine is not None:
+            await self._engine.abort(request_id)

@@ -1,0 +1,89 @@
+"""Shared fixtures: a real voxgate server (uvicorn subprocess on loopback)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """A running `voxgate serve`; `url` is http://127.0.0.1:PORT."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return int(self.process.returncode)
+
+
+def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+                 ready_timeout: float = 90.0) -> ServerProcess:
+    """Start `voxgate serve` on a free port and wait until /readyz says ready."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.setdefault("VOXGATE_DATA_DIR", str(tmp_path / "data"))
+    log_file = open(log_path, "wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        cwd=REPO, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+    log_file.close()
+    server = ServerProcess(process, port, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/readyz", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real voxgate (piper, joe voice) shared by the tests that only talk to it."""
+    proc = start_server(tmp_path_factory.mktemp("server"))
+    yield proc
+    proc.stop()
