@@ -6,6 +6,14 @@ and returns what each produced. For piper a unit is a whole segment; for
 cosyvoice it is one LM decode step plus whatever token-to-wave chunks became
 ready. The scheduler calls `prepare`, `step` and `release` from one worker
 thread, never from the event loop, so a backend needs no locking of its own.
+
+Registered voices (docs/voices.md) use four optional methods, also called in
+that worker thread: `make_voice_features` computes a reference voice's prompt
+features once, at registration; the gateway stores them and hands them back to
+`add_voice` on every start-up, so nothing is recomputed. `retire_voice` takes a
+deleted voice out of `voices()` while sessions that hold it may still speak
+with it; `remove_voice` forgets it. A backend that cannot register voices
+keeps the defaults and the gateway answers `unsupported_option`.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SynthesisRequest, VoiceInfo, WordTiming
 
 
@@ -58,6 +67,11 @@ class Backend(ABC):
     name: str = "backend"
     sample_rate: int = 22050
     max_batch_size: int = 8
+    #: Registration refuses reference audio without its transcript (cosyvoice's prompt text).
+    needs_transcript: bool = False
+    #: Names the format of `make_voice_features`' output: stored features made under
+    #: another version (another model) are recomputed from the stored audio.
+    voice_features_version: str = ""
 
     @abstractmethod
     def load(self) -> None:
@@ -81,3 +95,29 @@ class Backend(ABC):
     def release(self, item: BackendRequest) -> None:
         """Free what the request holds (a finished or cancelled request)."""
         item.state = None
+
+    # -- registered voices (optional) ---------------------------------------
+
+    def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
+        """A reference voice's prompt features, serialized; None when the backend needs none.
+
+        audio: [T] mono float32 in [-1, 1] at `sample_rate` (the upload's own rate).
+        Raises ValueError for audio the backend cannot use (the gateway answers 422).
+        """
+        return None
+
+    def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
+        """Make a registered voice speakable (and listed) under `voice_id`; returns its info.
+
+        `meta` carries `name`, `language` and, where `features` is None, `base_voice`
+        (the installed voice that speaks for it). Replaces a voice of the same id.
+        """
+        raise UnsupportedOptionError(f"the {self.name} backend cannot register voices")
+
+    def retire_voice(self, voice_id: str) -> None:
+        """Stop listing a registered voice; requests and sessions holding it keep speaking."""
+        raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
+
+    def remove_voice(self, voice_id: str) -> None:
+        """Forget a registered (or retired) voice; requests already prepared finish with it."""
+        raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")

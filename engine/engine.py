@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 log = logging.getLogger("voxgate.engine")
 
 _QUEUE_DEPTH = 16
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -97,6 +99,11 @@ class Engine:
 
     def refresh_voices(self) -> None:
         self._voices = self.backend.voices()
+
+    async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(*args)` in the worker thread, between steps (backends need no locks)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

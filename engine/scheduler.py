@@ -25,6 +25,9 @@ from engine.types import RequestId
 class SchedulerConfig:
     """Policy knobs; `max_contexts` of 0 means "estimate from measured cost"."""
 
+    #: "edf": earliest deadline first with adaptive batches; "fifo": one request
+    #: at a time in arrival order (the naive server, kept as a benchmark baseline).
+    policy: str = "edf"
     max_batch_size: int = 8
     max_queued_requests: int = 4096
     max_contexts: int = 0
@@ -35,6 +38,8 @@ class SchedulerConfig:
     talk_ratio: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.policy not in ("edf", "fifo"):
+            raise ValueError(f"policy must be 'edf' or 'fifo', got {self.policy!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_queued_requests < 1:
@@ -155,6 +160,11 @@ class Scheduler:
         ready = [e for e in self._entries.values() if is_runnable(e.item)]
         if not ready:
             return []
+        if self.config.policy == "fifo":
+            oldest = min(ready, key=lambda e: e.seq)
+            self.stats.num_steps += 1
+            self.stats.last_batch_size = 1
+            return [oldest.item]
         # Ties (e.g. many first segments due "now") go to the older request: no starvation.
         ready.sort(key=lambda e: (e.item.request.deadline, e.seq))
         urgent_deadline = ready[0].item.request.deadline

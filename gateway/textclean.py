@@ -361,8 +361,8 @@ class SpeechCleaner:
         before = self._prev_raw
         after = raw[end] if end < len(raw) else " "
         if char == "*":
-            is_kept = ((before.isspace() and after.isspace())
-                       or (before.isdigit() and after.isdigit()))
+            is_kept = end - pos == 1 and ((before.isspace() and after.isspace())
+                                          or (before.isdigit() and after.isdigit()))
         elif char == "_":
             is_kept = before.isalnum() and after.isalnum()
         else:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
 
+from loadtest.anchor import piper_server
 from loadtest.config import LoadConfig, Protocol
 from loadtest.corpus import load_corpus
 from loadtest.report import format_sweep, format_table, plot_capacity, plot_ttfa, write_json
@@ -48,6 +50,14 @@ def _option_value(value: str) -> Any:
     return {"true": True, "false": False}.get(value, value)
 
 
+def _shares(text: str) -> tuple[float, float]:
+    low, sep, high = text.partition("-")
+    try:
+        return (float(low), float(high)) if sep else (float(low), float(low))
+    except ValueError:
+        raise SystemExit(f"--barge-in-at: expected LOW-HIGH such as 0.1-0.9, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="voxgate-loadtest", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--url", required=True, help="voxgate base URL (http://host:port) or ws URL")
     g.add_argument("--protocol", choices=[p.value for p in Protocol], default="voxgate",
                    help="what --url speaks (piper-http: piper's own Flask server)")
-    g.add_argument("--anchor-url", help="also run the same load against piper's HTTP server")
+    g.add_argument("--anchor-url", help="also run the same load against piper's HTTP server "
+                   "at this URL ('auto': start one with the joe voice)")
     g.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback target (default: refuse)")
     g.add_argument("--codec", help="audio codec asked for (opus, pcm16, mulaw)")
@@ -75,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--think", type=float, default=2.0, help="mean think time between turns (s)")
     b.add_argument("--barge-in-rate", type=float, default=0.0,
                    help="share of turns interrupted after a random share of their audio")
+    b.add_argument("--barge-in-at", default="0.1-0.9", metavar="LOW-HIGH",
+                   help="a barge-in comes after U(LOW, HIGH) of the answer's audio")
     b.add_argument("--playout-delay-ms", type=float, default=0.0,
                    help="listener's jitter buffer before playback starts")
     b.add_argument("--turn-timeout", type=float, default=60.0)
@@ -112,13 +125,15 @@ def config_from_args(args: argparse.Namespace, url: str, protocol: str) -> LoadC
     return LoadConfig(
         url=url, protocol=Protocol(protocol), corpus_path=args.corpus, seed=args.seed,
         token_rate=args.token_rate, token_jitter=args.token_jitter, think_s=args.think,
-        barge_in_rate=args.barge_in_rate, playout_delay_ms=args.playout_delay_ms,
+        barge_in_rate=args.barge_in_rate, barge_in_shares=_shares(args.barge_in_at),
+        playout_delay_ms=args.playout_delay_ms,
         turn_timeout_s=args.turn_timeout, drain_s=args.drain, max_turns=args.max_turns,
         encoding=args.encoding, query=query, session_options=options,
         allow_remote=args.allow_remote)
 
 
 async def _run_target(args: argparse.Namespace, name: str, config: LoadConfig,
+                      levels: list[int] | None = None,
                       ) -> tuple[list[LevelResult], dict[str, Any]]:
     corpus = load_corpus(config.corpus_path)
     progress = stderr_if(not args.quiet)
@@ -132,10 +147,13 @@ async def _run_target(args: argparse.Namespace, name: str, config: LoadConfig,
         result.label = name
         print(format_table(result))
         return [result], {"mode": "rate", "result": result.to_dict(args.turns)}
-    levels = ([int(x) for x in args.levels.split(",")] if args.levels
-              else sweep_levels(args.max_sessions))
+    replay = levels is not None  # the anchor replays the target's levels, all of them
+    if levels is None:
+        levels = ([int(x) for x in args.levels.split(",")] if args.levels
+                  else sweep_levels(args.max_sessions))
     results, capacity = await run_sweep(config, corpus, levels, args.duration,
-                                        args.ttfa_target_ms, args.bisect, progress)
+                                        args.ttfa_target_ms, 0 if replay else args.bisect,
+                                        progress, stop_at_failure=not replay)
     for r in results:
         r.label = name
         print(format_table(r))
@@ -146,27 +164,31 @@ async def _run_target(args: argparse.Namespace, name: str, config: LoadConfig,
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    targets = [(args.protocol if args.protocol != "voxgate" else "voxgate", args.url,
-                args.protocol)]
-    if args.anchor_url:
-        targets.append(("piper-http", args.anchor_url, "piper-http"))
-    configs = [(name, config_from_args(args, url, proto)) for name, url, proto in targets]
+    config = config_from_args(args, args.url, args.protocol)
     report: dict[str, Any] = {"command": " ".join(["voxgate-loadtest", *sys.argv[1:]]),
                               "targets": {}}
     runs: dict[str, list[LevelResult]] = {}
-    for name, config in configs:
-        results, out = await _run_target(args, name, config)
-        out["url"] = config.url
-        report["targets"][name] = out
-        runs[name] = results
+    results, out = await _run_target(args, args.protocol, config)
+    report["targets"][args.protocol] = {**out, "url": config.url}
+    runs[args.protocol] = results
+    if args.anchor_url:
+        with contextlib.ExitStack() as stack:
+            url = (stack.enter_context(piper_server()) if args.anchor_url == "auto"
+                   else args.anchor_url)
+            anchor = config_from_args(args, url, Protocol.PIPER_HTTP.value)
+            levels = [r.sessions for r in results] if args.mode == "sweep" else None
+            anchor_results, out = await _run_target(args, "piper-http", anchor, levels)
+        report["targets"]["piper-http"] = {**out, "url": url}
+        runs["piper-http"] = anchor_results
     if args.plot_dir:
         plot_dir = Path(args.plot_dir)
         plot_dir.mkdir(parents=True, exist_ok=True)
         if args.mode == "sweep":
             plot_capacity(runs, args.ttfa_target_ms, plot_dir / "loadtest_capacity.png")
-            top = {name: max((r for r in rs if r.summary.get("passes")),
-                             key=lambda r: r.sessions, default=rs[0]).turns
-                   for name, rs in runs.items()}
+            # every target at the same concurrency: the capacity of the first (or its lowest level)
+            at = report["targets"][args.protocol]["capacity"] or results[0].sessions
+            top = {f"{name}, {at} sessions": next(r for r in rs if r.sessions == at).turns
+                   for name, rs in runs.items() if any(r.sessions == at for r in rs)}
         else:
             top = {name: rs[0].turns for name, rs in runs.items()}
         plot_ttfa(top, plot_dir / "loadtest_ttfa.png")
@@ -178,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         report = asyncio.run(_main(args))
-    except (ValueError, TypeError, OSError) as exc:  # bad settings, corpus or target
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:  # bad settings, corpus or target
         print(f"voxgate-loadtest: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

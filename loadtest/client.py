@@ -50,7 +50,8 @@ def plan_turn(answer: Answer, config: LoadConfig, rng: random.Random) -> TurnPla
     base = 1.0 / config.token_rate
     j = config.token_jitter
     intervals = [base * rng.uniform(1.0 - j, 1.0 + j) for _ in tokens]
-    share = rng.uniform(0.1, 0.9) if rng.random() < config.barge_in_rate else None
+    low, high = config.barge_in_shares
+    share = rng.uniform(low, high) if rng.random() < config.barge_in_rate else None
     return TurnPlan(answer, tokens, intervals, first_segment_token(tokens), share)
 
 

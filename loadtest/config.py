@@ -33,6 +33,7 @@ class LoadConfig:
     token_jitter: float = 0.5  # each interval is 1/rate times U(1-j, 1+j)
     think_s: float = 2.0  # mean pause after playback ends, uniform within +-50%
     barge_in_rate: float = 0.0  # share of turns the listener interrupts
+    barge_in_shares: tuple[float, float] = (0.1, 0.9)  # ... after U(low, high) of the audio
     playout_delay_ms: float = 0.0  # the player's jitter buffer
     turn_timeout_s: float = 60.0
     drain_s: float = 15.0  # how long running turns may finish after the run's end
@@ -52,6 +53,9 @@ class LoadConfig:
             raise ValueError(f"expected think_s >= 0, got {self.think_s}")
         if not 0.0 <= self.barge_in_rate <= 1.0:
             raise ValueError(f"expected barge_in_rate within [0, 1], got {self.barge_in_rate}")
+        low, high = self.barge_in_shares
+        if not 0.0 <= low <= high <= 1.0:
+            raise ValueError(f"expected barge-in shares 0 <= low <= high <= 1, got {low}, {high}")
         if self.playout_delay_ms < 0:
             raise ValueError(f"expected playout_delay_ms >= 0, got {self.playout_delay_ms}")
         if not 0 < self.turn_timeout_s <= MAX_DURATION_S:

@@ -204,11 +204,14 @@ def sweep_levels(max_sessions: int, start: int = 1) -> list[int]:
 
 async def run_sweep(config: LoadConfig, corpus: list[Answer], levels: list[int],
                     duration_s: float, ttfa_target_ms: float, bisect: int = 2,
-                    progress: TextIO | None = None) -> tuple[list[LevelResult], int]:
+                    progress: TextIO | None = None, stop_at_failure: bool = True,
+                    ) -> tuple[list[LevelResult], int]:
     """Climb the levels until one fails, then bisect the last step; return the capacity.
 
     Capacity is the largest N that held (TTFA p95 <= target, no gap, no failed
-    turn; metrics.passes); 0 when even the first level failed.
+    turn; metrics.passes) with every level below it holding too; 0 when even
+    the first level failed. `stop_at_failure=False` runs every level (the
+    anchor replays the target's levels so that the two compare point by point).
     """
     if not levels or sorted(set(levels)) != levels:
         raise ValueError(f"expected strictly increasing levels, got {levels}")
@@ -218,10 +221,14 @@ async def run_sweep(config: LoadConfig, corpus: list[Answer], levels: list[int],
         result = await run_fixed(config, corpus, n, duration_s, "sweep", progress)
         result.summary["passes"] = passes(result.summary, ttfa_target_ms)
         results.append(result)
+        if broke is not None:
+            continue
         if not result.summary["passes"]:
             broke = n
-            break
-        held = n
+            if stop_at_failure:
+                break
+        else:
+            held = n
     for _ in range(bisect):
         if broke is None or broke - held <= 1:
             break

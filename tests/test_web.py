@@ -129,6 +129,13 @@ def assert_silent_after_interrupt(page: Page) -> dict[str, Any]:
     return cut
 
 
+def assert_heard_then_dropped(cut: dict[str, Any]) -> None:
+    """Some words were heard, some dropped, and together they are the answer's start, in order."""
+    spoken, unspoken = cut["spoken_text"].split(), cut["unspoken_text"].split()
+    assert spoken and unspoken
+    assert LONG_ANSWER.split()[: len(spoken) + len(unspoken)] == spoken + unspoken
+
+
 def test_page_loads_without_console_errors_and_lists_the_servers_voices(
         page: tuple[Page, Console]) -> None:
     pg, console = page
@@ -178,9 +185,7 @@ def test_the_interrupt_button_silences_playback_and_shows_heard_and_dropped_text
     cut = assert_silent_after_interrupt(pg)
     assert cut["reason"] == "button"
     assert cut["source"] == "server"
-    assert cut["spoken_text"].startswith("This is sentence number 1")
-    assert cut["unspoken_text"].endswith("keeps the voice busy for a while.")
-    assert len(cut["spoken_text"]) < len(LONG_ANSWER) - len(cut["unspoken_text"]) + 2
+    assert_heard_then_dropped(cut)
     assert pg.is_visible("#cut")
     assert pg.inner_text("#cut-spoken") == cut["spoken_text"]
     assert pg.inner_text("#cut-unspoken") == cut["unspoken_text"]
@@ -208,12 +213,14 @@ def test_escape_interrupts_while_typing_and_the_next_turn_still_speaks(
     assert console.errors == []
 
 
-def test_microphone_speech_barges_in_above_the_threshold(page: tuple[Page, Console]) -> None:
+def test_microphone_speech_barges_in_only_above_the_threshold(page: tuple[Page, Console]) -> None:
     pg, console = page
-    pg.fill("#mic-threshold", "-70")
+    pg.fill("#mic-threshold", "-5")
     pg.check("#mic-on")
     pg.wait_for_function("Number(document.querySelector('#mic-level').value) > -70", timeout=10_000)
     speak_and_wait_for_playing(pg, played_ms=300)
+    assert stats(pg)["cancels"] == 0
+    pg.fill("#mic-threshold", "-70")
     cut = assert_silent_after_interrupt(pg)
     assert cut["reason"] == "microphone"
     pg.uncheck("#mic-on")
@@ -250,8 +257,8 @@ def test_llm_mode_speaks_a_streamed_chat_completion_and_keeps_only_heard_text_in
     assert [m["role"] for m in requests[0]["body"]["messages"]] == ["system", "user"]
     pg.click("#interrupt")
     cut = assert_silent_after_interrupt(pg)
+    assert_heard_then_dropped(cut)
     heard = cut["spoken_text"]
-    assert heard.startswith("This is sentence number 1")
 
     pg.fill("#llm-input", "Stop, please.")
     pg.press("#llm-input", "Enter")

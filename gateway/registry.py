@@ -1,0 +1,324 @@
+"""The voice registry's store: registered voices in SQLite, checksummed.
+
+One database file (`<data_dir>/voices.sqlite3`) holds two tables:
+
+- `voices`: one row per registered voice: its metadata, the reference audio
+  exactly as uploaded, and its transcript. This is the source of truth.
+- `voice_features`: the prompt features a backend computed from that audio,
+  keyed by (voice, backend, features version). They are derived data: stored
+  so that a restart recomputes nothing, recomputed from the audio when the
+  backend or its model changes.
+
+Every row carries a SHA-256 over all its other columns (blobs included), so a
+corrupt or tampered record is detected on read and reported, never served.
+SQLite's transactions already make a half-written row impossible; the
+checksum covers what they cannot (a damaged page, a hand edit, a foreign
+writer). The schema version lives in `PRAGMA user_version`.
+
+Concurrency: `VoiceStore` is synchronous and owns one connection; the async
+`VoiceRegistry` runs every call on one dedicated thread, so calls from the
+event loop never block it and never interleave. WAL mode and a busy timeout
+let several processes share one file (replicas on one host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import sqlite3
+import struct
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+SCHEMA_VERSION = 1
+DB_NAME = "voices.sqlite3"
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE voices (
+    voice_id      TEXT PRIMARY KEY,
+    name          TEXT NOT NULL,
+    language      TEXT NOT NULL,
+    transcript    TEXT NOT NULL,
+    audio         BLOB NOT NULL,
+    audio_format  TEXT NOT NULL,
+    sample_rate   INTEGER NOT NULL,
+    duration_s    REAL NOT NULL,
+    base_voice    TEXT,
+    source        TEXT NOT NULL,
+    source_digest TEXT NOT NULL,
+    created_at    REAL NOT NULL,
+    checksum      TEXT NOT NULL
+);
+CREATE TABLE voice_features (
+    voice_id  TEXT NOT NULL REFERENCES voices(voice_id) ON DELETE CASCADE,
+    backend   TEXT NOT NULL,
+    version   TEXT NOT NULL,
+    features  BLOB,
+    checksum  TEXT NOT NULL,
+    PRIMARY KEY (voice_id, backend, version)
+);
+"""
+
+
+class RegistryError(Exception):
+    """The store cannot be opened or used (unreadable file, newer schema)."""
+
+
+class VoiceExistsError(RegistryError):
+    """A voice with that id is registered already."""
+
+
+class CorruptRecordError(RegistryError):
+    """A stored record fails its checksum; it is reported, never served."""
+
+
+def _digest(*parts: str | bytes | int | float | None) -> str:
+    """SHA-256 over typed, length-prefixed parts (no two field lists hash alike)."""
+    h = hashlib.sha256()
+    for part in parts:
+        if part is None:
+            h.update(b"N")
+            continue
+        if isinstance(part, str):
+            tag, data = b"S", part.encode("utf-8")
+        elif isinstance(part, bytes):
+            tag, data = b"B", part
+        elif isinstance(part, float):
+            tag, data = b"F", struct.pack("<d", part)
+        else:
+            tag, data = b"I", str(int(part)).encode()
+        h.update(tag + struct.pack("<Q", len(data)) + data)
+    return h.hexdigest()
+
+
+def source_digest(audio: bytes, transcript: str) -> str:
+    """What makes two registrations the same voice (assets are re-registered only on change)."""
+    return _digest(audio, transcript)
+
+
+@dataclass(slots=True, frozen=True)
+class VoiceRecord:
+    """A registered voice as stored: metadata, reference audio (as uploaded), transcript."""
+
+    voice_id: str
+    name: str
+    language: str
+    transcript: str
+    audio: bytes
+    audio_format: str
+    sample_rate: int
+    duration_s: float
+    base_voice: str | None = None
+    source: str = "upload"  # "upload" (POST /v1/voices) or "assets" (the assets folder)
+    source_digest: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def checksum(self) -> str:
+        return _digest(self.voice_id, self.name, self.language, self.transcript, self.audio,
+                       self.audio_format, self.sample_rate, float(self.duration_s),
+                       self.base_voice, self.source, self.source_digest, float(self.created_at))
+
+    def summary(self) -> dict[str, Any]:
+        """The record without its audio, as JSON-ready values."""
+        return {"id": self.voice_id, "name": self.name, "language": self.language,
+                "transcript": self.transcript, "base_voice": self.base_voice,
+                "source": self.source, "created_at": self.created_at,
+                "reference": {"format": self.audio_format, "sample_rate": self.sample_rate,
+                              "duration_s": round(self.duration_s, 3), "bytes": len(self.audio)}}
+
+
+@dataclass(slots=True, frozen=True)
+class StoredFeatures:
+    features: bytes | None
+
+
+_VOICE_COLUMNS = ("voice_id, name, language, transcript, audio, audio_format, sample_rate, "
+                  "duration_s, base_voice, source, source_digest, created_at")
+
+
+class VoiceStore:
+    """Synchronous access to the database; use it from one thread (VoiceRegistry does)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), timeout=5.0, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            raise RegistryError(f"voice store {str(self.path)!r} is unreadable ({exc}); "
+                                "move it aside to start with an empty registry") from exc
+        except OSError as exc:
+            raise RegistryError(f"cannot create the voice store at {str(self.path)!r}: {exc}") from exc
+
+    def _migrate(self) -> None:
+        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise RegistryError(f"voice store {str(self.path)!r} has schema version {version}; "
+                                f"this voxgate reads up to {SCHEMA_VERSION}: upgrade voxgate")
+        if version == 0:
+            with self._transaction():
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        # Future versions: `if version == 1: ...migrate to 2...` here, one step at a time.
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        # IMMEDIATE takes the write lock up front: two writers queue instead of deadlocking.
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        self._db.close()
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    # -- voices -------------------------------------------------------------
+
+    def insert(self, record: VoiceRecord, features: tuple[str, str, bytes | None] | None = None,
+               *, replace_existing: bool = False) -> None:
+        """Store a voice (and its features for (backend, version)) in one transaction."""
+        with self._transaction():
+            if replace_existing:
+                self._db.execute("DELETE FROM voices WHERE voice_id = ?", (record.voice_id,))
+            try:
+                self._db.execute(
+                    f"INSERT INTO voices ({_VOICE_COLUMNS}, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (record.voice_id, record.name, record.language, record.transcript, record.audio,
+                     record.audio_format, record.sample_rate, record.duration_s, record.base_voice,
+                     record.source, record.source_digest, record.created_at, record.checksum()))
+            except sqlite3.IntegrityError:
+                raise VoiceExistsError(f"voice {record.voice_id!r} is registered already") from None
+            if features is not None:
+                self._put_features(record.voice_id, *features)
+
+    def get(self, voice_id: str) -> VoiceRecord | None:
+        """A voice by id, None when absent; raises CorruptRecordError when it fails its checksum."""
+        row = self._db.execute(f"SELECT {_VOICE_COLUMNS}, checksum FROM voices WHERE voice_id = ?",
+                               (voice_id,)).fetchone()
+        return None if row is None else self._record(row)
+
+    def load_all(self) -> tuple[list[VoiceRecord], dict[str, str]]:
+        """Every intact voice, and {voice_id: problem} for the corrupt ones."""
+        records: list[VoiceRecord] = []
+        corrupt: dict[str, str] = {}
+        for row in self._db.execute(f"SELECT {_VOICE_COLUMNS}, checksum FROM voices ORDER BY created_at"):
+            try:
+                records.append(self._record(row))
+            except CorruptRecordError as exc:
+                corrupt[str(row[0])] = str(exc)
+        return records, corrupt
+
+    def delete(self, voice_id: str) -> bool:
+        """Remove a voice and its features; False when there was none."""
+        with self._transaction():
+            cursor = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
+        return cursor.rowcount > 0
+
+    @staticmethod
+    def _record(row: tuple[Any, ...]) -> VoiceRecord:
+        try:
+            record = VoiceRecord(str(row[0]), row[1], row[2], row[3], bytes(row[4]), row[5],
+                                 int(row[6]), float(row[7]), row[8], row[9], row[10], float(row[11]))
+            is_intact = record.checksum() == row[12]
+        except (TypeError, ValueError) as exc:
+            raise CorruptRecordError(f"voice {row[0]!r} has a malformed column: {exc}") from None
+        if not is_intact:
+            raise CorruptRecordError(f"voice {row[0]!r} fails its checksum: the stored record "
+                                     "is damaged; delete it and register it again")
+        return record
+
+    # -- features -----------------------------------------------------------
+
+    def put_features(self, voice_id: str, backend: str, version: str, features: bytes | None) -> None:
+        with self._transaction():
+            self._put_features(voice_id, backend, version, features)
+
+    def _put_features(self, voice_id: str, backend: str, version: str, features: bytes | None) -> None:
+        self._db.execute(
+            "INSERT OR REPLACE INTO voice_features (voice_id, backend, version, features, checksum) "
+            "VALUES (?,?,?,?,?)",
+            (voice_id, backend, version, features, _digest(voice_id, backend, version, features)))
+
+    def get_features(self, voice_id: str, backend: str, version: str) -> StoredFeatures | None:
+        """Stored features, None when absent; raises CorruptRecordError when damaged."""
+        row = self._db.execute(
+            "SELECT features, checksum FROM voice_features WHERE voice_id=? AND backend=? AND version=?",
+            (voice_id, backend, version)).fetchone()
+        if row is None:
+            return None
+        features = None if row[0] is None else bytes(row[0])
+        if _digest(voice_id, backend, version, features) != row[1]:
+            raise CorruptRecordError(f"the {backend} features of voice {voice_id!r} fail their checksum")
+        return StoredFeatures(features)
+
+
+class VoiceRegistry:
+    """The store behind an async face: every call runs on one dedicated thread."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = Path(data_dir) / DB_NAME
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-registry")
+        self._store: VoiceStore | None = None
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
+
+    @property
+    def store(self) -> VoiceStore:
+        if self._store is None:
+            raise RegistryError("the voice registry is not open")
+        return self._store
+
+    async def open(self) -> None:
+        self._store = await self._call(VoiceStore, self.path)
+
+    async def close(self) -> None:
+        if self._store is not None:
+            await self._call(self._store.close)
+            self._store = None
+        self._executor.shutdown(wait=True)
+
+    async def insert(self, record: VoiceRecord, features: tuple[str, str, bytes | None] | None = None,
+                     *, replace_existing: bool = False) -> None:
+        await self._call(self.store.insert, record, features, replace_existing=replace_existing)
+
+    async def get(self, voice_id: str) -> VoiceRecord | None:
+        return await self._call(self.store.get, voice_id)
+
+    async def load_all(self) -> tuple[list[VoiceRecord], dict[str, str]]:
+        return await self._call(self.store.load_all)
+
+    async def delete(self, voice_id: str) -> bool:
+        return await self._call(self.store.delete, voice_id)
+
+    async def get_features(self, voice_id: str, backend: str, version: str) -> StoredFeatures | None:
+        return await self._call(self.store.get_features, voice_id, backend, version)
+
+    async def put_features(self, voice_id: str, backend: str, version: str,
+                           features: bytes | None) -> None:
+        await self._call(self.store.put_features, voice_id, backend, version, features)
+
+
+__all__ = ["SCHEMA_VERSION", "CorruptRecordError", "RegistryError", "StoredFeatures",
+           "VoiceExistsError", "VoiceRecord", "VoiceRegistry", "VoiceStore", "source_digest"]

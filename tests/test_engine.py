@@ -1,0 +1,141 @@
+"""The engine loop on a scripted backend: routing, cancel within a step, fault isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from engine.engine import Engine, EngineConfig
+from engine.errors import BackendFailure, EngineBusyError, UnknownVoiceError
+from engine.scheduler import SchedulerConfig
+from engine.types import RequestId, SynthesisRequest
+from tests.scripted_backend import ScriptedBackend
+
+
+def request(name: str, text: str = "hello", voice: str = "v", deadline: float | None = None) -> SynthesisRequest:
+    return SynthesisRequest(RequestId(name), text, voice, time.monotonic() if deadline is None else deadline)
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+async def started(backend: ScriptedBackend, **config) -> Engine:  # type: ignore[no-untyped-def]
+    engine = Engine(backend, EngineConfig(scheduler=SchedulerConfig(**config), warmup_text=""))
+    await engine.start()
+    return engine
+
+
+def test_requests_from_many_callers_are_batched_and_routed_to_their_owner() -> None:
+    async def scenario() -> tuple[dict, ScriptedBackend]:
+        backend = ScriptedBackend(max_batch_size=4, chunks_per_request=3)
+        engine = await started(backend, max_batch_size=4)
+
+        async def collect(name: str) -> int:
+            return sum([len(c.pcm) async for c in engine.submit(request(name))])
+
+        names = [f"r{n}" for n in range(6)]
+        totals = dict(zip(names, await asyncio.gather(*(collect(n) for n in names))))
+        await engine.stop()
+        return totals, backend
+
+    totals, backend = run(scenario())
+    assert set(totals.values()) == {3 * 1600}
+    assert max(len(b) for b in backend.batches) > 1, "requests were never batched"
+
+
+def test_cancel_during_a_step_drops_its_result_and_frees_it_before_the_next_step() -> None:
+    async def scenario() -> tuple[list, ScriptedBackend, Engine]:
+        backend = ScriptedBackend(chunks_per_request=50)
+        backend.gate = threading.Event()
+        engine = await started(backend)
+        got: list = []
+
+        async def consume() -> None:
+            async for chunk in engine.submit(request("victim")):
+                got.append(chunk)
+
+        task = asyncio.create_task(consume())
+        await asyncio.get_running_loop().run_in_executor(None, backend.step_started.wait, 5)
+        engine.cancel(RequestId("victim"))       # while its step is running
+        backend.gate.set()
+        await asyncio.wait_for(task, 5)           # the consumer ends quietly
+        steps_before = len(backend.batches)
+        other = [c async for c in engine.submit(request("other"))]
+        assert other and other[-1].is_last
+        await engine.stop()
+        return got, backend, engine
+
+    got, backend, engine = run(scenario())
+    assert got == []
+    assert "victim" in backend.released
+    assert all("victim" not in batch for batch in backend.batches[1:])
+    assert engine.stats.num_cancelled == 1
+
+
+def test_a_failing_request_ends_alone_and_the_others_are_served() -> None:
+    async def scenario() -> list:
+        backend = ScriptedBackend(max_batch_size=4)
+        engine = await started(backend, max_batch_size=4)
+
+        async def collect(name: str, text: str) -> object:
+            try:
+                return [c async for c in engine.submit(request(name, text))]
+            except BackendFailure as exc:
+                return exc
+
+        results = await asyncio.gather(collect("ok1", "fine"), collect("bad", "FAIL"), collect("ok2", "fine"))
+        results.append(await collect("crash", "CRASH whole step"))
+        results.append(await collect("after", "still serving"))
+        await engine.stop()
+        return results
+
+    ok1, bad, ok2, crash, after = run(scenario())
+    assert isinstance(bad, BackendFailure) and isinstance(crash, BackendFailure)
+    for good in (ok1, ok2, after):
+        assert isinstance(good, list) and good[-1].is_last
+
+
+def test_unknown_voice_is_reported_to_that_request() -> None:
+    async def scenario() -> None:
+        engine = await started(ScriptedBackend())
+        with pytest.raises(UnknownVoiceError):
+            async for _ in engine.submit(request("x", voice="nobody")):
+                pass
+        await engine.stop()
+
+    run(scenario())
+
+
+def test_a_reader_that_does_not_read_holds_back_only_its_own_request() -> None:
+    async def scenario() -> tuple[int, int]:
+        backend = ScriptedBackend(chunks_per_request=200, chunk_s=0.01)
+        engine = await started(backend)
+        stalled = engine.submit(request("stalled"))
+        first = await stalled.__anext__()       # then never read again
+        assert len(first.pcm)
+        done = [c async for c in engine.submit(request("reader"))]
+        steps_of_stalled = sum(1 for b in backend.batches if "stalled" in b)
+        await stalled.aclose()
+        await engine.stop()
+        return len(done), steps_of_stalled
+
+    num_chunks, stalled_steps = run(scenario())
+    assert num_chunks == 200
+    assert stalled_steps <= 17  # its queue of 16 filled, then it was not stepped
+
+
+def test_admission_answers_busy_past_the_limit() -> None:
+    async def scenario() -> None:
+        engine = await started(ScriptedBackend(), max_contexts=1)
+        engine.admit("a")
+        with pytest.raises(EngineBusyError, match="capacity"):
+            engine.admit("b")
+        engine.release_context("a")
+        engine.admit("b")
+        await engine.stop()
+
+    run(scenario())
