@@ -86,7 +86,7 @@ class Engine:
         self._task: asyncio.Task[None] | None = None
         self._voices: list[VoiceInfo] = []
         self.is_ready = False
-        self.failure: str | None = None
+        self.num_failed_steps_in_row = 0
 
     # -- lifecycle --------------------------------------------------------
     @property
@@ -104,6 +104,12 @@ class Engine:
         """Run `fn(*args)` in the worker thread, between steps (backends need no locks)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, *args)
+
+    @property
+    def is_healthy(self) -> bool:
+        """False when the loop died or the backend keeps failing (/readyz turns false)."""
+        loop_alive = self._task is not None and not self._task.done()
+        return loop_alive and self.num_failed_steps_in_row < 3
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -220,13 +226,30 @@ class Engine:
                 results = await loop.run_in_executor(self._executor, self.backend.step, batch)
                 if len(results) != len(batch):
                     raise BackendFailure(f"backend returned {len(results)} results for {len(batch)} items")
+                self.num_failed_steps_in_row = 0
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a failed step ends only its batch
+            except Exception as exc:  # noqa: BLE001 - a failed step ends only its culprits
                 log.exception("backend step failed for %d requests", len(batch))
-                results = [StepResult(error=exc) for _ in batch]
+                self.num_failed_steps_in_row += 1
+                if len(batch) == 1:
+                    results = [StepResult(error=exc)]
+                else:
+                    # Re-run the batch one request at a time so that a fault ends only
+                    # the request that causes it, not its batch-mates from other sessions.
+                    results = await loop.run_in_executor(self._executor, self._step_isolated, batch)
             elapsed = time.monotonic() - started
             self._route(batch, results, elapsed)
+
+    def _step_isolated(self, batch: list[BackendRequest]) -> list[StepResult]:
+        results: list[StepResult] = []
+        for item in batch:
+            try:
+                (result,) = self.backend.step([item])
+            except Exception as exc:  # noqa: BLE001 - this item is the culprit
+                result = StepResult(error=exc)
+            results.append(result)
+        return results
 
     def _prepare_all(self, handles: list[_Handle]) -> list[BackendRequest | BaseException]:
         out: list[BackendRequest | BaseException] = []

@@ -29,9 +29,13 @@ class SchedulerConfig:
     #: at a time in arrival order (the naive server, kept as a benchmark baseline).
     policy: str = "edf"
     max_batch_size: int = 8
+    #: a batch of work that is not yet due stops growing at this predicted step
+    #: length, so a new turn's first segment never waits behind a long step of
+    #: look-ahead work (a step cannot be interrupted once it runs)
+    max_background_step_s: float = 0.25
     max_queued_requests: int = 4096
     max_contexts: int = 0
-    min_contexts: int = 2
+    min_contexts: int = 16
     target_utilization: float = 0.7
     #: a context is assumed to need this much audio per second of wall time
     #: (1.0: it talks all the time); lower values admit more listeners who pause.
@@ -175,7 +179,10 @@ class Scheduler:
             # Grow while the urgent request still makes its deadline, or while the
             # candidate is itself due before the step could end (then serving it
             # now, batched, beats making it wait a whole further step).
-            if step_end <= urgent_deadline or ready[size].item.request.deadline <= step_end:
+            is_due = ready[size].item.request.deadline <= step_end
+            fits = step_end <= urgent_deadline and (
+                self.cost.step_seconds(size + 1) <= self.config.max_background_step_s)
+            if is_due or fits:
                 size += 1
             else:
                 break

@@ -18,9 +18,11 @@ from starlette.staticfiles import StaticFiles
 from engine.backends import create_backend
 from engine.engine import Engine, EngineConfig
 from engine.scheduler import SchedulerConfig
+from gateway.auth import KeyCounter, is_authorized, presented_key
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
 from gateway.speech import speech_endpoint
+from gateway.voices import VoiceConfig, VoiceService, voice_routes
 from gateway.ws import stream_endpoint
 
 log = logging.getLogger("voxgate.gateway")
@@ -34,14 +36,72 @@ class AppState:
     engine: Engine
     metrics: Metrics
     connections: set[Any] = field(default_factory=set)
+    key_counter: KeyCounter = field(default_factory=KeyCounter)
     is_shutting_down: bool = False
+
+    def num_open_contexts(self) -> int:
+        return sum(len(c.session.contexts) for c in self.connections)
+
+
+class AuthMiddleware:
+    """HTTP requests under /v1/ need a key when auth is on (the socket checks its own)."""
+
+    def __init__(self, app: Any, state: AppState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            request = Request(scope)
+            key = presented_key(request.headers, dict(request.query_params))
+            if not is_authorized(self.state.config.auth, key):
+                self.state.metrics.observe("error:unauthorized", 1)
+                response = JSONResponse({"error": {"code": "unauthorized", "message":
+                                        "a valid API key is required: Authorization: Bearer <key>"}},
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def drain(state: AppState, grace_s: float) -> None:
+    """Graceful shutdown: refuse new work, let open contexts finish, close sockets with 1001."""
+    import asyncio
+    import time
+
+    state.is_shutting_down = True
+    deadline = time.monotonic() + grace_s
+    while state.num_open_contexts() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    log.info("shutdown: %d contexts still open after the grace period", state.num_open_contexts())
+    for connection in list(state.connections):
+        connection.close_going_away()
+    end = time.monotonic() + 2.0
+    while state.connections and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+
+
+class WebFiles(StaticFiles):
+    """The web client, revalidated on every load so an upgrade reaches browsers at once."""
+
+    def file_response(self, *args: Any, **kwargs: Any) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers["Cache-Control"] = "no-cache"
+        return response
 
 
 def build_engine(config: GatewayConfig) -> Engine:
     options = dict(config.engine_options)
     options.setdefault("max_batch_size", config.max_batch_size)
+    if config.engine == "piper":  # Piper models dropped into <data_dir>/voices/ (docs/voices.md)
+        voices_dir = config.data_dir / "voices"
+        with contextlib.suppress(OSError):
+            voices_dir.mkdir(parents=True, exist_ok=True)
+        if voices_dir.is_dir():
+            options.setdefault("voices_dir", voices_dir)
     backend = create_backend(config.engine, **options)
-    scheduler = SchedulerConfig(max_batch_size=config.max_batch_size, max_contexts=config.max_contexts)
+    scheduler = SchedulerConfig(policy=config.scheduler_policy, max_batch_size=config.max_batch_size,
+                                max_contexts=config.max_contexts)
     return Engine(backend, EngineConfig(scheduler=scheduler))
 
 
@@ -51,7 +111,7 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     state: AppState = request.app.state.voxgate
-    ready = state.engine.is_ready and not state.is_shutting_down
+    ready = state.engine.is_ready and state.engine.is_healthy and not state.is_shutting_down
     return JSONResponse({"ready": ready, "engine": state.engine.backend.name},
                         status_code=200 if ready else 503)
 
@@ -62,23 +122,17 @@ async def metrics(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def list_voices(request: Request) -> Response:
-    state: AppState = request.app.state.voxgate
-    voices = [{"id": v.voice_id, "name": v.name, "language": v.language, "backend": v.backend,
-               "sample_rate": v.sample_rate, "builtin": v.is_builtin,
-               "supports_instructions": v.supports_instructions} for v in state.engine.voices]
-    return JSONResponse({"voices": voices, "default": state.config.voice})
-
-
 def create_app(config: GatewayConfig | None = None, engine: Engine | None = None) -> Starlette:
     """The voxgate app. `engine` may be given (tests inject a scripted backend)."""
     config = config or GatewayConfig.from_env()
     engine = engine or build_engine(config)
     state = AppState(config, engine, Metrics(engine))
+    voice_service = VoiceService(VoiceConfig.from_gateway(config), engine, state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
+        await voice_service.start()  # registered voices join the engine's list
         voices = {v.voice_id for v in engine.voices}
         if config.voice not in voices:
             raise SystemExit(f"default voice {config.voice!r} is not loaded; have: {', '.join(sorted(voices))}")
@@ -86,19 +140,22 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
             yield
         finally:
             state.is_shutting_down = True
+            await voice_service.stop()
             await engine.stop()
 
     routes: list[Any] = [
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics),
-        Route("/v1/voices", list_voices, methods=["GET"]),
+        *voice_routes(),
         Route("/v1/audio/speech", speech_endpoint, methods=["POST"]),
         WebSocketRoute("/v1/stream", stream_endpoint),
     ]
     web_dir = config.web_dir or WEB_DIR
     if web_dir.is_dir():
-        routes.append(Mount("/", StaticFiles(directory=web_dir, html=True), name="web"))
+        routes.append(Mount("/", WebFiles(directory=web_dir, html=True), name="web"))
     app = Starlette(routes=routes, lifespan=lifespan)
+    app.add_middleware(AuthMiddleware, state=state)
     app.state.voxgate = state
+    app.state.voice_service = voice_service
     return app

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
+from types import FrameType
+from typing import Any
 
 import uvicorn
 
+from gateway.auth import AuthConfig, check_exposure, load_keys
 from gateway.config import GatewayConfig
+
+log = logging.getLogger("voxgate.gateway")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,30 +29,114 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, help="most segments per engine step (default 8)")
     serve.add_argument("--max-contexts", type=int,
                        help="admission limit on talking contexts (default 0: measured)")
+    serve.add_argument("--scheduler", choices=["edf", "fifo"],
+                       help="edf: deadline-aware batching (default); fifo: one at a time (baseline)")
+    serve.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                       help="a backend option, repeatable (cosyvoice: model_dir=PATH; docs/cosyvoice.md)")
     serve.add_argument("--data-dir", help="where registered voices are stored")
+    serve.add_argument("--voice-assets", help="folder of name.wav + name.txt voices registered at "
+                       "start-up (default <data-dir>/assets; VOXGATE_VOICE_ASSETS)")
+    serve.add_argument("--api-keys-file", help="file of API keys, one per line (also VOXGATE_API_KEYS)")
+    serve.add_argument("--allowed-origins", help="comma-separated browser origins allowed on the socket "
+                       "(same-origin pages and clients without Origin are always allowed; * allows all)")
+    serve.add_argument("--no-auth", action="store_true",
+                       help="allow listening on a non-loopback address without API keys")
+    serve.add_argument("--max-sessions", type=int, help="most open sockets (default 1000)")
+    serve.add_argument("--shutdown-grace", type=float,
+                       help="seconds open contexts may finish after SIGTERM (default 10)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains open contexts before exiting.
+
+    uvicorn's own shutdown fails open WebSockets at once (1012); voxgate lets
+    them finish up to the grace period and then closes them with 1001.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: Any, grace_s: float) -> None:
+        super().__init__(config)
+        self.voxgate_state = state
+        self.grace_s = grace_s
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self.should_exit:
+            return super().handle_exit(sig, frame)  # a second signal: stop now
+        from gateway.app import drain
+
+        log.info("signal %d: draining open contexts (grace %.0f s)", sig, self.grace_s)
+
+        async def drain_then_exit() -> None:
+            await drain(self.voxgate_state, self.grace_s)
+            self.should_exit = True
+
+        loop = asyncio.get_running_loop()
+        self._drain_task = loop.create_task(drain_then_exit())
+
+
+def _engine_options(items: list[str]) -> dict[str, str] | None:
+    """`--engine-option KEY=VALUE` flags as a dict (None when there are none)."""
+    options: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--engine-option expects KEY=VALUE, got {item!r}")
+        options[key.strip()] = value
+    return options or None
+
+
+def _tune_malloc() -> None:
+    """Keep glibc from holding freed audio and tensor buffers (steady RSS under churn).
+
+    glibc raises its mmap threshold as large blocks are freed, after which big
+    PCM and inference buffers come from the heap and are rarely returned; a
+    fixed 1 MiB threshold and few arenas keep RSS flat across thousands of
+    sessions (docs/operations.md has the numbers).
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc
+    m_mmap_threshold, m_arena_max = -3, -8
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+    libc.mallopt(m_arena_max, 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _tune_malloc()
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     port = args.port if args.port is not None else (int(os.environ["PORT"]) if "PORT" in os.environ else None)
     try:
+        origins = args.allowed_origins or os.environ.get("VOXGATE_ALLOWED_ORIGINS", "")
+        auth = AuthConfig(api_keys=load_keys(keys_file=args.api_keys_file),
+                          allowed_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
+                          allow_no_auth=args.no_auth)
         config = GatewayConfig.from_env(host=args.host, port=port, engine=args.engine, voice=args.voice,
                                         max_batch_size=args.max_batch_size,
-                                        max_contexts=args.max_contexts, data_dir=args.data_dir)
-    except (TypeError, ValueError) as exc:
+                                        max_contexts=args.max_contexts, data_dir=args.data_dir,
+                                        scheduler_policy=args.scheduler, auth=auth,
+                                        max_sessions=args.max_sessions,
+                                        shutdown_grace_s=args.shutdown_grace,
+                                        engine_options=_engine_options(args.engine_option))
+        log.info(check_exposure(config.host, config.auth))
+    except (TypeError, ValueError, OSError) as exc:
         print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
         return 2
     from gateway.app import create_app
 
     app = create_app(config)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level,
-                ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
-                ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
-                timeout_graceful_shutdown=int(config.shutdown_grace_s))
+    server = DrainingServer(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=args.log_level,
+        ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
+        ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
+        timeout_graceful_shutdown=5), app.state.voxgate, config.shutdown_grace_s)
+    server.run()
     return 0
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gateway.auth import AuthConfig
 from gateway.messages import Limits
 
 
@@ -24,9 +25,14 @@ class GatewayConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)
     max_batch_size: int = 8
     max_contexts: int = 0
+    scheduler_policy: str = "edf"
     data_dir: Path = field(default_factory=_default_data_dir)
     limits: Limits = field(default_factory=Limits)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    max_sessions: int = 1000
+    max_sockets_per_key: int = 200
     web_dir: Path | None = None
+    voice_assets: Path | None = None
     ws_ping_interval_s: float = 20.0
     shutdown_grace_s: float = 10.0
 
@@ -35,6 +41,10 @@ class GatewayConfig:
             raise ValueError(f"port must be within 0-65535, got {self.port}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.max_sockets_per_key < 1:
+            raise ValueError(f"max_sockets_per_key must be >= 1, got {self.max_sockets_per_key}")
         if self.max_contexts < 0:
             raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
         self.data_dir = Path(self.data_dir)
@@ -44,7 +54,7 @@ class GatewayConfig:
         """VOXGATE_<FIELD> variables (e.g. VOXGATE_PORT=9000), then explicit overrides."""
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        simple = {f.name: f for f in fields(cls) if f.name not in ("limits", "engine_options")}
+        simple = {f.name: f for f in fields(cls) if f.name not in ("limits", "engine_options", "auth")}
         for name in simple:
             raw = env.get("VOXGATE_" + name.upper())
             if raw is None:
@@ -56,9 +66,15 @@ class GatewayConfig:
                 values[name] = int(raw)
             elif isinstance(current, float):
                 values[name] = float(raw)
-            elif isinstance(current, Path) or name == "web_dir":
+            elif isinstance(current, Path) or name in ("web_dir", "voice_assets"):
                 values[name] = Path(raw)
             else:
                 values[name] = raw
+        limits = Limits()
+        for f in fields(Limits):
+            raw = env.get("VOXGATE_LIMIT_" + f.name.upper())
+            if raw is not None:
+                setattr(limits, f.name, type(getattr(limits, f.name))(raw))
+        values["limits"] = Limits(**{f.name: getattr(limits, f.name) for f in fields(Limits)})
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

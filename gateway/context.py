@@ -30,7 +30,8 @@ class Segment:
     segment_id: int
     text: str
     request_id: RequestId
-    submitted_at: float
+    released_at: float            # when the segmenter released it: complete in the input
+    is_submitted: bool = False    # handed to the engine (within the look-ahead window)
     chunks: deque[AudioChunk] = field(default_factory=deque)
     is_synthesized: bool = False
     is_started: bool = False
@@ -72,7 +73,7 @@ class Context:
         return None
 
     def pending_requests(self) -> list[RequestId]:
-        return [s.request_id for s in self.segments if not s.is_synthesized]
+        return [s.request_id for s in self.segments if s.is_submitted and not s.is_synthesized]
 
     def is_drained(self) -> bool:
         """Every segment synthesized and framed, and no more text can come."""

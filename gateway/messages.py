@@ -37,6 +37,11 @@ class Limits:
     max_open_contexts: int = 16
     idle_timeout_s: float = 300.0
     max_send_buffer_bytes: int = 4 * 1024 * 1024
+    slow_consumer_timeout_s: float = 10.0
+    #: token buckets per socket: sustained rate, with bursts of `burst_s` seconds' worth
+    max_text_chars_per_s: float = 4000.0
+    max_messages_per_s: float = 400.0
+    burst_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_text_per_context", "max_open_contexts"):
@@ -44,12 +49,16 @@ class Limits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.max_text_chars_per_s <= 0 or self.max_messages_per_s <= 0 or self.burst_s <= 0:
+            raise ValueError("rate limits must be > 0")
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_message_bytes": self.max_message_bytes,
                 "max_text_per_context": self.max_text_per_context,
                 "max_open_contexts": self.max_open_contexts,
-                "idle_timeout_s": self.idle_timeout_s}
+                "idle_timeout_s": self.idle_timeout_s,
+                "max_text_chars_per_s": self.max_text_chars_per_s,
+                "max_messages_per_s": self.max_messages_per_s}
 
 
 @dataclass(slots=True)
@@ -146,6 +155,26 @@ def apply_update(options: SessionOptions, fields: dict[str, Any],
     if updated.codec == "mulaw":
         updated.sample_rate = 8000
     return updated
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """A rate limit with bursts; time is passed in."""
+
+    rate: float
+    capacity: float
+    tokens: float = -1.0
+    updated: float = 0.0
+
+    def take(self, amount: float, now: float) -> bool:
+        if self.tokens < 0:
+            self.tokens, self.updated = self.capacity, now
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if amount > self.tokens:
+            return False
+        self.tokens -= amount
+        return True
 
 
 # -- client messages --------------------------------------------------------

@@ -78,7 +78,7 @@ class CorruptRecordError(RegistryError):
     """A stored record fails its checksum; it is reported, never served."""
 
 
-def _digest(*parts: str | bytes | int | float | None) -> str:
+def _digest(*parts: str | bytes | float | None) -> str:
     """SHA-256 over typed, length-prefixed parts (no two field lists hash alike)."""
     h = hashlib.sha256()
     for part in parts:

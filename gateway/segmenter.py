@@ -122,7 +122,8 @@ def count_words(text: str) -> int:
 
 def _cap_index(text: str, cap: int) -> int | None:
     """Index of the first character that no longer fits under `cap`, or None."""
-    if text.isascii() and CODE_OPEN not in text:
+    head = text[: cap + 1]
+    if head.isascii() and CODE_OPEN not in head:
         return cap if len(text) > cap else None
     weight = 0
     for i, char in enumerate(text):
@@ -297,8 +298,9 @@ class Segmenter:
             word = _NEXT_WORD.match(text, k)
             if word is None:
                 return _NO, j
-            if word.end() == len(text) and not final:
-                return _WAIT, i
+            after_word = text[word.end():word.end() + 2]
+            if not final and (not after_word or (after_word in "'’" and len(after_word) == 1)):
+                return _WAIT, i  # the word may go on ("Let" -> "Let's")
             is_initial = word.end() < len(text) and text[word.end()] == "."
             if word.group() not in _OPENER_WORDS or is_initial:
                 return _NO, j

@@ -26,7 +26,8 @@ from gateway.audio import make_encoder
 from gateway.context import Context, ContextState, Segment
 from gateway.errors import ProtocolError, error_message
 from gateway.messages import (
-    PROTOCOL_VERSION, Limits, SessionOptions, apply_update, context_id_of, decode_frame, optional_ms,
+    PROTOCOL_VERSION, Limits, SessionOptions, TokenBucket, apply_update, context_id_of, decode_frame,
+    optional_ms,
 )
 from gateway.segmenter import Segmenter, SegmenterConfig
 
@@ -37,6 +38,8 @@ EST_S_PER_CHAR = 0.065
 REALTIME_LEAD_MS = 1500.0
 FRAMES_PER_MESSAGE = 5
 MAX_REMEMBERED_CLOSED = 4096
+MAX_SEGMENTS_AHEAD = 4
+MAX_RECENT_DONE = 8
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,12 +91,16 @@ class Session:
         self._release = release
         self.contexts: dict[str, Context] = {}     # open, in creation order
         self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
+        self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
         self._by_request: dict[RequestId, Context] = {}
         self._request_ids = itertools.count()
         self._timeline_end = 0.0  # when all audio submitted so far will have played
         self._playback_end = 0.0  # when the audio of finished contexts ends playing
         self.is_closing = False
         self.last_activity = 0.0
+        limits = self.limits
+        self._message_rate = TokenBucket(limits.max_messages_per_s, limits.max_messages_per_s * limits.burst_s)
+        self._text_rate = TokenBucket(limits.max_text_chars_per_s, limits.max_text_chars_per_s * limits.burst_s)
 
     # -- entry points -------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -107,6 +114,9 @@ class Session:
         self.last_activity = now
         context_id: str | None = None
         try:
+            if not self._message_rate.take(1, now):
+                raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
+                                    "messages per second; the message was dropped")
             message = decode_frame(raw, self.limits.max_message_bytes)
             context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
             return self._dispatch(message, now)
@@ -204,6 +214,9 @@ class Session:
             raise ProtocolError("text_too_long", f"context {context_id!r} would exceed "
                                 f"{self.limits.max_text_per_context} characters; the delta was dropped",
                                 context_id=context_id)
+        if not self._text_rate.take(len(text), now):
+            raise ProtocolError("rate_limited", f"more than {self.limits.max_text_chars_per_s:g} characters "
+                                "of text per second; the delta was dropped", context_id=context_id)
         context.num_text_chars += len(text)
         actions = self._submit_segments(context, context.segmenter.push(text, now), now)
         if flush:
@@ -228,8 +241,18 @@ class Session:
             targets = list(self.contexts.values())
         elif context_id in self.contexts:
             targets = [self.contexts[context_id]]
+        elif context_id in self._recent_done:
+            # All audio was sent, but the listener may still be playing it (asap
+            # pacing runs far ahead): split the text at what was heard.
+            done = self._recent_done.pop(context_id)
+            heard = played_ms if played_ms is not None else done.played_ms
+            heard = done.audio_ms_sent if heard is None else min(heard, done.audio_ms_sent)
+            spoken, unspoken = done.split_heard(heard)
+            return [Send({"type": "cancelled", "context_id": context_id,
+                          "audio_ms_sent": round(done.audio_ms_sent, 1), "played_ms": played_ms,
+                          "spoken_text": spoken, "unspoken_text": unspoken}), Observe("cancel", 1)]
         elif context_id in self._closed:
-            # Already finished or cancelled: answer idempotently, nothing more to stop.
+            # Already cancelled (or long finished): answer idempotently, nothing to stop.
             return [Send({"type": "cancelled", "context_id": context_id, "audio_ms_sent": None,
                           "played_ms": played_ms, "spoken_text": None, "unspoken_text": None})]
         else:
@@ -265,7 +288,7 @@ class Session:
         played_ms = optional_ms(message, "played_ms")
         if played_ms is None:
             raise ProtocolError("bad_message", "'playback' needs a number field 'played_ms'")
-        context = self.contexts.get(context_id or "")
+        context = self.contexts.get(context_id or "") or self._recent_done.get(context_id or "")
         if context is not None:
             context.played_ms = played_ms
         return []
@@ -315,20 +338,36 @@ class Session:
         return actions
 
     def _submit_segments(self, context: Context, texts: list[str], now: float) -> list[Action]:
-        actions: list[Action] = []
-        options = context.options
+        """Queue released segments, then submit as many as the look-ahead window allows."""
         for text in texts:
             request_id = RequestId(f"{self.session_id}:{next(self._request_ids)}")
-            segment = Segment(len(context.segments), text, request_id, now)
-            context.segments.append(segment)
-            self._by_request[request_id] = context
-            # Deadline: when the audio already promised runs out (DESIGN.md, Engine).
-            deadline = max(now, self._timeline_end)
-            self._timeline_end = deadline + EST_S_PER_CHAR * len(text) / options.speed
-            actions.append(Submit(SynthesisRequest(
-                request_id, text, options.voice, deadline, context_key=context.key,
-                language=options.language, instructions=options.instructions,
-                params=SamplingParams(speed=options.speed))))
+            context.segments.append(Segment(len(context.segments), text, request_id, now))
+        return self._submit_ready(now)
+
+    def _submit_ready(self, now: float) -> list[Action]:
+        # At most MAX_SEGMENTS_AHEAD segments per socket are with the engine or
+        # waiting to be framed: audio a client cannot play yet is not made yet,
+        # so a client that stops reading cannot make the server hold hours of PCM.
+        in_flight = sum(1 for c in self.contexts.values() for s in c.segments
+                        if s.is_submitted and not s.is_sent)
+        actions: list[Action] = []
+        for context in self.contexts.values():
+            options = context.options
+            for segment in context.segments:
+                if segment.is_submitted:
+                    continue
+                if in_flight >= MAX_SEGMENTS_AHEAD:
+                    return actions
+                segment.is_submitted = True
+                in_flight += 1
+                self._by_request[segment.request_id] = context
+                # Deadline: when the audio already promised runs out (DESIGN.md, Engine).
+                deadline = max(now, self._timeline_end)
+                self._timeline_end = deadline + EST_S_PER_CHAR * len(segment.text) / options.speed
+                actions.append(Submit(SynthesisRequest(
+                    segment.request_id, segment.text, options.voice, deadline, context_key=context.key,
+                    language=options.language, instructions=options.instructions,
+                    params=SamplingParams(speed=options.speed))))
         return actions
 
     def _end_context(self, context: Context, state: ContextState) -> list[Action]:
@@ -340,8 +379,12 @@ class Session:
         context.outbox.clear()
         context.segmenter.clear()
         context.state = state
-        if state is ContextState.DONE and context.play_started_at is not None:
-            self._playback_end = context.play_started_at + context.audio_ms_sent / 1000.0
+        if state is ContextState.DONE:
+            if context.play_started_at is not None:
+                self._playback_end = context.play_started_at + context.audio_ms_sent / 1000.0
+            self._recent_done[context.context_id] = context
+            while len(self._recent_done) > MAX_RECENT_DONE:
+                self._recent_done.popitem(last=False)
         self.contexts.pop(context.context_id, None)
         if not self.contexts and state is not ContextState.DONE:
             self._timeline_end = 0.0  # nothing promised any more
@@ -360,6 +403,7 @@ class Session:
         actions: list[Action] = []
         while (context := self._active_context()) is not None:
             self._frame_ready_audio(context, now, actions)
+            actions += self._submit_ready(now)
             self._release_outbox(context, now, actions)
             if not context.is_drained():
                 break
@@ -388,7 +432,7 @@ class Session:
                                          "duration_ms": None if duration is None else round(duration, 1),
                                          "words": _words_wire(chunk)}))
                     if segment.segment_id == 0:
-                        actions.append(Observe("ttfa", now - segment.submitted_at))
+                        actions.append(Observe("ttfa", now - segment.released_at))
                 segment.audio_ms += chunk.duration_ms
                 context.pcm_ms_framed += chunk.duration_ms
                 self._queue_frames(context, encoder.encode(chunk.pcm))

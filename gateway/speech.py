@@ -42,6 +42,8 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 async def speech_endpoint(request: Request) -> Response:
     state = request.app.state.voxgate
     engine: Engine = state.engine
+    if state.is_shutting_down:
+        return _error(503, "busy", "the server is shutting down")
     try:
         body = await request.json()
     except (ValueError, UnicodeDecodeError):

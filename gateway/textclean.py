@@ -40,7 +40,7 @@ _GAP = (
 # Invisible glue removed without a gap: zero-width joiners and spaces, soft
 # hyphen, variation selectors, keycap, skin tones, tag characters, controls.
 _SILENT = (
-    "\x00-\x01\x04-\x08\x0b-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+    "\x00-\x01\x04-\x08\x0e-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u2028-\u202e\u2060-\u206f"
     "\ufe00-\ufe0f\ufeff\u20e3\U0001f3fb-\U0001f3ff\U000e0000-\U000e007f\ud800-\udfff\\\\"
 )
 _SPACES = "\t\x0b\x0c\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000"
@@ -50,6 +50,7 @@ _GAP_RE = re.compile(f"[{_GAP}]+")
 _SILENT_RE = re.compile(f"[{_SILENT}\x02\x03\r]+")
 _SPACES_RE = re.compile(f"[{_SPACES}]+")
 _BACKTICKS = re.compile(r"`+")
+_BREAK_RE = re.compile(r"(.)\n(?=(.))", re.DOTALL)
 _INDENT = re.compile(r"[ \t]*")
 _HEADING = re.compile(r"#{1,6}(?=[ \t\n])[ \t]*")
 _BULLET = re.compile(r"[-*+\u2022][ \t]+")
@@ -78,8 +79,11 @@ def clean_for_speech(text: str, code_block_text: str = "") -> str:
 
 
 def strip_marks(text: str) -> str:
-    """Cleaner output -> plain speakable text (breaks become spaces)."""
-    return text.replace(CODE_OPEN, "").replace(CODE_CLOSE, "").replace(BREAK, " ")
+    """Cleaner output -> plain speakable text (breaks become spaces, none between Han)."""
+    text = text.replace(CODE_OPEN, "").replace(CODE_CLOSE, "")
+    if BREAK not in text:
+        return text
+    return _BREAK_RE.sub(lambda m: m.group(1) + ("" if is_cjk(m.group(1)) and is_cjk(m.group(2)) else " "), text)
 
 
 class SpeechCleaner:
@@ -229,7 +233,7 @@ class SpeechCleaner:
         line = raw[at:] if rest_end < 0 else raw[at:rest_end]
         if char == "\n":  # blank line
             self._block_break()
-            self._is_newline_pending = False
+            self._is_newline_pending = self._is_heading_line = False
             return at + 1
         if char in "`~":
             run = len(line) - len(line.lstrip(char))
@@ -240,6 +244,7 @@ class SpeechCleaner:
                     return None
                 self._fence = char * run
                 self._block_break()
+                self._is_heading_line = False
                 if self.code_block_text:
                     self._emit_text(self.code_block_text)
                     self._block_break()
@@ -258,7 +263,7 @@ class SpeechCleaner:
                     return None
                 if line.count(char) >= 3:
                     self._block_break()
-                    self._is_newline_pending = False
+                    self._is_newline_pending = self._is_heading_line = False
                     return len(raw) if rest_end < 0 else rest_end + 1
         if char in "-*+\u2022":
             if at + 1 == len(raw) and not final:
@@ -302,7 +307,7 @@ class SpeechCleaner:
     def _read_table_row(self, line: str) -> None:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         self._block_break()
-        self._is_newline_pending = False
+        self._is_newline_pending = self._is_heading_line = False
         if all(_TABLE_SEPARATOR.fullmatch(c) for c in cells):
             return
         is_first = True

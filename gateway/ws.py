@@ -22,9 +22,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.engine import Engine
 from engine.errors import VoxgateError
 from engine.types import RequestId, SynthesisRequest
+from gateway.auth import is_authorized, is_origin_allowed, presented_key
 from gateway.errors import (
-    CLOSE_GOING_AWAY, CLOSE_IDLE_TIMEOUT, CLOSE_POLICY_VIOLATION, CLOSE_SLOW_CONSUMER, ProtocolError,
-    error_message,
+    CLOSE_FORBIDDEN, CLOSE_GOING_AWAY, CLOSE_IDLE_TIMEOUT, CLOSE_POLICY_VIOLATION, CLOSE_SLOW_CONSUMER,
+    CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED, ProtocolError, error_message,
 )
 from gateway.messages import SessionOptions, apply_update, encode_audio, encode_event
 from gateway.session import Action, Cancel, Close, Observe, Send, Session, Submit
@@ -63,30 +64,41 @@ class Connection:
         self._consumers: dict[RequestId, asyncio.Task[None]] = {}
         self._outbox: deque[str | bytes | Close] = deque()
         self._outbox_bytes = 0
+        self._room = asyncio.Event()       # set while the outbox is under its soft limit
+        self._room.set()
+        self._last_progress = time.monotonic()
         self._wake_writer = asyncio.Event()
         self._wake_timer = asyncio.Event()
         self._closing: Close | None = None
         self._done = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._write_loop())
+        self._writer = asyncio.create_task(self._write_loop())
         timer = asyncio.create_task(self._timer_loop())
+        reader = asyncio.create_task(self._read_loop())
         try:
             self._execute(self.session.start(time.monotonic()))
-            await self._read_loop()
+            # The socket is done when the client leaves (reader) or the server
+            # closed it, cleanly or by force (writer).
+            await asyncio.wait({reader, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            if not self._writer.done() and self._closing is not None:
+                await self._drain_writer(self._writer)
         finally:
-            for task in (timer, *self._consumers.values()):
+            for task in (timer, reader, *self._consumers.values()):
                 task.cancel()
             self._execute(self.session.disconnect())
-            if not self._done.is_set():
-                await self._drain_writer(writer)
-            writer.cancel()
+            self._writer.cancel()
 
     async def _drain_writer(self, writer: asyncio.Task[None]) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(writer), timeout=1.0)
+            await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
             pass
+
+    def close_going_away(self) -> None:
+        """Server shutdown: close with 1001 after what is queued."""
+        self._close(Close(CLOSE_GOING_AWAY, "server is shutting down"))
 
     # -- reading ---------------------------------------------------------------
     async def _read_loop(self) -> None:
@@ -110,7 +122,6 @@ class Connection:
                 raw = message.get("bytes") or b""
             self._execute(self.session.receive_frame(raw, time.monotonic()))
             if self._closing is not None:
-                await self._done.wait()
                 return
 
     # -- engine requests ---------------------------------------------------------
@@ -121,6 +132,10 @@ class Connection:
     async def _consume(self, request: SynthesisRequest) -> None:
         try:
             async for chunk in self.engine.submit(request):
+                # Backpressure: while the client has not read what is queued, stop
+                # taking audio; the engine then stops stepping this request.
+                if not await self._wait_for_room():
+                    return
                 self._execute(self.session.receive_audio(chunk, time.monotonic()))
         except asyncio.CancelledError:
             raise
@@ -131,6 +146,22 @@ class Connection:
             self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
         finally:
             self._consumers.pop(request.request_id, None)
+
+    @property
+    def _soft_limit(self) -> int:
+        return self.session.limits.max_send_buffer_bytes // 4
+
+    async def _wait_for_room(self) -> bool:
+        """Wait until the outbox drains below its soft limit; False once the socket is closing."""
+        timeout = self.session.limits.slow_consumer_timeout_s
+        while self._outbox_bytes > self._soft_limit and self._closing is None:
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), timeout)
+            except asyncio.TimeoutError:
+                if time.monotonic() - self._last_progress >= timeout:
+                    self._slow_consumer(f"nothing read for {timeout:g} s")
+        return self._closing is None
 
     # -- acting ------------------------------------------------------------------
     def _execute(self, actions: list[Action]) -> None:
@@ -161,14 +192,25 @@ class Connection:
         self._outbox_bytes += len(frame)
         self._wake_writer.set()
         if self._outbox_bytes > self.session.limits.max_send_buffer_bytes:
-            # PROTOCOL.md: a client that stops reading may not grow server memory.
-            self._outbox.clear()
-            self._outbox_bytes = 0
-            slow = error_message(ProtocolError("slow_consumer", "the client is not reading its audio; "
-                                               "closing", fatal=True))
-            self._outbox.append(encode_event(slow, options.encoding))
-            self.metrics.observe("error:slow_consumer", 1)
-            self._close(Close(CLOSE_SLOW_CONSUMER, "slow consumer"))
+            self._slow_consumer(f"over {self.session.limits.max_send_buffer_bytes} bytes queued")
+
+    def _slow_consumer(self, why: str) -> None:
+        """PROTOCOL.md: a client that stops reading may not grow server memory."""
+        if self._closing is not None:
+            return
+        # The writer is stuck on a full socket: drop what is queued and end the
+        # connection by force (the close frame may never get through).
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        slow = error_message(ProtocolError("slow_consumer", "the client is not reading its audio "
+                                           f"({why}); closing", fatal=True))
+        self._outbox.append(encode_event(slow, self.session.options.encoding))
+        self.metrics.observe("error:slow_consumer", 1)
+        self._close(Close(CLOSE_SLOW_CONSUMER, "slow consumer"))
+        log.warning("session %s: slow consumer (%s), closing", self.session.session_id, why)
+        if self._writer is not None:
+            self._writer.cancel()
+        self._room.set()
 
     def _close(self, action: Close) -> None:
         if self._closing is None:
@@ -186,11 +228,14 @@ class Connection:
                 if isinstance(frame, Close):
                     await self.ws.close(frame.code, frame.reason)
                     return
-                self._outbox_bytes -= len(frame)
                 if isinstance(frame, bytes):
                     await self.ws.send_bytes(frame)
                 else:
                     await self.ws.send_text(frame)
+                self._outbox_bytes -= len(frame)
+                self._last_progress = time.monotonic()
+                if self._outbox_bytes <= self._soft_limit:
+                    self._room.set()
         except (WebSocketDisconnect, RuntimeError, OSError):
             pass
         finally:
@@ -209,30 +254,65 @@ class Connection:
             self._execute(self.session.tick(time.monotonic()))
 
 
+async def _refuse(websocket: WebSocket, code: str, message: str, close_code: int) -> None:
+    await websocket.accept()
+    error = error_message(ProtocolError(code, message, fatal=True))
+    await websocket.send_text(encode_event(error, "json"))
+    await websocket.close(close_code, code)
+
+
 async def stream_endpoint(websocket: WebSocket) -> None:
     state = websocket.app.state.voxgate
+    config = state.config
     engine: Engine = state.engine
-    voice_ids = {v.voice_id for v in engine.voices}
-    base = SessionOptions(voice=state.config.voice)
-    await websocket.accept()
+    query = dict(websocket.query_params)
+    key = presented_key(websocket.headers, query)
+    # Nothing is done for a socket before it is authorized (PROTOCOL.md: 4401).
+    if not is_authorized(config.auth, key):
+        state.metrics.observe("error:unauthorized", 1)
+        await _refuse(websocket, "unauthorized", "a valid API key is required (Authorization: Bearer "
+                      "<key>, or ?api_key= for browsers)", CLOSE_UNAUTHORIZED)
+        return
+    if not is_origin_allowed(config.auth, websocket.headers.get("origin"), websocket.headers.get("host")):
+        await _refuse(websocket, "unauthorized", "this origin is not allowed (see --allowed-origins)",
+                      CLOSE_FORBIDDEN)
+        return
     if state.is_shutting_down:
-        await websocket.close(CLOSE_GOING_AWAY, "server is shutting down")
+        await _refuse(websocket, "busy", "the server is shutting down", CLOSE_GOING_AWAY)
+        return
+    if len(state.connections) >= config.max_sessions:
+        state.metrics.observe("error:busy", 1)
+        await _refuse(websocket, "busy", f"the server holds {config.max_sessions} sessions; try again later",
+                      CLOSE_TRY_AGAIN_LATER)
+        return
+    key_slot = key or ""
+    if not state.key_counter.acquire(key_slot, config.max_sockets_per_key):
+        state.metrics.observe("error:rate_limited", 1)
+        await _refuse(websocket, "rate_limited", f"this key holds {config.max_sockets_per_key} sockets "
+                      "already", CLOSE_TRY_AGAIN_LATER)
         return
     try:
-        options = options_from_query(dict(websocket.query_params), base, voice_ids)
-    except ProtocolError as exc:
-        exc.fatal = True
-        await websocket.send_text(encode_event(error_message(exc), "json"))
-        await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
-        return
-    session = Session(uuid.uuid4().hex[:16], voice_ids=voice_ids, sample_rate=engine.sample_rate,
-                      options=options, limits=state.config.limits,
-                      admit=engine.admit, release=engine.release_context)
-    connection = Connection(websocket, session, engine, state)
-    state.connections.add(connection)
-    state.metrics.sessions.inc()
-    try:
-        await connection.run()
+        voice_ids = {v.voice_id for v in engine.voices}
+        base = SessionOptions(voice=config.voice)
+        try:
+            options = options_from_query(query, base, voice_ids)
+        except ProtocolError as exc:
+            exc.fatal = True
+            await websocket.accept()
+            await websocket.send_text(encode_event(error_message(exc), "json"))
+            await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
+            return
+        await websocket.accept()
+        session = Session(uuid.uuid4().hex[:16], voice_ids=voice_ids, sample_rate=engine.sample_rate,
+                          options=options, limits=config.limits,
+                          admit=engine.admit, release=engine.release_context)
+        connection = Connection(websocket, session, engine, state)
+        state.connections.add(connection)
+        state.metrics.sessions.inc()
+        try:
+            await connection.run()
+        finally:
+            state.connections.discard(connection)
+            state.metrics.sessions.dec()
     finally:
-        state.connections.discard(connection)
-        state.metrics.sessions.dec()
+        state.key_counter.release(key_slot)

@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--levels", help="comma-separated session counts (default: doubling)")
     sweep.add_argument("--max-sessions", type=int, default=64)
     sweep.add_argument("--bisect", type=int, default=2, help="bisection steps after a failure")
+    sweep.add_argument("--all-levels", action="store_true",
+                       help="run every level even after one fails (the whole curve)")
     rate = modes.add_parser("rate", parents=[common], help="open-loop arrivals")
     rate.add_argument("--rate", type=float, required=True, help="new sessions per second")
     rate.add_argument("--turns-per-arrival", type=int, default=1)
@@ -153,7 +155,7 @@ async def _run_target(args: argparse.Namespace, name: str, config: LoadConfig,
                   else sweep_levels(args.max_sessions))
     results, capacity = await run_sweep(config, corpus, levels, args.duration,
                                         args.ttfa_target_ms, 0 if replay else args.bisect,
-                                        progress, stop_at_failure=not replay)
+                                        progress, stop_at_failure=not (replay or args.all_levels))
     for r in results:
         r.label = name
         print(format_table(r))
@@ -185,8 +187,10 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         plot_dir.mkdir(parents=True, exist_ok=True)
         if args.mode == "sweep":
             plot_capacity(runs, args.ttfa_target_ms, plot_dir / "loadtest_capacity.png")
-            # every target at the same concurrency: the capacity of the first (or its lowest level)
-            at = report["targets"][args.protocol]["capacity"] or results[0].sessions
+            # every target at the same concurrency: the capacity, or else the level with the
+            # most TTFA samples
+            at = report["targets"][args.protocol]["capacity"] or max(
+                results, key=lambda r: r.summary["ttfa_segment_ms"]["n"]).sessions
             top = {f"{name}, {at} sessions": next(r for r in rs if r.sessions == at).turns
                    for name, rs in runs.items() if any(r.sessions == at for r in rs)}
         else:

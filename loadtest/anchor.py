@@ -27,9 +27,11 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import IO
 from urllib.parse import urlsplit
 
 from loadtest.client import plan_turn
@@ -161,31 +163,36 @@ def piper_server(model: str | None = None, ready_timeout_s: float = 120.0) -> It
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = int(sock.getsockname()[1])
-    process = subprocess.Popen(
-        [sys.executable, "-m", "piper.http_server", "-m", model, "--host", "127.0.0.1",
-         "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if process.poll() is not None:
-                err = process.stderr.read().decode(errors="replace")[-800:] if process.stderr else ""
-                raise RuntimeError(f"piper's HTTP server exited with {process.returncode} "
-                                   f"(is flask installed? pip install flask):\n{err}")
-            try:
-                with urllib.request.urlopen(url + "/info", timeout=1.0):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"piper's HTTP server not ready after {ready_timeout_s} s")
-                time.sleep(0.3)
-        yield url
-    finally:
-        process.terminate()
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: Flask logs every request
+        process = subprocess.Popen(
+            [sys.executable, "-m", "piper.http_server", "-m", model, "--host", "127.0.0.1",
+             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log)
         try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
+            _wait_ready(process, url, log, ready_timeout_s)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, log: IO[bytes],
+                timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            log.seek(0)
+            err = log.read().decode(errors="replace")[-800:]
+            raise RuntimeError(f"piper's HTTP server exited with {process.returncode} "
+                               f"(is flask installed? pip install flask):\n{err}")
+        try:
+            with urllib.request.urlopen(url + "/info", timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"piper's HTTP server not ready after {timeout_s} s") from None
+            time.sleep(0.3)

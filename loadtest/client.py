@@ -25,6 +25,7 @@ from loadtest.corpus import Answer, first_segment_token, tokenize
 from loadtest.metrics import Outcome, PlaybackClock, TurnRecord
 
 _CANCEL_TIMEOUT_S = 5.0
+_RETRY_PAUSE_S = 1.0
 _MAX_KEPT_TURNS = 4
 # Errors that end the turn they name; others (e.g. for a session.update) do not.
 _NON_ENDING = frozenset({"context_closed", "unsupported_option"})
@@ -192,6 +193,8 @@ class VoxgateSession:
                 if state is not None and state.record.outcome is Outcome.COMPLETED:
                     await self._listen_out(state, deadline)
                 pause = self.config.think_s * self.rng.uniform(0.5, 1.5)
+                if state is not None and state.record.outcome is Outcome.FAILED:
+                    pause = max(pause, _RETRY_PAUSE_S)  # a turned-away user tries again later
                 await asyncio.sleep(max(0.0, min(pause, deadline - loop.time())))
         finally:
             await self._close()
@@ -200,7 +203,7 @@ class VoxgateSession:
         try:
             self._ws = await asyncio.wait_for(
                 connect(stream_url(self.config.url, self.config), compression=None,
-                        max_size=None, open_timeout=None), timeout=10.0)
+                        max_size=None, open_timeout=None, close_timeout=2.0), timeout=10.0)
         except (OSError, asyncio.TimeoutError, ConnectionClosed, Exception):  # noqa: BLE001
             self.num_connect_failures += 1
             self._ws = None
@@ -240,8 +243,7 @@ class VoxgateSession:
         state = TurnState(record, self.config.playout_delay_ms)
         self._turns[context_id] = state
         if len(self._turns) > _MAX_KEPT_TURNS:  # keep recent ones to catch late frames
-            oldest = next(k for k, v in self._turns.items() if v.ended.is_set() or k != context_id)
-            del self._turns[oldest]
+            del self._turns[next(iter(self._turns))]
         barge = None
         if plan.barge_in_share is not None:
             barge = asyncio.create_task(self._barge_in(state, plan))

@@ -46,7 +46,8 @@ class LoadConfig:
     def __post_init__(self) -> None:
         self.protocol = Protocol(self.protocol)
         if self.token_rate <= 0 or self.token_rate > 10_000:
-            raise ValueError(f"expected token_rate within (0, 10000] tokens/s, got {self.token_rate}")
+            raise ValueError(
+                f"expected token_rate within (0, 10000] tokens/s, got {self.token_rate}")
         if not 0.0 <= self.token_jitter < 1.0:
             raise ValueError(f"expected token_jitter within [0, 1), got {self.token_jitter}")
         if self.think_s < 0:

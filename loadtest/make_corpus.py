@@ -3,7 +3,7 @@
 Run `python -m loadtest.make_corpus [--count 320] [--seed 7]`; the output is
 deterministic for a seed. Answers mix lengths (one sentence to long lists),
 numbers in many forms (3.5%, $1,299, 14:30, 2.75 km), markdown lists and bold
-marks an LLM would send, and about one in eight is Chinese.
+marks an LLM would send, and about one in ten is Chinese.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ _TOPICS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["A dough at 70% hydration is a good place to start.",
          "Cold proofing for 12 to 16 hours deepens the flavor.",
          "The starter is ready when it roughly doubles within 4 to 6 hours."],
-        ["Use a kitchen scale rather than cups.", "Let the loaf cool for at least an hour before slicing."]),
+        ["Use a kitchen scale rather than cups.",
+         "Let the loaf cool for at least an hour before slicing."]),
     "python": (
         "speed up a slow Python script",
         ["Profile first with cProfile so you know where the time really goes",
@@ -65,7 +66,8 @@ _TOPICS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["An emergency fund of 3 to 6 months of expenses is the usual target.",
          "At 4.5% interest, $10,000 earns about $450 in a year.",
          "Credit card interest often runs above 20% a year."],
-        ["Pay off the highest-interest debt first.", "Round numbers are fine; consistency matters more."]),
+        ["Pay off the highest-interest debt first.",
+         "Round numbers are fine; consistency matters more."]),
     "running": (
         "train for your first 10K",
         ["Start with 3 runs a week of 20 to 30 minutes at an easy pace",
@@ -101,7 +103,8 @@ _TOPICS: dict[str, tuple[str, list[str], list[str], list[str]]] = {
         ["A modern 8-core CPU compiles large projects in a fraction of the time of a 4-core one.",
          "Laptops around $1,299 usually hit the sweet spot of price and performance.",
          "Many developers use an external monitor at 27 inches."],
-        ["Read reviews about thermals and fan noise.", "Buy more storage than you think you need."]),
+        ["Read reviews about thermals and fan noise.",
+         "Buy more storage than you think you need."]),
     "sleep": (
         "sleep better",
         ["Go to bed and get up at the same time every day, weekends included",
@@ -278,7 +281,7 @@ def _chinese_answer(rng: random.Random) -> str:
 
 
 def generate(count: int, seed: int) -> list[dict[str, str]]:
-    """`count` distinct answers (about 1 in 8 Chinese), deterministic for `seed`."""
+    """`count` distinct answers (about 1 in 10 Chinese), deterministic for `seed`."""
     if count < 1:
         raise ValueError(f"expected count >= 1, got {count}")
     rng = random.Random(seed)

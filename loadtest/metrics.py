@@ -180,6 +180,9 @@ def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
             "started": len(turns),
             **{o.value: outcomes.get(o.value, 0) for o in Outcome},
             "with_audio": len(with_audio),
+            # still silent when the drain ended: they waited longer than any TTFA measured
+            "aborted_without_audio": sum(1 for t in turns if t.outcome is Outcome.ABORTED
+                                         and t.num_frames == 0),
             "cancelled_after_done": sum(1 for t in turns if t.is_cancelled_after_done),
         },
         "ttfa_segment_ms": distribution(
@@ -219,8 +222,9 @@ def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
 
 
 def passes(summary: dict[str, Any], ttfa_p95_target_ms: float) -> bool:
-    """A load level holds when TTFA p95 meets the target, no gap was heard and no
-    turn failed or timed out (a `busy` answer is a user turned away)."""
+    """A load level holds when TTFA p95 meets the target, no gap was heard, no
+    turn failed or timed out (a `busy` answer is a user turned away) and none
+    was still waiting for its first audio when the run's drain period ended."""
     ttfa = summary["ttfa_segment_ms"]
     turns = summary["turns"]
     return bool(
@@ -229,4 +233,5 @@ def passes(summary: dict[str, Any], ttfa_p95_target_ms: float) -> bool:
         and summary["gaps"]["count"] == 0
         and turns["failed"] == 0
         and turns["timed_out"] == 0
+        and turns["aborted_without_audio"] == 0
     )

@@ -43,6 +43,19 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled metric from /metrics."""
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{}"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
     def stop(self, timeout: float = 20.0) -> int:
         if self.process.poll() is None:
             self.process.terminate()
@@ -55,16 +68,20 @@ class ServerProcess:
 
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 90.0) -> ServerProcess:
-    """Start `voxgate serve` on a free port and wait until /readyz says ready."""
+                 ready_timeout: float = 90.0, app_factory: str | None = None) -> ServerProcess:
+    """Start `voxgate serve` (or uvicorn on `app_factory`) on a free port; wait for /readyz."""
     port = free_port()
     log_path = tmp_path / f"server-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("VOXGATE_DATA_DIR", str(tmp_path / "data"))
     log_file = open(log_path, "wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        cwd=REPO, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+    if app_factory is None:
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        command = [sys.executable, "-m", "uvicorn", app_factory, "--factory", "--host", "127.0.0.1",
+                   "--port", str(port)]
+    process = subprocess.Popen([*command, *args], cwd=REPO, env=full_env, stdout=log_file,
+                               stderr=subprocess.STDOUT)
     log_file.close()
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + ready_timeout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,13 +19,24 @@ from engine.backends.cosyvoice.llm import (
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.sampling import (
     RasConfig,
+    _categorical,
     mask_min_length,
+    nucleus,
     nucleus_candidates,
     ras,
 )
 from tests.cosyvoice_parity import assert_close_report, assert_equal_report, fixture_dir
 
 ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: one intra-op thread is many times faster than several on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
@@ -190,7 +202,9 @@ def test_slots_are_handed_out_lowest_first_and_refused_when_full(loaded: Any) ->
     runner.free(first)
     assert add_reference(runner, ref).slot == 0
     with pytest.raises(ValueError, match="already free"):
-        runner.free(second)
+        runner.free(first)  # slot 0 now belongs to the new stream
+    runner.free(second)
+    with pytest.raises(ValueError, match="already free"):
         runner.free(second)
 
 
@@ -247,7 +261,7 @@ def test_nucleus_candidates_follow_upstreams_top_p_within_top_k_rule(seed: int) 
 def test_ras_resamples_a_token_repeated_in_the_window() -> None:
     logp = torch.full((2, 8), -30.0)
     logp[:, 3] = 0.0  # nucleus always picks 3
-    logp[:, 5] = -1.0  # the fallback's clear favourite once 3 is forbidden
+    logp[:, 5] = -3.0  # outside the nucleus (p(3) > 0.8), the fallback's favourite
     history = torch.tensor([[-1] * 9 + [3], [-1] * 10])
     tokens = ras(logp.log_softmax(-1), history, RasConfig(), torch.Generator().manual_seed(0))
     assert tokens.tolist() == [5, 3]
@@ -272,3 +286,34 @@ def test_ras_config_reads_the_yaml_sampling_node() -> None:
     assert RasConfig.from_hparams(node) == RasConfig(0.7, 10, 5, 0.2)
     with pytest.raises(ValueError, match="ras_sampling"):
         RasConfig.from_hparams({"_target": "x.top_k_sampling"})
+
+
+def test_draws_follow_the_weights_and_never_pick_a_zero_weight() -> None:
+    weights = torch.tensor([[0.0, 1.0, 3.0, 0.0]]).repeat(20000, 1)
+    draws = _categorical(weights, torch.Generator().manual_seed(0))
+    counts = torch.bincount(draws, minlength=4).tolist()
+    assert counts[0] == counts[3] == 0
+    assert abs(counts[2] / 20000 - 0.75) < 0.02
+
+
+def test_nucleus_draws_only_from_its_candidates() -> None:
+    logp = torch.randn(64, 6761, generator=torch.Generator().manual_seed(1)).mul(4).log_softmax(-1)
+    config = RasConfig()
+    weights, ids = nucleus_candidates(logp, config)
+    draws = nucleus(logp, config, torch.Generator().manual_seed(2))
+    for row in range(64):
+        assert int(draws[row]) in {
+            int(i) for w, i in zip(weights[row], ids[row], strict=True) if w > 0
+        }
+
+
+def test_feeding_past_the_cache_is_refused_without_changing_the_stream(loaded: Any) -> None:
+    lm, ref, _ = loaded
+    runner = SpeechLMRunner(lm, max_batch=1, max_len=41)
+    stream = add_reference(runner, ref)  # 40 positions
+    runner.feed([stream], [5])
+    with pytest.raises(ValueError, match="at most 41 cached positions"):
+        runner.feed([stream], [6])
+    assert (stream.tokens, stream.num_cached) == ([5], 41)
+    with pytest.raises(ValueError, match="distinct streams"):
+        runner.feed([stream, stream], [1, 2])

@@ -11,6 +11,11 @@ import torch
 from engine.backends.cosyvoice.hyperyaml import YamlRefError, load_hyperyaml
 from engine.backends.cosyvoice.llm import load_speech_lm
 from engine.backends.cosyvoice.model_dir import detect_version, load_model_dir
+from engine.backends.cosyvoice.random_checkpoint import (
+    QWEN2_TINY,
+    random_speech_lm,
+    write_random_model_dir,
+)
 from engine.errors import ModelLoadError
 from tests.cosyvoice_parity import copy_model_dir, fixture_dir
 
@@ -178,3 +183,20 @@ def test_corrupt_checkpoint_is_a_model_load_error(tmp_path: Path) -> None:
     (model / "llm.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ModelLoadError, match="unreadable"):
         load_speech_lm(load_model_dir(model))
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_random_checkpoint_has_the_official_keys_and_shapes_and_loads(
+    tmp_path: Path, version: int
+) -> None:
+    model = write_random_model_dir(tmp_path / "m", version, seed=3)
+    official = torch.load(fixture_dir(version) / "llm.pt", weights_only=True)
+    written = torch.load(model / "llm.pt", weights_only=True)
+    assert {k: v.shape for k, v in written.items()} == {k: v.shape for k, v in official.items()}
+    with pytest.raises(ModelLoadError, match="expected file flow.pt"):
+        load_model_dir(model)
+    model_dir = load_model_dir(model, expected_version=version, required_files=("llm.pt",))
+    lm = load_speech_lm(model_dir)
+    want = random_speech_lm(version, QWEN2_TINY, seed=3)
+    got_weight = lm.speech_embedding.weight
+    assert torch.equal(got_weight, want.speech_embedding.weight.half().float())

@@ -19,7 +19,7 @@ import pytest
 
 from loadtest.__main__ import main
 from loadtest.anchor import PiperHttpSession, wav_duration_ms
-from loadtest.client import TurnState
+from loadtest.client import TurnState, stream_url
 from loadtest.config import LoadConfig, Protocol, check_target
 from loadtest.corpus import Answer, first_segment_end, first_segment_token, load_corpus, tokenize
 from loadtest.make_corpus import generate
@@ -167,6 +167,11 @@ def test_summary_counts_add_up_and_a_level_holds_only_without_gaps_or_failures()
     assert not passes(s, ttfa_p95_target_ms=1000.0)
     fine = summarize(turns[:2], RunStats(10.0, 0.5, 2))
     assert passes(fine, 1000.0) and not passes(fine, 150.0)
+    silent = _record(Outcome.ABORTED, None)
+    silent.num_frames = 0
+    waiting = summarize([*turns[:2], silent], RunStats(10.0, 0.5, 2))
+    assert waiting["turns"]["aborted_without_audio"] == 1
+    assert not passes(waiting, 1000.0)  # it waited through the whole drain period
 
 
 def test_sweep_levels_double_up_to_the_maximum() -> None:
@@ -185,6 +190,13 @@ def test_non_loopback_targets_are_refused_unless_allowed() -> None:
         check_target("http://10.1.2.3:8000", allow_remote=False)
     check_target("http://10.1.2.3:8000", allow_remote=True)
     assert main(["run", "--url", "http://192.0.2.7:8000", "--duration", "1", "--quiet"]) == 2
+
+
+def test_the_stream_url_comes_from_an_http_base_with_the_session_options() -> None:
+    config = LoadConfig(url="http://127.0.0.1:8000", query={"codec": "pcm16"})
+    assert stream_url(config.url, config) == (
+        "ws://127.0.0.1:8000/v1/stream?encoding=msgpack&codec=pcm16")
+    assert stream_url("wss://localhost:9/custom", config).startswith("wss://localhost:9/custom?")
 
 
 # --- the anchor client, against a stand-in for piper's Flask server --------------
@@ -278,7 +290,8 @@ def _check_consistent(summary: dict[str, Any], turns: list[dict[str, Any]]) -> N
     assert summary["audio"]["frames"] == sum(x["num_frames"] for x in turns)
     assert summary["audio"]["seconds"] == pytest.approx(sum(x["audio_ms"] for x in turns) / 1000)
     for x in turns:
-        if x["outcome"] == "completed":  # what we summed is what the server says it sent
+        if x["outcome"] == "completed" or x["is_cancelled_after_done"]:
+            # what we summed is what the server says it sent
             assert x["audio_ms"] == pytest.approx(x["server_audio_ms"], abs=1.0)
             assert x["ttfa_first_token_ms"] > 0
     assert summary["gaps"]["count"] == sum(x["num_gaps"] for x in turns)
@@ -289,17 +302,46 @@ def _check_consistent(summary: dict[str, Any], turns: list[dict[str, Any]]) -> N
 def test_a_fixed_run_against_voxgate_reports_consistent_numbers(
         server: Any, short_corpus: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    code = main(["run", "--url", server.url, "--sessions", "3", "--duration", "4",
+    code = main(["run", "--url", server.url, "--sessions", "2", "--duration", "4",
                  "--drain", "20", "--think", "0.3", "--token-rate", "100",
                  "--barge-in-rate", "0.5", "--corpus", str(short_corpus), "--seed", "2",
                  "--json", str(out), "--turns", "--quiet"])
     assert code == 0
     result = json.loads(out.read_text())["targets"]["voxgate"]["result"]
     _check_consistent(result["summary"], result["turns"])
-    cancelled = [x for x in result["turns"] if x["outcome"] == "cancelled"]
-    for x in cancelled:
-        assert x["cancel_latency_ms"] >= 0 and x["cancel_to_last_frame_ms"] >= 0
-        assert x["played_ms_at_cancel"] is not None
+
+
+def test_a_listener_barging_in_mid_answer_gets_cancelled_and_its_latency_measured(
+        server: Any, tmp_path: Path) -> None:
+    corpus = tmp_path / "long.jsonl"
+    long_answer = max(load_corpus(), key=lambda a: len(a.text))
+    corpus.write_text(json.dumps({"id": "long", "lang": "en", "text": long_answer.text}) + "\n")
+    out = tmp_path / "barge.json"
+    # 20 tokens/s: the text streams for several seconds, so the cut comes mid-generation
+    code = main(["run", "--url", server.url, "--sessions", "1", "--duration", "30",
+                 "--max-turns", "1", "--drain", "30", "--think", "0", "--token-rate", "20",
+                 "--barge-in-rate", "1", "--barge-in-at", "0.03-0.06", "--corpus", str(corpus),
+                 "--json", str(out), "--turns", "--quiet"])
+    assert code == 0
+    result = json.loads(out.read_text())["targets"]["voxgate"]["result"]
+    _check_consistent(result["summary"], result["turns"])
+    (turn,) = result["turns"]
+    assert turn["outcome"] == "cancelled" and not turn["is_cancelled_after_done"]
+    assert 0 < turn["played_ms_at_cancel"] <= turn["audio_ms"]
+    assert turn["cancel_latency_ms"] >= 0 and turn["cancel_to_last_frame_ms"] >= 0
+    assert result["summary"]["cancel_latency_ms"]["n"] == 1
+
+
+def test_open_loop_arrivals_each_play_their_turns(
+        server: Any, short_corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rate.json"
+    code = main(["rate", "--url", server.url, "--rate", "2", "--duration", "2", "--drain", "20",
+                 "--turns-per-arrival", "1", "--corpus", str(short_corpus), "--seed", "4",
+                 "--json", str(out), "--turns", "--quiet"])
+    assert code == 0
+    result = json.loads(out.read_text())["targets"]["voxgate"]["result"]
+    _check_consistent(result["summary"], result["turns"])
+    assert result["sessions"] == len(result["turns"])  # one turn per arrival
 
 
 def test_a_sweep_finds_capacity_and_draws_its_plots(
@@ -322,3 +364,21 @@ def test_a_sweep_finds_capacity_and_draws_its_plots(
     assert report["capacity"] == held
     for name in ("loadtest_ttfa.png", "loadtest_capacity.png"):
         assert (tmp_path / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_anchor_runs_beside_voxgate_against_pipers_own_http_server(
+        server: Any, short_corpus: Path, tmp_path: Path) -> None:
+    out = tmp_path / "anchor.json"
+    code = main(["run", "--url", server.url, "--anchor-url", "auto", "--sessions", "1",
+                 "--duration", "3", "--max-turns", "2", "--drain", "30", "--think", "0.2",
+                 "--token-rate", "100", "--corpus", str(short_corpus),
+                 "--json", str(out), "--turns", "--quiet"])
+    assert code == 0
+    targets = json.loads(out.read_text())["targets"]
+    assert set(targets) == {"voxgate", "piper-http"}
+    anchor = targets["piper-http"]["result"]
+    _check_consistent(anchor["summary"], anchor["turns"])
+    assert anchor["summary"]["gaps"]["count"] == 0
+    for turn in anchor["turns"]:  # a whole WAV: one "frame" holding all of the audio
+        assert turn["num_frames"] == 1 and turn["audio_ms"] > 500
+        assert turn["ttfa_first_token_ms"] > turn["ttfa_segment_ms"] > 0

@@ -11,7 +11,7 @@ import pytest
 
 from engine.backend import BackendRequest
 from engine.backends import create_backend
-from engine.backends.piper import PiperBackend, PiperBackendConfig, PiperState
+from engine.backends.piper import PiperBackend, PiperBackendConfig, PiperState, pack_by_length
 from engine.backends.piper_align import align_words
 from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SamplingParams, SynthesisRequest
@@ -25,7 +25,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def backend() -> PiperBackend:
-    piper = PiperBackend(PiperBackendConfig(num_threads=1))
+    # One onnxruntime call per step, however ragged: the batched path under test.
+    piper = PiperBackend(PiperBackendConfig(num_threads=1, max_padding_waste=None))
     piper.load()
     return piper
 
@@ -99,6 +100,24 @@ def test_alignment_survives_merged_expanded_and_silent_words() -> None:
     alone = [list("ʌv"), list("ðə"), list("--"), list("fˈɔːɹɾi tˈuː")]
     spans = align_words(alone, utterance)
     assert [("".join(utterance[a:b])) for a, b in spans] == ["ʌv", "ðə", "", "fˈɔːɹɾi tˈuː"]
+
+
+def test_items_of_similar_length_share_a_call_and_ragged_ones_do_not() -> None:
+    assert pack_by_length([100, 50, 95, 48], max_waste=0.1) == [[0, 2], [1, 3]]
+    assert pack_by_length([100, 50, 95, 48], max_waste=None) == [[0, 1, 2, 3]]
+    assert pack_by_length([100, 100, 100], max_waste=0.0) == [[0, 1, 2]]
+    assert pack_by_length([], max_waste=0.1) == []
+
+
+def test_packed_steps_give_the_same_audio_as_one_call(backend: PiperBackend) -> None:
+    one_call = synthesize(backend, *(request(t) for t in TEXTS))
+    backend.config.max_padding_waste = 0.1
+    try:
+        packed = synthesize(backend, *(request(t) for t in TEXTS))
+    finally:
+        backend.config.max_padding_waste = None
+    for a, b in zip(one_call, packed, strict=True):
+        assert len(a) == len(b) and np.abs(a - b).max() < 1e-3
 
 
 def test_unknown_voice_names_the_voices_it_expected(backend: PiperBackend) -> None:

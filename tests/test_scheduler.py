@@ -88,7 +88,7 @@ def test_admission_refuses_past_the_configured_limit_and_frees_on_release() -> N
 
 
 def test_estimated_capacity_follows_measured_step_cost() -> None:
-    s = Scheduler(SchedulerConfig(max_batch_size=8, target_utilization=1.0))
+    s = Scheduler(SchedulerConfig(max_batch_size=8, target_utilization=1.0, min_contexts=1))
     for _ in range(50):  # 8 items of 2 s audio in 0.4 s: 40x realtime
         s.cost.observe(8, 0.4, 16.0)
         s.cost.observe(4, 0.22, 8.0)
@@ -125,3 +125,10 @@ def test_fifo_policy_serves_one_request_at_a_time_in_arrival_order() -> None:
     s.add(item("first", 5.0))
     s.add(item("urgent", 0.0))
     assert [b.request_id for b in s.schedule(now=0.0)] == ["first"]
+
+
+def test_look_ahead_work_runs_in_short_steps_so_a_new_turn_waits_little() -> None:
+    s = scheduler(max_batch_size=8, fixed=0.01, per_item=0.1)
+    for n in range(8):
+        s.add(item(f"ahead{n}", 100.0))   # far from due: background work
+    assert len(s.schedule(now=0.0)) == 2  # 0.21 s fits the 0.25 s cap, 0.31 s would not

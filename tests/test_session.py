@@ -170,3 +170,13 @@ def test_session_update_changes_options_for_new_contexts() -> None:
     assert updated["type"] == "session.updated" and updated["options"]["speed"] == 1.5
     (request,) = submits(text(session, "c", "Faster now. ", flush=True))
     assert request.params.speed == 1.5
+
+
+def test_cancel_after_all_audio_was_sent_still_splits_by_what_was_heard() -> None:
+    session = make_session()
+    (r1,) = submits(text(session, "c", "Alpha beta gamma. ", flush=True))
+    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200), WordTiming("gamma.", 200, 300)]
+    assert sent(session.receive_audio(chunk(r1.request_id, 0.3, words), 0.1), "context.done")
+    session.receive_frame(json.dumps({"type": "playback", "context_id": "c", "played_ms": 150}), 0.2)
+    cancelled = sent(session.receive_frame(json.dumps({"type": "cancel", "context_id": "c"}), 0.3))[0]
+    assert cancelled["spoken_text"] == "Alpha" and cancelled["unspoken_text"] == "beta gamma."

@@ -162,3 +162,27 @@ def test_malformed_input_gets_its_error_and_the_session_goes_on(
     assert error["fatal"] is False
     assert isinstance(error["message"], str) and error["message"]
     assert client.received.of("context.done", "after")
+
+
+def test_first_segment_of_a_long_first_sentence_arrives_before_the_sentence_is_complete(
+        server: ServerProcess) -> None:
+    head = "When you finally reach the old railway station at the end of the road,"
+    tail = " turn left and keep walking until you see the river."
+
+    async def scenario() -> tuple[dict, Client]:
+        client = await Client.connect(server.ws_url)
+        for word in (head + tail).split(" ")[:16]:  # stops mid-sentence, well before its "."
+            await client.send({"type": "text", "context_id": "c", "text": word + " "})
+        first = await client.until("segment", "c", timeout=60)
+        sent_so_far = " ".join((head + tail).split(" ")[:16])
+        assert "." not in sent_so_far
+        await client.send({"type": "text", "context_id": "c", "text": "and keep walking until you see the river.",
+                           "flush": True})
+        await client.until("context.done", "c")
+        await client.close()
+        return first, client
+
+    first, client = run(scenario())
+    assert first["segment_id"] == 0 and first["text"] == head
+    joined = " ".join(s["text"] for s in client.received.of("segment", "c"))
+    assert joined == head + " turn left and keep walking until you see the river."

@@ -111,14 +111,14 @@ def test_unclosed_backtick_is_dropped_at_the_end_of_its_line() -> None:
     assert cleaner.feed("\nnext") == " tick next"
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(markdown_text())
 def test_cleanup_is_idempotent(text: str) -> None:
     cleaned = clean_for_speech(text)
     assert clean_for_speech(cleaned) == cleaned
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(markdown_text(), st.randoms(use_true_random=False))
 def test_cleanup_does_not_depend_on_delta_splits(text: str, rng: random.Random) -> None:
     cuts = [rng.randint(0, len(text)) for _ in range(rng.randint(0, 12))]

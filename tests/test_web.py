@@ -33,6 +33,12 @@ LONG_ANSWER = " ".join(
 READY = "document.body.dataset.ready === 'true' && window.voxgate.stats.connected"
 
 
+def all_played(turns: int) -> str:
+    """A page condition: `turns` turns were spoken, and every one was played to its end."""
+    return (f"window.voxgate.stats.turns === {turns} && [...window.voxgate.agent.turns.values()]"
+            ".every(t => t.state === 'played' || t.state === 'cancelled')")
+
+
 def speech_like_wav(path: Path, seconds: float = 30.0, rate: int = 48000) -> Path:
     """A microphone stand-in: loud syllable-like bursts of a wobbling tone."""
     t = np.arange(round(seconds * rate)) / rate
@@ -158,13 +164,12 @@ def test_a_typed_sentence_is_played_with_captions_and_word_highlights(
         pg.wait_for_function("window.voxgate.stats.ttfa_ms !== null", timeout=20_000)
         pg.wait_for_function("document.querySelector('#captions .w.now, #captions .w.said')",
                              timeout=10_000)
-        pg.wait_for_function("window.voxgate.stats.state === 'idle' && "
-                             "document.querySelectorAll('#captions .w:not(.said)').length === 0",
-                             timeout=30_000)
+        pg.wait_for_function(all_played(1), timeout=30_000)
         s = stats(pg)
         assert s["codec"] == codec
         assert s["ttfa_ms"] > 0
         assert s["turns"] == 1
+        assert pg.locator("#captions .w:not(.said)").count() == 0
         # The whole sentence was played: at least one sample per ms of words.
         assert s["frames_played"] / 48 > 0.8 * s["played_ms"] > 1000
         caption = pg.inner_text("#captions")
@@ -175,6 +180,23 @@ def test_a_typed_sentence_is_played_with_captions_and_word_highlights(
         assert console.errors == []
     finally:
         pg.context.close()
+
+
+def test_typing_streams_finished_words_so_a_sentence_speaks_before_enter(
+        page: tuple[Page, Console]) -> None:
+    pg, console = page
+    pg.click("#type-text")
+    pg.keyboard.type("Live typing reaches the voice. And this", delay=5)
+    pg.wait_for_function("document.querySelector('#captions').innerText"
+                         ".includes('Live typing reaches the voice.')", timeout=20_000)
+    assert "And this" not in pg.inner_text("#captions")
+    pg.keyboard.type(" ends it.")
+    pg.keyboard.press("Enter")
+    pg.wait_for_function("document.querySelector('#captions').innerText.includes('And this ends it.')",
+                         timeout=20_000)
+    turns = pg.evaluate("[...window.voxgate.agent.turns.values()].map(t => t.text)")
+    assert turns == ["Live typing reaches the voice. And this ends it."]
+    assert console.errors == []
 
 
 def test_the_interrupt_button_silences_playback_and_shows_heard_and_dropped_text(
@@ -195,6 +217,23 @@ def test_the_interrupt_button_silences_playback_and_shows_heard_and_dropped_text
     assert console.errors == []
 
 
+def test_an_interrupt_after_the_server_finished_the_answer_still_splits_heard_from_dropped(
+        browser: Browser, server: ServerProcess) -> None:
+    pg, console = open_page(browser, server, "?pacing=asap")
+    try:
+        speak_and_wait_for_playing(pg)
+        # Under asap pacing the whole answer is sent long before it is heard.
+        pg.wait_for_function("[...window.voxgate.agent.turns.values()][0].state === 'done'",
+                             timeout=60_000)
+        pg.click("#interrupt")
+        cut = assert_silent_after_interrupt(pg)
+        assert_heard_then_dropped(cut)
+        assert pg.inner_text("#cut-unspoken") == cut["unspoken_text"]
+        assert console.errors == []
+    finally:
+        pg.context.close()
+
+
 def test_escape_interrupts_while_typing_and_the_next_turn_still_speaks(
         page: tuple[Page, Console]) -> None:
     pg, console = page
@@ -207,8 +246,7 @@ def test_escape_interrupts_while_typing_and_the_next_turn_still_speaks(
     pg.check("input[name=mode][value=type]")
     pg.fill("#type-text", "And now a new turn.")
     pg.press("#type-text", "Enter")
-    pg.wait_for_function("window.voxgate.stats.turns === 2 && window.voxgate.stats.state === 'idle'",
-                         timeout=30_000)
+    pg.wait_for_function(all_played(2), timeout=30_000)
     assert "And now a new turn." in pg.inner_text("#captions")
     assert console.errors == []
 
@@ -262,14 +300,51 @@ def test_llm_mode_speaks_a_streamed_chat_completion_and_keeps_only_heard_text_in
 
     pg.fill("#llm-input", "Stop, please.")
     pg.press("#llm-input", "Enter")
-    pg.wait_for_function("window.voxgate.stats.turns === 2 && window.voxgate.stats.state === 'idle'",
-                         timeout=30_000)
+    pg.wait_for_function(all_played(2), timeout=30_000)
     messages = requests[1]["body"]["messages"]
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[2]["content"] == heard
     assert pg.locator("#llm-chat .msg.assistant").count() == 2
     assert "Okay, stopping here." in pg.inner_text("#captions")
+    screenshot(pg, "desktop-llm")
     assert console.errors == []
+
+
+def test_an_llm_error_is_shown_and_leaves_no_turn_open(page: tuple[Page, Console],
+                                                       server: ServerProcess) -> None:
+    pg, console = page
+    pg.route("**/broken-llm/v1/chat/completions",
+             lambda route: route.fulfill(status=500, body="model not loaded"))
+    pg.check("input[name=mode][value=llm]")
+    pg.fill("#llm-url", f"{server.url}/broken-llm/v1")
+    pg.fill("#llm-input", "Hello?")
+    pg.press("#llm-input", "Enter")
+    pg.wait_for_selector("#notice:not([hidden])")
+    assert "expected 200 from the LLM endpoint, got 500: model not loaded" in pg.inner_text("#notice")
+    states = pg.evaluate("[...window.voxgate.agent.turns.values()].map(t => t.state)")
+    assert states == ["played"]  # opened, never sent, closed
+    assert pg.inner_text("#llm-send") == "Send"
+    assert pg.locator("#llm-chat .msg.assistant").count() == 0
+    # The browser itself reports the failed request; nothing else may fail.
+    assert [e for e in console.errors if "status of 500" not in e] == []
+
+
+def test_without_webcodecs_the_page_plays_pcm16(browser: Browser, server: ServerProcess) -> None:
+    context = browser.new_context()
+    context.add_init_script("delete window.AudioDecoder; delete window.EncodedAudioChunk;")
+    pg = context.new_page()
+    console = Console(pg)
+    try:
+        pg.goto(server.url + "/")
+        pg.wait_for_function(READY, timeout=20_000)
+        pg.evaluate("window.voxgate.speak('No decoder here.')")
+        pg.wait_for_function(all_played(1), timeout=30_000)
+        s = stats(pg)
+        assert s["codec"] == "pcm16"
+        assert s["frames_played"] > 0
+        assert console.errors == []
+    finally:
+        context.close()
 
 
 def test_at_phone_width_the_controls_fit_and_work(browser: Browser, server: ServerProcess) -> None:
@@ -285,7 +360,7 @@ def test_at_phone_width_the_controls_fit_and_work(browser: Browser, server: Serv
         assert interrupt is not None and interrupt["height"] >= 44
         pg.fill("#type-text", SENTENCE)
         pg.click("#type-speak")
-        pg.wait_for_function("window.voxgate.stats.state === 'playing'", timeout=20_000)
+        pg.wait_for_function("window.voxgate.stats.played_ms > 400", timeout=20_000)
         pg.click("#interrupt")
         assert_silent_after_interrupt(pg)
         assert pg.is_visible("#cut")
@@ -346,3 +421,55 @@ def test_the_msgpack_decoder_reads_what_python_msgpack_writes(page: tuple[Page, 
         try { decode(new Uint8Array([0x92, 0x01])); return null; } catch (e) { return e.message; }
     }""")
     assert error is not None and "expected" in error
+
+
+WORKLET_SCENARIO = """async () => {
+    // Offline rendering drives the worklet on a known timeline: suspend at a
+    // time, post messages, give the audio thread a moment, resume. (Chromium
+    // delivers messages to an offline worklet only while it is suspended.)
+    const rate = 48000;
+    const ac = new OfflineAudioContext(1, rate * 2, rate);
+    await ac.audioWorklet.addModule('/player-worklet.js');
+    const node = new AudioWorkletNode(ac, 'voxgate-player',
+        { numberOfInputs: 0, numberOfOutputs: 1, outputChannelCount: [1] });
+    node.connect(ac.destination);
+    const events = [];
+    node.port.onmessage = (e) => { if (e.data.type !== 'progress') events.push(e.data); };
+    const tone = (ms) => new Float32Array(rate * ms / 1000).fill(0.25);
+    const settle = () => new Promise((r) => setTimeout(r, 100));
+    const at = (t, fn) => ac.suspend(t).then(async () => { fn(); await settle(); ac.resume(); });
+    at(0, () => {
+        node.port.postMessage({ type: 'config', jitter_ms: 40 });
+        node.port.postMessage({ type: 'push', ctx: 'a', pts_ms: 0, samples: tone(200) });
+    });
+    // 'a' runs dry at ~0.24 s; more of it arrives at 0.4 s: a real gap.
+    at(0.4, () => node.port.postMessage({ type: 'push', ctx: 'a', pts_ms: 200, samples: tone(200) }));
+    // Its end arrives after it ran dry again: not a gap.
+    at(0.8, () => node.port.postMessage({ type: 'end', ctx: 'a' }));
+    at(1.0, () => {
+        node.port.postMessage({ type: 'push', ctx: 'b', pts_ms: 0, samples: tone(500) });
+        node.port.postMessage({ type: 'end', ctx: 'b' });
+    });
+    at(1.2, () => node.port.postMessage({ type: 'flush', id: 7 }));
+    const out = (await ac.startRendering()).getChannelData(0);
+    const loudMs = out.reduce((n, x) => n + (x !== 0), 0) * 1000 / rate;
+    return { events, loudMs };
+}"""
+
+
+def test_the_worklet_counts_gaps_as_underruns_but_not_the_end_of_a_turn(
+        page: tuple[Page, Console]) -> None:
+    pg, console = page
+    result = pg.evaluate(WORKLET_SCENARIO)
+    events = [(e["type"], e.get("ctx")) for e in result["events"]]
+    assert events == [("started", "a"), ("underrun", "a"), ("finished", "a"),
+                      ("started", "b"), ("flushed", "b")]
+    underrun = result["events"][1]
+    assert underrun["played_ms"] == pytest.approx(200, abs=1)
+    assert underrun["gap_ms"] > 100
+    assert result["events"][2]["played_ms"] == pytest.approx(400, abs=1)
+    # 'b' played from ~1.0 s (after its end arrived, no jitter wait) until the flush at 1.2 s.
+    flushed = result["events"][4]
+    assert flushed["played_ms"] == pytest.approx(200, abs=30)
+    assert result["loudMs"] == pytest.approx(400 + flushed["played_ms"], abs=3)
+    assert console.errors == []

@@ -1,10 +1,11 @@
 // The voice-agent core of the page: turns (contexts), the socket, playback,
 // barge-in and the numbers the stats panel and the browser tests read.
 //
-// TTFA here is what a listener waits for: from the last text sent before
-// the server started the turn's first segment to the first sample of that
-// turn leaving the player (jitter buffer included). `ttfa_recv_ms` stops at
-// the first audio frame received instead.
+// TTFA here is what a listener waits for (DESIGN.md, Numbers): from the
+// moment the turn's first segment was complete in the text sent (the send
+// that carried the text confirming its end, or the last send when nothing
+// followed it) to the first sample of the turn leaving the player, jitter
+// buffer included. `ttfa_recv_ms` stops at the first audio frame received.
 
 import { Connection, streamUrl } from "./connection.js";
 import { Player } from "./player.js";
@@ -39,6 +40,7 @@ export class Agent {
     this.numTurns = 0;
     this.lastReport = new Map(); // ctx -> time of the last playback report
     this.retryMs = 1000;
+    this.retryTimer = null;
     this.isClosing = false;
   }
 
@@ -49,16 +51,20 @@ export class Agent {
   }
 
   async connect() {
+    clearTimeout(this.retryTimer);
+    if (this.conn !== null) this.conn.close(); // a Reconnect click during a retry wait
     const url = streamUrl(location.href, {
       codec: this.wantCodec, sample_rate: 48000, voice: this.voice,
     });
-    this.conn = new Connection({
+    // Events of a connection this one replaced are ignored.
+    const conn = new Connection({
       url,
-      onMessage: (msg) => this.onMessage(msg),
-      onState: (state, detail) => this.onConnState(state, detail),
+      onMessage: (msg) => { if (this.conn === conn) this.onMessage(msg); },
+      onState: (state, detail) => { if (this.conn === conn) this.onConnState(state, detail); },
     });
+    this.conn = conn;
     try {
-      await this.conn.open();
+      await conn.open();
       this.retryMs = 1000;
     } catch (err) {
       this.ui.onLog(err.message);
@@ -78,7 +84,7 @@ export class Agent {
         if (turn.state === "open" || turn.state === "flushed") turn.state = "lost";
       }
       if (!this.isClosing && detail.code !== 4401) {
-        setTimeout(() => this.connect(), this.retryMs);
+        this.retryTimer = setTimeout(() => this.connect(), this.retryMs);
         this.retryMs = Math.min(this.retryMs * 2, 30000);
       }
     }
@@ -110,7 +116,7 @@ export class Agent {
     const id = `${label.toLowerCase().replace(/[^a-z]/g, "") || "turn"}-${Date.now().toString(36)}-${this.numTurns}`;
     const turn = {
       id, label, state: "open", text: "", t_first_send: null, t_last_send: null,
-      t_release: null, t_first_audio: null, t_first_played: null, ttfa_ms: null,
+      sends: [], t_release: null, t_first_audio: null, t_first_played: null, ttfa_ms: null,
       played_ms: 0, onCut: null, onPlayed: null,
     };
     this.turns.set(id, turn);
@@ -126,8 +132,11 @@ export class Agent {
     if (!this.send(msg)) return false;
     const now = performance.now();
     turn.t_first_send ??= now;
-    if (turn.t_release === null) turn.t_last_send = now;
     turn.text += text;
+    if (turn.t_release === null) {
+      turn.t_last_send = now;
+      turn.sends.push({ end: turn.text.length, t: now });
+    }
     if (flush) turn.state = "flushed";
     return true;
   }
@@ -210,7 +219,7 @@ export class Agent {
         break;
       case "segment":
         if (!turn || turn.state === "cancelled") break;
-        turn.t_release ??= turn.t_last_send;
+        if (turn.t_release === null) this.release(turn, String(msg.text ?? ""));
         this.ui.captions.addSegment(turn.id, turn.label, msg);
         break;
       case "context.done":
@@ -231,13 +240,28 @@ export class Agent {
     this.stats.bytes_in = this.conn ? this.conn.bytesIn : 0;
   }
 
+  // When the first segment (text `first`; null when unknown) was complete
+  // in what was sent.
+  release(turn, first) {
+    if (first === null) {
+      turn.t_release = turn.t_last_send;
+      turn.sends = [];
+      return;
+    }
+    const at = turn.text.indexOf(first);
+    const end = at >= 0 ? at + first.length : first.length;
+    const confirming = turn.sends.find((send) => send.end > end);
+    turn.t_release = confirming ? confirming.t : turn.t_last_send;
+    turn.sends = [];
+  }
+
   onAudio(msg, turn) {
     if (!turn || turn.state === "cancelled" || turn.state === "played") return;
     const now = performance.now();
     this.stats.audio_frames += 1;
     if (turn.t_first_audio === null) {
       turn.t_first_audio = now;
-      turn.t_release ??= turn.t_last_send;
+      if (turn.t_release === null) this.release(turn, null);
       this.stats.ttfa_recv_ms = now - turn.t_release;
     }
     try {

@@ -11,11 +11,10 @@ import { Agent } from "./agent.js";
 import { Captions } from "./captions.js";
 import { MicVad } from "./mic.js";
 import { isOpusSupported } from "./player.js";
-import { replayAnswer, streamChat } from "./sources.js";
+import { setupPanels } from "./panels.js";
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
-const LLM_SETTINGS_KEY = "voxgate.llm";
 
 function log(text) {
   const item = document.createElement("li");
@@ -44,7 +43,6 @@ function notice(text) {
 
 const captions = new Captions($("captions"));
 let agent = null;
-let source = null; // {abort: AbortController, kind} of a running answer or LLM stream
 
 const ui = {
   captions,
@@ -113,199 +111,15 @@ $("speed").addEventListener("input", (e) => {
 });
 $("speed").addEventListener("change", (e) => agent.updateSession({ speed: Number(e.target.value) }));
 
-// ---- modes --------------------------------------------------------------
-
-for (const radio of document.querySelectorAll('input[name="mode"]')) {
-  radio.addEventListener("change", () => {
-    for (const panel of document.querySelectorAll(".panel")) {
-      panel.hidden = panel.dataset.mode !== radio.value;
-    }
-  });
-}
-
-// Type: completed words stream as they are typed; Enter speaks the rest.
-const typeText = $("type-text");
-let typeTurn = null;
-let typeSent = "";
-
-function typeReset() {
-  typeTurn = null;
-  typeSent = "";
-}
-
-function typeSendUpTo(end, flush) {
-  const delta = typeText.value.slice(typeSent.length, end);
-  if (delta === "" && !flush) return;
-  if (typeTurn === null) {
-    if (delta.trim() === "") return;
-    typeTurn = agent.openTurn("Typed");
-  }
-  if (delta !== "") agent.sendText(typeTurn, delta, flush);
-  else agent.flush(typeTurn);
-  typeSent += delta;
-}
-
-typeText.addEventListener("beforeinput", (e) => {
-  // Words already sent cannot be unsaid: keep edits after them.
-  const start = typeText.selectionStart;
-  const isBackward = e.inputType.startsWith("deleteContentBackward") && start === typeText.selectionEnd;
-  if (typeSent && (start < typeSent.length || (isBackward && start <= typeSent.length))) {
-    e.preventDefault();
-    notice("Words already sent to the voice cannot be changed; press Enter to start a new turn.");
-  }
-});
-
-typeText.addEventListener("input", () => {
-  if (!typeText.value.startsWith(typeSent)) {
-    // Changed another way (e.g. a script): start over with what is there.
-    if (typeTurn) agent.flush(typeTurn);
-    typeReset();
-  }
-  if (!$("type-live").checked) return;
-  const lastSpace = Math.max(typeText.value.lastIndexOf(" "), typeText.value.lastIndexOf("\n"));
-  if (lastSpace + 1 > typeSent.length) typeSendUpTo(lastSpace + 1, false);
-});
-
-typeText.addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
-    e.preventDefault();
-    $("panel-type").requestSubmit();
-  }
-});
-
-$("panel-type").addEventListener("submit", (e) => {
-  e.preventDefault();
-  if (typeText.value.trim() === "" && typeTurn === null) return;
-  typeSendUpTo(typeText.value.length, true);
-  typeText.value = "";
-  typeReset();
-});
-
-// Stream an answer: replay text token by token at the chosen rate.
-$("answer-rate").addEventListener("input", (e) => {
-  $("answer-rate-out").textContent = `${e.target.value} tokens/s`;
-});
-
-async function runSource(kind, button, idleLabel, body) {
-  if (source !== null) {
-    stopSource();
-    return;
-  }
-  const abort = new AbortController();
-  source = { abort, kind };
-  button.textContent = "Stop";
-  try {
-    await body(abort.signal);
-  } catch (err) {
-    if (err.name !== "AbortError") notice(err.message);
-  } finally {
-    if (source?.abort === abort) source = null;
-    button.textContent = idleLabel;
-  }
-}
-
-function stopSource() {
-  if (source !== null) {
-    source.abort.abort();
-    source = null;
-  }
-}
-
-$("panel-answer").addEventListener("submit", (e) => {
-  e.preventDefault();
-  const text = $("answer-text").value;
-  if (text.trim() === "") return;
-  runSource("answer", $("answer-go"), "Stream answer", async (signal) => {
-    const turn = agent.openTurn("Answer");
-    const rate = () => Number($("answer-rate").value);
-    for await (const token of replayAnswer(text, rate, signal)) agent.sendText(turn, token);
-    if (!signal.aborted) agent.flush(turn);
-  });
-});
-
-// LLM: a chat completion from an OpenAI-compatible endpoint, into voxgate.
-const history = [];
-
-function llmSettings() {
-  return {
-    endpoint: $("llm-url").value, model: $("llm-model").value,
-    apiKey: $("llm-key").value, system: $("llm-system").value,
-  };
-}
-
-function restoreLlmSettings() {
-  try {
-    const saved = JSON.parse(sessionStorage.getItem(LLM_SETTINGS_KEY) ?? "{}");
-    if (saved.endpoint) $("llm-url").value = saved.endpoint;
-    if (saved.model) $("llm-model").value = saved.model;
-    if (saved.apiKey) $("llm-key").value = saved.apiKey;
-  } catch { /* nothing saved */ }
-}
-
-function chatBubble(role, text) {
-  const item = document.createElement("li");
-  item.className = `msg ${role}`;
-  item.textContent = text;
-  $("llm-chat").append(item);
-  item.scrollIntoView({ block: "nearest" });
-  return item;
-}
-
-$("panel-llm").addEventListener("submit", (e) => {
-  e.preventDefault();
-  const input = $("llm-input");
-  const question = input.value.trim();
-  if (source !== null) {
-    interrupt("stop button");
-    return;
-  }
-  if (question === "") return;
-  const settings = llmSettings();
-  sessionStorage.setItem(LLM_SETTINGS_KEY, JSON.stringify({ ...settings, system: undefined }));
-  input.value = "";
-  chatBubble("user", question);
-  history.push({ role: "user", content: question });
-  runSource("llm", $("llm-send"), "Send", async (signal) => {
-    const turn = agent.openTurn("LLM");
-    const bubble = chatBubble("assistant", "");
-    const entry = { role: "assistant", content: "" };
-    // After a barge-in the history keeps only what the listener heard.
-    turn.onCut = (spoken) => {
-      bubble.classList.add("cut");
-      bubble.dataset.heard = spoken;
-      entry.content = spoken;
-      const at = history.indexOf(entry);
-      if (spoken.trim() === "" && at >= 0) history.splice(at, 1);
-      else if (spoken.trim() !== "" && at < 0) history.push(entry);
-    };
-    history.push(entry);
-    const messages = settings.system ? [{ role: "system", content: settings.system }] : [];
-    messages.push(...history.slice(0, -1));
-    for await (const delta of streamChat({ ...settings, messages, signal })) {
-      agent.sendText(turn, delta);
-      entry.content += delta;
-      bubble.textContent += delta;
-    }
-    if (!signal.aborted) agent.flush(turn);
-    if (entry.content === "" && history.at(-1) === entry) history.pop();
-  });
-});
-
-$("llm-reset").addEventListener("click", () => {
-  history.length = 0;
-  $("llm-chat").replaceChildren();
-});
-
 // ---- barge-in -----------------------------------------------------------
 
 async function interrupt(reason) {
-  stopSource();
-  if (typeTurn !== null) {
-    typeText.value = "";
-    typeReset();
-  }
+  panels.stop();
+  panels.forgetTyping();
   return agent.interrupt(reason);
 }
+
+const panels = setupPanels({ getAgent: () => agent, notice, interrupt });
 
 $("interrupt").addEventListener("click", () => interrupt("button"));
 document.addEventListener("keydown", (e) => {
@@ -347,6 +161,8 @@ function renderStats() {
   const s = agent.stats;
   const fmt = (ms) => (ms === null ? "–" : `${Math.round(ms)} ms`);
   $("st-ttfa").textContent = s.ttfa_ms === null ? "–" : `${fmt(s.ttfa_ms)} (net ${fmt(s.ttfa_recv_ms)})`;
+  const earlier = s.ttfa_history.slice(-6, -1).reverse();
+  $("st-ttfa-recent").textContent = earlier.length ? `${earlier.join(", ")} ms` : "–";
   $("st-buffer").textContent = `${Math.round(s.buffer_ms)} ms`;
   $("st-underruns").textContent = String(s.underruns);
   $("st-state").textContent = s.state;
@@ -376,7 +192,6 @@ async function main() {
   for (const type of ["pointerdown", "keydown"]) {
     document.addEventListener(type, () => agent.player.resume(), { capture: true });
   }
-  restoreLlmSettings();
   setInterval(renderStats, 100);
   await Promise.all([agent.start(), loadVoices()]);
   document.body.dataset.ready = "true";

@@ -94,7 +94,7 @@ export class Captions {
   cut(ctx, playedMs) {
     const turn = this.turns.get(ctx);
     if (!turn) return;
-    turn.el.classList.add("cut");
+    turn.el.classList.add("is-cut");
     for (const unit of turn.units) {
       unit.el.classList.remove("now");
       unit.el.classList.toggle("said", unit.end <= playedMs);

@@ -102,11 +102,6 @@ class PlayerProcessor extends AudioWorkletProcessor {
     this.report();
   }
 
-  headEnded() {
-    return this.marks.length > 0 && this.ended.has(this.marks[0].ctx) &&
-      this.marks.every((m) => m.ctx === this.marks[0].ctx);
-  }
-
   bufferedFramesOfHead() {
     if (this.marks.length === 0) return 0;
     const ctx = this.marks[0].ctx;

@@ -44,12 +44,20 @@ export function chatCompletionsUrl(endpoint) {
 export async function* streamChat({ endpoint, model, apiKey, messages, signal }) {
   const headers = { "Content-Type": "application/json", Accept: "text/event-stream" };
   if (apiKey) headers.Authorization = `Bearer ${apiKey}`;
-  const response = await fetch(chatCompletionsUrl(endpoint), {
-    method: "POST",
-    headers,
-    body: JSON.stringify({ model, messages, stream: true }),
-    signal,
-  });
+  const url = chatCompletionsUrl(endpoint);
+  let response;
+  try {
+    response = await fetch(url, {
+      method: "POST",
+      headers,
+      body: JSON.stringify({ model, messages, stream: true }),
+      signal,
+    });
+  } catch (err) {
+    if (err.name === "AbortError") throw err;
+    throw new Error(`could not reach ${url} (${err.message}): is the LLM server running, ` +
+      "and does it allow cross-origin requests from this page?");
+  }
   if (!response.ok) {
     const body = (await response.text()).slice(0, 300);
     throw new Error(`expected 200 from the LLM endpoint, got ${response.status}: ${body}`);

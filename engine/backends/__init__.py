@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.backend import Backend
 
-BACKEND_NAMES = ("piper",)
+BACKEND_NAMES = ("piper", "cosyvoice")
 
 
 def create_backend(name: str, **options: Any) -> Backend:
@@ -19,5 +19,10 @@ def create_backend(name: str, **options: Any) -> Backend:
         from engine.backends.piper import PiperBackend, PiperBackendConfig
 
         return PiperBackend(PiperBackendConfig(**options))
+    if name == "cosyvoice":  # imports torch: only when asked for
+        from engine.backends.cosyvoice.backend import CosyVoiceBackend
+        from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
+
+        return CosyVoiceBackend(CosyVoiceBackendConfig.from_options(options))
     expected = ", ".join(BACKEND_NAMES)
     raise ValueError(f"unknown backend {name!r}; expected one of: {expected}")

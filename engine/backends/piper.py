@@ -17,6 +17,11 @@ and clip to [-1, 1].
 `SamplingParams.seed` is not honoured: the exported graph draws its noise with
 onnxruntime's RandomNormalLike, which takes no per-call seed. With both noise
 scales at 0 the output is deterministic.
+
+Registered reference voices (docs/voices.md): piper cannot clone a voice from
+reference audio, so a registered voice computes no features and speaks with an
+installed base voice (`meta["base_voice"]`, the server's default voice unless
+the registration names another). It is a named alias with its own listing.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engine.backend import Backend, BackendRequest, StepResult
 from engine.backends.piper_align import align_words, word_timings
 from engine.backends.piper_voices import (
+    DEFAULT_VOICE_ID,
     LoadedVoice,
     VoiceFiles,
     default_voice_files,
@@ -68,7 +75,7 @@ class PiperBackendConfig:
     # this fraction of real phoneme ids (None: one call per voice and scales, however
     # ragged). On CPU a call costs about its padded length, so padding is pure loss
     # (docs/benchmarks.md, "piper batching").
-    max_padding_waste: float | None = 0.25
+    max_padding_waste: float | None = 0.1
 
     def __post_init__(self) -> None:
         if self.voices_dir is not None:
@@ -138,6 +145,10 @@ class PiperBackend(Backend):
             self._files[entry.voice_id] = entry
         self._aliases = {alias: f.voice_id for f in self._files.values() for alias in f.aliases}
         self._voices: dict[str, LoadedVoice] = {}
+        # Registered voices: id -> (listing, id of the installed voice that speaks for it).
+        # Retired ones are deleted but still held by sessions: unlisted, still speakable.
+        self._registered: dict[str, tuple[VoiceInfo, str]] = {}
+        self._retired: dict[str, tuple[VoiceInfo, str]] = {}
         self.sample_rate = 22050
 
     # -- Backend --------------------------------------------------------------
@@ -163,7 +174,8 @@ class PiperBackend(Backend):
         logger.info("piper backend loaded voices: %s", ", ".join(voices))
 
     def voices(self) -> list[VoiceInfo]:
-        return [voice.info for voice in self._voices.values()]
+        installed = [voice.info for voice in self._voices.values()]
+        return installed + [info for info, _ in list(self._registered.values())]
 
     def get_voice(self, voice_id: str) -> LoadedVoice:
         """A loaded voice by id or alias; raises UnknownVoiceError."""
@@ -171,9 +183,43 @@ class PiperBackend(Backend):
             raise EngineError("piper backend is not loaded; expected load() before prepare()")
         voice = self._voices.get(self._aliases.get(voice_id, voice_id))
         if voice is None:
-            expected = ", ".join(self._voices)
+            entry = self._registered.get(voice_id) or self._retired.get(voice_id)
+            voice = None if entry is None else self._voices.get(entry[1])
+        if voice is None:
+            expected = ", ".join([*self._voices, *self._registered])
             raise UnknownVoiceError(f"unknown voice {voice_id!r}; expected one of: {expected}")
         return voice
+
+    def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
+        if features is not None:
+            raise ValueError(
+                f"piper voices take no prompt features; expected None, got {len(features)} bytes"
+            )
+        if voice_id in self._files or voice_id in self._aliases:
+            raise EngineError(f"voice id {voice_id!r} names an installed piper voice")
+        base = self.get_voice(str(meta.get("base_voice") or DEFAULT_VOICE_ID))
+        info = VoiceInfo(
+            voice_id=voice_id,
+            name=str(meta.get("name") or voice_id),
+            language=base.info.language,  # piper speaks its base voice's language
+            backend=self.name,
+            sample_rate=self.sample_rate,
+            is_builtin=False,
+        )
+        self._retired.pop(voice_id, None)
+        self._registered[voice_id] = (info, base.info.voice_id)
+        return info
+
+    def retire_voice(self, voice_id: str) -> None:
+        entry = self._registered.pop(voice_id, None)
+        if entry is None:
+            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
+        self._retired[voice_id] = entry
+
+    def remove_voice(self, voice_id: str) -> None:
+        # Prepared requests hold their LoadedVoice: they finish with it.
+        if self._registered.pop(voice_id, None) is None and self._retired.pop(voice_id, None) is None:
+            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
 
     def get_files(self, voice_id: str) -> VoiceFiles:
         """Where a known voice (loaded or not) lives on disk; raises UnknownVoiceError."""

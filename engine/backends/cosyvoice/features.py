@@ -80,7 +80,8 @@ def kaldi_fbank(wav: torch.Tensor, num_mel_bins: int = 80, rate: int = FBANK_RAT
     power = torch.fft.rfft(frames).abs().pow(2)  # [T, padded // 2 + 1]
     banks = kaldi_mel_banks(num_mel_bins, padded, rate).to(power.dtype)
     energies = power @ banks.T  # [T, num_mel_bins]
-    return energies.clamp(min=torch.finfo(torch.float32).eps).log()
+    log_energies: torch.Tensor = energies.clamp(min=torch.finfo(torch.float32).eps).log()
+    return log_energies
 
 
 def _slaney_hz_to_mel(freq: np.ndarray) -> np.ndarray:

@@ -26,10 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.errors import ModelLoadError
 from engine.backends.cosyvoice.flow_dit import DiTEstimator
-from engine.backends.cosyvoice.flow_encoder import PreLookahead, UpsampleConformerEncoder, lengths_mask
+from engine.backends.cosyvoice.flow_encoder import (
+    PreLookahead,
+    UpsampleConformerEncoder,
+    lengths_mask,
+)
 from engine.backends.cosyvoice.flow_unet import UNetEstimator
+from engine.errors import ModelLoadError
 
 NOISE_FRAMES = 15000  # upstream CausalConditionalCFM.rand_noise: 300 s at 50 frames/s
 
@@ -47,7 +51,8 @@ class FlowRow:
     tokens: [N] int64, prompt tokens then speech tokens then `num_lookahead` lookahead tokens.
     prompt_mel: [P, 80] mel of the prompt (P frames condition the start; usually 2 x prompt tokens).
     embedding: [192] speaker x-vector (unnormalized; normalized here as upstream).
-    noise_index: [2 * (N - num_lookahead)] absolute noise frame per output frame.
+    noise_index: [2 * (N - num_lookahead)] absolute noise frame per output frame (taken modulo the
+        table's 15000 frames, so answers longer than upstream's 300 s limit keep going).
     """
 
     tokens: torch.Tensor
@@ -78,8 +83,9 @@ class CFM(nn.Module):
 
     def forward(self, z: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
                 cond: torch.Tensor, streaming: bool) -> torch.Tensor:
-        # z, mu, cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80]  ->  mel [B, 80, T]
-        t_span = torch.linspace(0, 1, self.n_timesteps + 1, device=mu.device, dtype=mu.dtype)
+        # z, mu, cond: [B, 80, T]; mask: [B, 1, T]; spks: [B, 80]  ->  mel [B, 80, T] float32
+        # The ODE state and the time stay float32 whatever the estimator's dtype.
+        t_span = torch.linspace(0, 1, self.n_timesteps + 1, device=mu.device, dtype=torch.float32)
         if self.cosine:
             t_span = 1 - torch.cos(t_span * 0.5 * math.pi)
         b = z.shape[0]
@@ -87,9 +93,10 @@ class CFM(nn.Module):
         mu2 = torch.cat([mu, torch.zeros_like(mu)])
         spks2 = torch.cat([spks, torch.zeros_like(spks)])
         cond2 = torch.cat([cond, torch.zeros_like(cond)])
-        x, t, dt = z, t_span[0], t_span[1] - t_span[0]
+        x, t, dt = z.float(), t_span[0], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
-            v = self.estimator(torch.cat([x, x]), mask2, mu2, t.expand(2 * b), spks2, cond2, streaming)
+            x_in = torch.cat([x, x]).to(mu.dtype)
+            v = self.estimator(x_in, mask2, mu2, t.expand(2 * b).to(mu.dtype), spks2, cond2, streaming).float()
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             t = t + dt
@@ -99,6 +106,8 @@ class CFM(nn.Module):
 
 
 class FlowModel(nn.Module):
+    noise: torch.Tensor
+
     def __init__(self, version: int, flow: dict[str, Any]) -> None:
         super().__init__()
         self.version = version
@@ -130,13 +139,20 @@ class FlowModel(nn.Module):
         self.chunk_tokens = int(est.get("static_chunk_size", 50)) // self.token_mel_ratio
         self.register_buffer("noise", fixed_noise(), persistent=False)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> FlowModel:
+        # keep the fixed noise float32 when the model is cast to a lower precision
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        self.noise = self.noise.float()
+        return self
+
     def encode(self, tokens: torch.Tensor, num_tokens: torch.Tensor, num_valid: torch.Tensor,
                streaming: bool) -> torch.Tensor:
         """tokens [B, T] (padded) -> mu [B, 80, 2T], valid up to 2 * num_valid."""
         present = lengths_mask(num_tokens, tokens.shape[1])
-        x = self.input_embedding(tokens.clamp(min=0) * present) * present[:, :, None].to(self.noise)
+        emb: torch.Tensor = self.input_embedding(tokens.clamp(min=0) * present)
+        x = emb * present[:, :, None].to(emb.dtype)
         if self.version == 2:
-            h = self.encoder_proj(self.encoder(x, num_tokens, num_valid, streaming))
+            h: torch.Tensor = self.encoder_proj(self.encoder(x, num_tokens, num_valid, streaming))
         else:
             h = self.pre_lookahead_layer(x).repeat_interleave(self.token_mel_ratio, dim=1)
         return h.transpose(1, 2)
@@ -146,7 +162,7 @@ class FlowModel(nn.Module):
         """Mel [80, 2 * (N - num_lookahead)] for each row (prompt frames included), in one batch."""
         if not rows:
             return []
-        dev, dtype = self.noise.device, self.noise.dtype
+        dev, dtype = self.noise.device, self.spk_embed_affine_layer.weight.dtype
         num_tokens = torch.tensor([r.tokens.shape[0] for r in rows], device=dev)
         num_valid = num_tokens - torch.tensor([r.num_lookahead for r in rows], device=dev)
         t_max = int(num_tokens.max())
@@ -158,10 +174,10 @@ class FlowModel(nn.Module):
         f_max = int(frames.max())
         mu = mu[:, :, :f_max]
         mask = lengths_mask(frames, f_max)[:, None].to(dtype)
-        z = torch.zeros(len(rows), 80, f_max, device=dev, dtype=dtype)
-        cond = torch.zeros_like(z)
+        z = torch.zeros(len(rows), 80, f_max, device=dev)  # float32, like the ODE state
+        cond = torch.zeros(len(rows), 80, f_max, device=dev, dtype=dtype)
         for i, r in enumerate(rows):
-            z[i, :, : r.noise_index.shape[0]] = self.noise[:, r.noise_index.to(dev)]
+            z[i, :, : r.noise_index.shape[0]] = self.noise[:, r.noise_index.to(dev) % NOISE_FRAMES]
             cond[i, :, : r.prompt_mel.shape[0]] = r.prompt_mel.to(dev, dtype).T
         emb = torch.stack([r.embedding.to(dev, dtype) for r in rows])
         spks = self.spk_embed_affine_layer(F.normalize(emb, dim=1))
@@ -174,7 +190,7 @@ def load_flow_state(model: FlowModel, state: dict[str, torch.Tensor]) -> None:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"flow.pt: expected upstream flow keys and shapes, got {exc}") from exc
+        raise ModelLoadError(f"flow.pt: expected upstream flow keys and shapes, got {' '.join(str(exc).split())}") from exc
 
 
 def build_flow(model_dir: Any) -> FlowModel:

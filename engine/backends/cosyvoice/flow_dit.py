@@ -15,7 +15,7 @@ masked.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,28 +33,31 @@ def sinus_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.T
 
 def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...) on the last dimension."""
-    pairs = x.unflatten(-1, (-1, 2))
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
     return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
 
     def forward(self, seq_len: int) -> torch.Tensor:
-        """-> freqs [T, dim], each frequency repeated for its pair."""
-        t = torch.arange(seq_len, device=self.inv_freq.device).to(self.inv_freq)
-        freqs = t[:, None] * self.inv_freq[None]
+        """-> freqs [T, dim] in float32 (whatever the model's dtype), each repeated for its pair."""
+        inv_freq = self.inv_freq.float()
+        t = torch.arange(seq_len, device=inv_freq.device, dtype=torch.float32)
+        freqs = t[:, None] * inv_freq[None]
         return freqs.repeat_interleave(2, dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """x [B, T, inner]: rotate the first freqs.shape[-1] channels, leave the rest."""
     d = freqs.shape[-1]
-    head, rest = x[..., :d], x[..., d:]
+    head, rest = x[..., :d].float(), x[..., d:]
     head = head * freqs.cos() + rotate_pairs(head) * freqs.sin()
-    return torch.cat([head, rest], dim=-1)
+    return torch.cat([head.to(x.dtype), rest], dim=-1)
 
 
 class AdaNorm(nn.Module):
@@ -66,7 +69,8 @@ class AdaNorm(nn.Module):
         self.n = n
 
     def chunks(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(c[:, None] for c in self.linear(F.silu(t)).chunk(self.n, dim=1))
+        emb: torch.Tensor = self.linear(F.silu(t))
+        return tuple(c[:, None] for c in emb.chunk(self.n, dim=1))
 
 
 def norm(x: torch.Tensor) -> torch.Tensor:
@@ -89,9 +93,47 @@ class DiTAttention(nn.Module):
         k = apply_rotary(self.to_k(x), freqs)
         q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        out = self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+        out = cast(torch.Tensor, self.to_out[0](out.transpose(1, 2).reshape(b, t, -1)))
         # upstream zeroes outputs at keys invisible from the last query (padding)
         return out.masked_fill(~mask[:, -1, :, None], 0.0)
+
+
+class DiTFeedForward(nn.Module):
+    """Linear -> tanh-GELU -> Linear, laid out as upstream's `ff.ff.0.0` / `ff.ff.2`."""
+
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.ff = nn.ModuleList([nn.ModuleList([nn.Linear(dim, inner)]), nn.Identity(), nn.Linear(inner, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        project_in = cast(nn.ModuleList, self.ff[0])[0]
+        out: torch.Tensor = self.ff[2](F.gelu(project_in(x), approximate="tanh"))
+        return out
+
+
+class TimeEmbed(nn.Module):
+    def __init__(self, dim: int, freq_dim: int = 256) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.time_mlp = nn.ModuleList([nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim)])
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        h = sinus_embedding(t, self.freq_dim).to(t.dtype)
+        for layer in self.time_mlp:
+            h = layer(h)
+        return h
+
+
+class InputEmbed(nn.Module):
+    def __init__(self, cin: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(cin, dim)
+        self.conv_pos_embed = CausalPosConv(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h: torch.Tensor = self.proj(x)
+        pos: torch.Tensor = self.conv_pos_embed(h)
+        return pos + h
 
 
 class DiTBlock(nn.Module):
@@ -99,15 +141,12 @@ class DiTBlock(nn.Module):
         super().__init__()
         self.attn_norm = AdaNorm(dim, 6)
         self.attn = DiTAttention(dim, heads, dim_head)
-        self.ff = nn.Module()
-        self.ff.ff = nn.ModuleList([nn.ModuleList([nn.Linear(dim, dim * ff_mult)]), nn.Identity(),
-                                    nn.Linear(dim * ff_mult, dim)])
+        self.ff = DiTFeedForward(dim, dim * ff_mult)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, mask: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.chunks(t)
         x = x + gate_msa * self.attn(norm(x) * (1 + scale_msa) + shift_msa, mask, freqs)
-        h = norm(x) * (1 + scale_mlp) + shift_mlp
-        h = self.ff.ff[2](F.gelu(self.ff.ff[0][0](h), approximate="tanh"))
+        h: torch.Tensor = self.ff(norm(x) * (1 + scale_mlp) + shift_mlp)
         return x + gate_mlp * h
 
 
@@ -134,11 +173,8 @@ class DiTEstimator(nn.Module):
                  mu_dim: int, spk_dim: int, static_chunk_size: int) -> None:
         super().__init__()
         self.static_chunk_size = static_chunk_size
-        self.time_embed = nn.Module()
-        self.time_embed.time_mlp = nn.ModuleList([nn.Linear(256, dim), nn.SiLU(), nn.Linear(dim, dim)])
-        self.input_embed = nn.Module()
-        self.input_embed.proj = nn.Linear(mel_dim * 2 + mu_dim + spk_dim, dim)
-        self.input_embed.conv_pos_embed = CausalPosConv(dim)
+        self.time_embed = TimeEmbed(dim)
+        self.input_embed = InputEmbed(mel_dim * 2 + mu_dim + spk_dim, dim)
         self.rotary_embed = RotaryEmbedding(dim_head)
         self.transformer_blocks = nn.ModuleList([DiTBlock(dim, heads, dim_head, ff_mult) for _ in range(depth)])
         self.norm_out = AdaNorm(dim, 2)
@@ -157,17 +193,13 @@ class DiTEstimator(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                 spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80]
-        temb = sinus_embedding(t, 256).to(t.dtype)
-        for layer in self.time_embed.time_mlp:
-            temb = layer(temb)
+        temb = self.time_embed(t)
         seq = x.shape[2]
-        h = torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)], dim=1).transpose(1, 2)
-        h = self.input_embed.proj(h)
-        h = self.input_embed.conv_pos_embed(h) + h
+        h = self.input_embed(torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)], dim=1).transpose(1, 2))
         freqs = self.rotary_embed(seq)
         attn_mask = chunk_attention_mask(mask[:, 0].bool(), self.static_chunk_size, streaming)
         for block in self.transformer_blocks:
             h = block(h, temb, attn_mask, freqs)
         scale, shift = self.norm_out.chunks(temb)
-        h = norm(h) * (1 + scale) + shift
-        return self.proj_out(h).transpose(1, 2)
+        out: torch.Tensor = self.proj_out(norm(h) * (1 + scale) + shift)
+        return out.transpose(1, 2)

@@ -45,8 +45,8 @@ class PreLookahead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, C] with zeros after each row's last present token -> [B, T, C]."""
         h = F.leaky_relu(self.conv1(F.pad(x.transpose(1, 2), (0, self.lookahead))))
-        h = self.conv2(F.pad(h, (2, 0)))
-        return h.transpose(1, 2) + x
+        out: torch.Tensor = self.conv2(F.pad(h, (2, 0)))
+        return out.transpose(1, 2) + x
 
 
 def rel_position_embedding(size: int, dim: int, device: torch.device) -> torch.Tensor:
@@ -68,7 +68,8 @@ class LinearEmbed(nn.Module):
         self.scale = math.sqrt(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out[1](self.out[0](x)) * self.scale
+        out: torch.Tensor = self.out[1](self.out[0](x))
+        return out * self.scale
 
 
 class RelPosAttention(nn.Module):
@@ -99,7 +100,19 @@ class RelPosAttention(nn.Module):
         masked = ~mask[:, None]
         attn = torch.softmax(scores.masked_fill(masked, -math.inf), dim=-1).masked_fill(masked, 0.0)
         out = torch.matmul(attn, v).transpose(1, 2).reshape(b, t, -1)
-        return self.linear_out(out)
+        proj: torch.Tensor = self.linear_out(out)
+        return proj
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, units: int) -> None:
+        super().__init__()
+        self.w_1 = nn.Linear(dim, units)
+        self.w_2 = nn.Linear(units, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.w_2(F.silu(self.w_1(x)))
+        return out
 
 
 class ConformerLayer(nn.Module):
@@ -108,16 +121,27 @@ class ConformerLayer(nn.Module):
     def __init__(self, dim: int, heads: int, units: int) -> None:
         super().__init__()
         self.self_attn = RelPosAttention(heads, dim)
-        self.feed_forward = nn.Module()
-        self.feed_forward.w_1 = nn.Linear(dim, units)
-        self.feed_forward.w_2 = nn.Linear(units, dim)
+        self.feed_forward = FeedForward(dim, units)
         self.norm_ff = nn.LayerNorm(dim, eps=1e-12)
         self.norm_mha = nn.LayerNorm(dim, eps=1e-12)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.norm_mha(x), mask, pos)
-        ff = self.feed_forward
-        return x + ff.w_2(F.silu(ff.w_1(self.norm_ff(x))))
+        out: torch.Tensor = x + self.feed_forward(self.norm_ff(x))
+        return out
+
+
+class UpLayer(nn.Module):
+    """x2 nearest-neighbour upsampling, then a causal convolution (k=5) over the result."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(channels, channels, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, C] -> [B, 2T, C]
+        h = x.repeat_interleave(2, dim=1).transpose(1, 2)
+        out: torch.Tensor = self.conv(F.pad(h, (4, 0)))
+        return out.transpose(1, 2)
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -134,8 +158,7 @@ class UpsampleConformerEncoder(nn.Module):
         self.embed = LinearEmbed(input_size, output_size)
         self.pre_lookahead_layer = PreLookahead(self.CHANNELS, self.CHANNELS, lookahead)
         self.encoders = nn.ModuleList([ConformerLayer(output_size, heads, units) for _ in range(num_blocks)])
-        self.up_layer = nn.Module()
-        self.up_layer.conv = nn.Conv1d(self.CHANNELS, self.CHANNELS, 5)
+        self.up_layer = UpLayer(self.CHANNELS)
         self.up_embed = LinearEmbed(input_size, output_size)
         self.up_encoders = nn.ModuleList([ConformerLayer(output_size, heads, units)
                                           for _ in range(self.NUM_UP_BLOCKS)])
@@ -154,7 +177,7 @@ class UpsampleConformerEncoder(nn.Module):
     def _run(self, layers: nn.ModuleList, x: torch.Tensor, valid: torch.Tensor, chunk: int,
              streaming: bool) -> torch.Tensor:
         mask = chunk_attention_mask(valid, chunk, streaming)
-        pos = rel_position_embedding(x.shape[1], self.dim, x.device)
+        pos = rel_position_embedding(x.shape[1], self.dim, x.device).to(x.dtype)
         for layer in layers:
             x = layer(x, mask, pos)
         return x
@@ -166,9 +189,8 @@ class UpsampleConformerEncoder(nn.Module):
         h = self.embed(x) * lengths_mask(num_tokens, t)[:, :, None].to(x)
         h = self.pre_lookahead_layer(h)
         h = self._run(self.encoders, h, lengths_mask(num_valid, t), self.static_chunk_size, streaming)
-        h = h.repeat_interleave(2, dim=1).transpose(1, 2)
-        h = self.up_layer.conv(F.pad(h, (4, 0))).transpose(1, 2)
-        h = self.up_embed(h)
+        h = self.up_embed(self.up_layer(h))
         h = self._run(self.up_encoders, h, lengths_mask(2 * num_valid, 2 * t), 2 * self.static_chunk_size,
                       streaming)
-        return self.after_norm(h)
+        out: torch.Tensor = self.after_norm(h)
+        return out

@@ -14,7 +14,7 @@ Attribute names follow upstream's so `flow.pt` loads with strict=True.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,8 @@ def timestep_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torc
 
 class CausalConv1d(nn.Conv1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        out: torch.Tensor = super().forward(F.pad(x, (self.kernel_size[0] - 1, 0)))
+        return out
 
 
 class CausalBlock1D(nn.Module):
@@ -57,7 +58,7 @@ class CausalBlock1D(nn.Module):
         self.block = nn.ModuleDict({"0": CausalConv1d(cin, cout, 3), "2": nn.LayerNorm(cout)})
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.block["0"](x * mask)
+        h: torch.Tensor = self.block["0"](x * mask)
         h = self.block["2"](h.transpose(1, 2)).transpose(1, 2)
         return F.mish(h) * mask
 
@@ -71,8 +72,9 @@ class CausalResnetBlock1D(nn.Module):
         self.res_conv = nn.Conv1d(cin, cout, 1)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        h = self.block1(x, mask) + self.mlp["1"](F.mish(t))[:, :, None]
-        return self.block2(h, mask) + self.res_conv(x * mask)
+        h: torch.Tensor = self.block1(x, mask) + self.mlp["1"](F.mish(t))[:, :, None]
+        out: torch.Tensor = self.block2(h, mask) + self.res_conv(x * mask)
+        return out
 
 
 class Attention(nn.Module):
@@ -89,7 +91,38 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        return self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+        proj: torch.Tensor = self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
+        return proj
+
+
+class GeluProj(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, inner)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([GeluProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net[2](self.net[0](x))
+        return out
+
+
+class TimeMLP(nn.Module):
+    def __init__(self, cin: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(cin, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.linear_2(F.silu(self.linear_1(t)))
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -100,14 +133,12 @@ class TransformerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.attn1 = Attention(dim, heads, dim_head)
         self.norm3 = nn.LayerNorm(dim)
-        self.ff = nn.Module()
-        self.ff.net = nn.ModuleList([nn.Module(), nn.Identity(), nn.Linear(4 * dim, dim)])
-        self.ff.net[0].proj = nn.Linear(dim, 4 * dim)
+        self.ff = FeedForward(dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = x + self.attn1(self.norm1(x), mask)
-        h = F.gelu(self.ff.net[0].proj(self.norm3(x)))
-        return x + self.ff.net[2](h)
+        out: torch.Tensor = x + self.ff(self.norm3(x))
+        return out
 
 
 class UNetEstimator(nn.Module):
@@ -119,9 +150,7 @@ class UNetEstimator(nn.Module):
         self.in_channels = in_channels
         self.static_chunk_size = static_chunk_size
         time_dim = channels[0] * 4
-        self.time_mlp = nn.Module()
-        self.time_mlp.linear_1 = nn.Linear(in_channels, time_dim)
-        self.time_mlp.linear_2 = nn.Linear(time_dim, time_dim)
+        self.time_mlp = TimeMLP(in_channels, time_dim)
 
         def blocks(dim: int) -> nn.ModuleList:
             return nn.ModuleList([TransformerBlock(dim, num_heads, attention_head_dim) for _ in range(n_blocks)])
@@ -158,28 +187,32 @@ class UNetEstimator(nn.Module):
         h = x.transpose(1, 2)
         for block in blocks:
             h = block(h, attn_mask)
-        return h.transpose(1, 2)
+        out: torch.Tensor = h.transpose(1, 2)
+        return out
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                 spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80]
-        temb = self.time_mlp.linear_1(timestep_embedding(t, self.in_channels))
-        temb = self.time_mlp.linear_2(F.silu(temb))
+        temb = self.time_mlp(timestep_embedding(t, self.in_channels))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)
         hiddens, masks = [], [mask]
-        for resnet, blocks, down in self.down_blocks:
+        for level in self.down_blocks:
+            resnet, blocks, down = cast(nn.ModuleList, level)
             m = masks[-1]
-            h = self._attend(resnet(h, m, temb), m, blocks, streaming)
+            h = self._attend(resnet(h, m, temb), m, cast(nn.ModuleList, blocks), streaming)
             hiddens.append(h)
             h = down(h * m)
             masks.append(m[:, :, ::2])
         masks = masks[:-1]
-        for resnet, blocks in self.mid_blocks:
-            h = self._attend(resnet(h, masks[-1], temb), masks[-1], blocks, streaming)
-        for resnet, blocks, up in self.up_blocks:
+        for level in self.mid_blocks:
+            resnet, blocks = cast(nn.ModuleList, level)
+            h = self._attend(resnet(h, masks[-1], temb), masks[-1], cast(nn.ModuleList, blocks), streaming)
+        for level in self.up_blocks:
+            resnet, blocks, up = cast(nn.ModuleList, level)
             m, skip = masks.pop(), hiddens.pop()
             h = torch.cat([h[:, :, : skip.shape[2]], skip], dim=1)
-            h = self._attend(resnet(h, m, temb), m, blocks, streaming)
+            h = self._attend(resnet(h, m, temb), m, cast(nn.ModuleList, blocks), streaming)
             h = up(h * m)
         h = self.final_block(h, m)
-        return self.final_proj(h * m) * mask
+        out: torch.Tensor = self.final_proj(h * m) * mask
+        return out

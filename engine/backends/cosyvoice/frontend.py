@@ -22,6 +22,8 @@ speech tokens, mel and embedding.
 from __future__ import annotations
 
 import enum
+import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -30,12 +32,19 @@ import torch
 
 from engine.backends.cosyvoice.features import FBANK_RATE, kaldi_fbank, resample, whisper_log_mel
 from engine.backends.cosyvoice.model_dir import ModelDir
-from engine.backends.cosyvoice.tokens import END_OF_PROMPT, SPECIAL_TOKENS_V2, SPECIAL_TOKENS_V3
+from engine.backends.cosyvoice.tokens import (
+    END_OF_PROMPT,
+    SPECIAL_TOKENS_V2,
+    SPECIAL_TOKENS_V3,
+    added_token_id,
+)
 from engine.errors import ModelLoadError
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 MAX_SPEECH_TOKENIZER_S = 30.0  # upstream refuses longer reference audio
 EMBEDDING_DIM = 192
+# Qwen2's own special tokens, before the ones CosyVoice adds (tokens.py).
+QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
 
 
 class Mode(enum.Enum):
@@ -73,13 +82,85 @@ class HFTokenizer:
         return [int(i) for i in self.tokenizer(text)["input_ids"]]
 
 
-def load_tokenizer(model_dir: ModelDir) -> TextTokenizer | None:
-    """The directory's tokenizer, or None when it has no tokenizer files or transformers is absent."""
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are keyed by."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class ByteTokenizer:
+    """Every UTF-8 byte as its own token, no merges; upstream's special tokens at their ids.
+
+    FOR TESTS AND SMOKE RUNS ONLY (`tokenizer="bytes"`): the ids are real
+    Qwen2 ids (the single-byte tokens of the vocabulary: ids 0-255 in GPT-2's
+    byte order, or as `vocab.json` lists them), so a model reads them, but a
+    trained model was never shown text split this way and speaks it badly.
+    Real use needs the directory's tokenizer files and `transformers`.
+    """
+
+    def __init__(self, version: int, vocab: dict[str, int] | None = None) -> None:
+        table = byte_to_unicode()
+        if vocab is None:  # GPT-2 order: the printable bytes first, then the rest
+            order = sorted(range(256), key=lambda b: (ord(table[b]) >= 256, ord(table[b])))
+            self._ids = {b: i for i, b in enumerate(order)}
+        else:
+            missing = [b for b in range(256) if table[b] not in vocab]
+            if missing:
+                raise ModelLoadError(
+                    f"vocab.json: expected all 256 single-byte tokens, got {len(missing)} missing"
+                )
+            self._ids = {b: int(vocab[table[b]]) for b in range(256)}
+        specials = SPECIAL_TOKENS_V2 if version == 2 else SPECIAL_TOKENS_V3
+        self._special_ids = {t: added_token_id(t, version) for t in specials if t not in QWEN_SPECIALS}
+        self._special_ids.update(QWEN_SPECIALS)
+        names = sorted(self._special_ids, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in names) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for part in self._split.split(text):
+            if part in self._special_ids:
+                ids.append(self._special_ids[part])
+            else:
+                ids.extend(self._ids[b] for b in part.encode("utf-8"))
+        return ids
+
+
+TOKENIZER_MODES = ("auto", "hf", "bytes")
+
+
+def load_tokenizer(model_dir: ModelDir, mode: str = "auto") -> TextTokenizer | None:
+    """The directory's text tokenizer.
+
+    "hf": the directory's tokenizer files through transformers (errors say what
+    is missing); "bytes": `ByteTokenizer` (tests only), byte ids read from
+    `vocab.json` when the directory has one; "auto": "hf" where it can load,
+    else None (text must then come as token ids).
+    """
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f"expected tokenizer one of {TOKENIZER_MODES}, got {mode!r}")
+    if mode == "bytes":
+        vocab_path = model_dir.qwen_path / "vocab.json"
+        vocab = json.loads(vocab_path.read_text(encoding="utf-8")) if vocab_path.is_file() else None
+        return ByteTokenizer(model_dir.version, vocab)
     if not model_dir.has_tokenizer_files:
+        if mode == "hf":
+            raise ModelLoadError(
+                f"{model_dir.qwen_path}: expected tokenizer files (tokenizer.json or vocab.json), got none"
+            )
         return None
     try:
         return HFTokenizer(model_dir)
     except ModelLoadError:
+        if mode == "hf":
+            raise
         return None
 
 

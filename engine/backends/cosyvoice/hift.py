@@ -54,7 +54,8 @@ class HiFTConfig:
     audio_limit: float = 0.99
     conv_pre_look_right: int = 4
     f0_cond_channels: int = 512
-    seed: int = 0
+    seed: int = 0  # v3 noise table
+    noise_scale: float = 1.0  # 0 makes the source deterministic (checks of streaming against offline)
 
     def __post_init__(self) -> None:
         if len(self.upsample_rates) != len(self.upsample_kernel_sizes):
@@ -192,7 +193,8 @@ class F0Predictor(nn.Module):
             x = self.condnet[0](mel)
         for layer in list(self.condnet)[1:]:
             x = layer(x)
-        return self.classifier(x.transpose(1, 2)).squeeze(-1).abs()
+        out: torch.Tensor = self.classifier(x.transpose(1, 2))
+        return out.squeeze(-1).abs()
 
 
 class SourceModule(nn.Module):
@@ -205,6 +207,8 @@ class SourceModule(nn.Module):
     in float64 cycles and can start from a carried phase, so a window of recent
     frames continues the phase of the frames before it.
     """
+
+    noise_table: torch.Tensor
 
     def __init__(self, cfg: HiFTConfig) -> None:
         super().__init__()
@@ -241,11 +245,13 @@ class SourceModule(nn.Module):
             noise = self.noise_table[idx].to(sines)[None]
         else:
             noise = torch.randn(sines.shape, generator=generator).to(sines)
-        sines = sines * uv + amp * noise
+        sines = sines * uv + amp * cfg.noise_scale * noise
         return torch.tanh(self.l_linear(sines)).transpose(1, 2)
 
 
 class HiFT(nn.Module):
+    window: torch.Tensor
+
     def __init__(self, cfg: HiFTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -298,8 +304,10 @@ class HiFT(nn.Module):
         if self.cfg.causal:
             if self.f0_predictor.classifier.weight.dtype != torch.float64:
                 self.f0_predictor.to(torch.float64)
-            return self.f0_predictor(mel.double(), finalize=finalize).to(mel.dtype)
-        return self.f0_predictor(mel)
+            f0: torch.Tensor = self.f0_predictor(mel.double(), finalize=finalize)
+            return f0.to(mel.dtype)
+        out: torch.Tensor = self.f0_predictor(mel)
+        return out
 
     def source(self, f0: torch.Tensor, phase0: torch.Tensor | None = None, start: int = 0,
                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -357,7 +365,7 @@ def load_hift_state(model: HiFT, state: dict[str, torch.Tensor]) -> None:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"hift.pt: expected upstream HiFT keys and shapes, got {exc}") from exc
+        raise ModelLoadError(f"hift.pt: expected upstream HiFT keys and shapes, got {' '.join(str(exc).split())}") from exc
 
 
 def build_hift(model_dir: Any) -> HiFT:

@@ -43,7 +43,7 @@ class _Ref:
         self.is_copy = is_copy
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(yaml.SafeLoader):  # type: ignore[misc]
     """SafeLoader that knows HyperPyYAML's tags and reads `1e-5` as a float."""
 
 
@@ -87,7 +87,8 @@ def _construct_tuple(loader: _Loader, node: yaml.Node) -> tuple[Any, ...]:
 
 
 def _construct_unknown(loader: _Loader, suffix: str, node: yaml.Node) -> dict[str, Any]:
-    return _tagged("tag")(loader, suffix, node)
+    out: dict[str, Any] = _tagged("tag")(loader, suffix, node)
+    return out
 
 
 _Loader.add_constructor("!ref", _construct_ref)

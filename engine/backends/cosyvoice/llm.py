@@ -21,12 +21,14 @@ ignore it); the flow model uses it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from engine.backends.cosyvoice.llm_graphs import DECODE_MODES, StaticDecoder
 from engine.backends.cosyvoice.model_dir import ModelDir
 from engine.backends.cosyvoice.qwen2 import CacheView, Qwen2Config, Qwen2Encoder, SlotKVCache
 from engine.backends.cosyvoice.sampling import RasConfig, mask_min_length, sample_tokens
@@ -104,15 +106,18 @@ class SpeechLM(nn.Module):
 
     def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] speech ids -> [B, 1, D]."""
-        return self.speech_embedding(tokens)[:, None]
+        embeds: torch.Tensor = self.speech_embedding(tokens)
+        return embeds[:, None]
 
     def forward_hidden(self, embeds: torch.Tensor, view: CacheView) -> torch.Tensor:
         """embeds [B, T, D] -> hidden [B, T, D] (writes the cache)."""
-        return self.body(embeds, view)
+        hidden: torch.Tensor = self.body(embeds, view)
+        return hidden
 
     def head_logp(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., D] -> log-probs [..., V] in float32."""
-        return self.llm_decoder(hidden).float().log_softmax(dim=-1)
+        logits: torch.Tensor = self.llm_decoder(hidden)
+        return logits.float().log_softmax(dim=-1)
 
 
 def _check_state_dict(module: SpeechLM, state: dict[str, Any], source: str) -> None:
@@ -177,6 +182,19 @@ class NoFreeSlotError(RuntimeError):
 
 
 @dataclass(slots=True)
+class PrefillRequest:
+    """One prompt for `SpeechLMRunner.add_requests` (the arguments of `add_request`)."""
+
+    text_ids: list[int]
+    prompt_text_ids: list[int] = field(default_factory=list)
+    prompt_speech_tokens: list[int] = field(default_factory=list)
+    is_greedy: bool = False
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+    resume_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class LMStream:
     """One request's decoding state; its keys and values live in cache row `slot`.
 
@@ -210,7 +228,14 @@ class SpeechLMRunner:
         max_len: int,
         ras: RasConfig | None = None,
         seed: int | None = None,
+        decode_mode: str = "dynamic",
+        kv_bucket: int = 256,
     ) -> None:
+        """`decode_mode`: "dynamic" (exact shapes, any device), "static" (the
+        bucketed shapes of llm_graphs.py, eager) or "cuda_graphs" (the same,
+        captured per bucket; CUDA only). Prefill is always dynamic."""
+        if decode_mode not in DECODE_MODES:
+            raise ValueError(f"expected decode_mode one of {DECODE_MODES}, got {decode_mode!r}")
         param = lm.speech_embedding.weight
         self.lm, self.device, self.dtype = lm, param.device, param.dtype
         self.spec = lm.spec
@@ -218,6 +243,7 @@ class SpeechLMRunner:
         self.cache = SlotKVCache(lm.body.config, max_batch, max_len, self.device, self.dtype)
         self.max_batch, self.max_len = max_batch, max_len
         self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest slot
+        self._owners: dict[int, LMStream] = {}
         self._logp = torch.zeros(max_batch, self.spec.num_rows, device=self.device)  # [S, V]
         self._history = torch.full(
             (max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device
@@ -225,20 +251,32 @@ class SpeechLMRunner:
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
             self.generator.manual_seed(seed)
+        self.static: StaticDecoder | None = None
+        if decode_mode != "dynamic":
+            self.static = StaticDecoder(self, decode_mode == "cuda_graphs", kv_bucket)
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    def _forward(self, streams: list[LMStream], embeds: torch.Tensor) -> torch.Tensor:
-        """embeds [B, T, D] appended to each stream's slot -> log-probs at the last position [B, V]."""
+    def _forward(self, streams: list[LMStream], embeds: torch.Tensor,
+                 lengths: list[int] | None = None) -> torch.Tensor:
+        """embeds [B, T, D] appended to each stream's slot -> log-probs at the last position [B, V].
+
+        `lengths` (prefill of right-padded prompts): row i holds only lengths[i]
+        real positions; its log-probs are read there and only those count as
+        cached. The padding writes keys past a row's end, which are harmless:
+        every later forward writes a position before any query reads it.
+        """
         b, t, _ = embeds.shape
+        slots_list = [s.slot for s in streams]
+        if len(set(slots_list)) != b:
+            raise ValueError(f"expected distinct streams, got slots {slots_list}")
         starts = [s.num_cached for s in streams]
         if max(starts) + t > self.max_len:
             raise ValueError(
                 f"expected at most {self.max_len} cached positions, got {max(starts) + t}"
             )
-        slots_list = [s.slot for s in streams]
         slots = torch.tensor(slots_list, device=self.device)
         positions = torch.tensor(starts, device=self.device)[:, None] + torch.arange(
             t, device=self.device
@@ -251,59 +289,110 @@ class SpeechLMRunner:
             kv_len=max(starts) + t,
             row_range=(slots_list[0], slots_list[0] + b) if is_range else None,
         )
+        counts = lengths if lengths is not None else [t] * b
         with torch.inference_mode():
             hidden = self.lm.forward_hidden(embeds.to(self.dtype), view)  # [B, T, D]
-            logp = self.lm.head_logp(hidden[:, -1])  # [B, V]
-        for s in streams:
-            s.num_cached += t
+            last = torch.tensor(counts, device=self.device) - 1
+            logp = self.lm.head_logp(hidden[torch.arange(b, device=self.device), last])  # [B, V]
+        for s, n in zip(streams, counts, strict=True):
+            s.num_cached += n
         self._logp[slots] = logp
         return logp
 
     def add_request(
         self,
-        text_ids: list[int],
-        prompt_text_ids: list[int] = (),  # type: ignore[assignment]
-        prompt_speech_tokens: list[int] = (),  # type: ignore[assignment]
+        text_ids: Sequence[int],
+        prompt_text_ids: Sequence[int] = (),
+        prompt_speech_tokens: Sequence[int] = (),
         is_greedy: bool = False,
         min_token_text_ratio: float = 2.0,
         max_token_text_ratio: float = 20.0,
+        resume_tokens: Sequence[int] = (),
     ) -> LMStream:
         """Prefill `[sos, prompt_text + text, task, prompt_speech_tokens]` into a free slot.
 
         Length limits follow upstream: from the text's token count (prompt text
         excluded), `min_token_text_ratio` x and `max_token_text_ratio` x; the
         maximum is cut to what the slot can still hold.
+
+        `resume_tokens` are speech tokens the stream already emitted before it
+        lost its slot (preemption by recomputation, as vLLM does): they are
+        prefilled after the prompt, so the stream goes on exactly where it was.
         """
-        if not text_ids:
+        (out,) = self.add_requests([PrefillRequest(
+            list(text_ids), list(prompt_text_ids), list(prompt_speech_tokens), is_greedy,
+            min_token_text_ratio, max_token_text_ratio, list(resume_tokens))])
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def _prompt(self, r: PrefillRequest) -> tuple[torch.Tensor, int, int]:
+        """One request's prefill embeddings [P + R, D], prompt length P, and its max length."""
+        if not r.text_ids:
             raise ValueError("expected at least one text token, got none")
-        if not self._free:
-            raise NoFreeSlotError(f"expected a free KV-cache slot, got all {self.max_batch} in use")
-        ids = torch.tensor([*prompt_text_ids, *text_ids], dtype=torch.long, device=self.device)
-        speech = torch.tensor(list(prompt_speech_tokens), dtype=torch.long, device=self.device)
+        ids = torch.tensor([*r.prompt_text_ids, *r.text_ids], dtype=torch.long, device=self.device)
+        speech = torch.tensor(list(r.prompt_speech_tokens), dtype=torch.long, device=self.device)
+        resumed = torch.tensor(list(r.resume_tokens), dtype=torch.long, device=self.device)
         with torch.inference_mode():
             embeds = self.lm.prompt_embeds(ids, speech)  # [P, D]
-        prompt_len = embeds.shape[0]
-        if prompt_len >= self.max_len:
+            prompt_len = embeds.shape[0]
+            if resumed.numel():
+                embeds = torch.cat([embeds, self.lm.speech_embedding(resumed)])  # [P + R, D]
+        if embeds.shape[0] >= self.max_len:
             raise ValueError(
-                f"expected a prompt shorter than {self.max_len} positions, got {prompt_len}"
+                f"expected a prompt shorter than {self.max_len} positions, got {embeds.shape[0]}"
             )
-        max_len = min(int(len(text_ids) * max_token_text_ratio), self.max_len - prompt_len)
-        stream = LMStream(
-            slot=self._free.pop(),
-            min_len=int(len(text_ids) * min_token_text_ratio),
-            max_len=max_len,
-            is_greedy=is_greedy,
-            prompt_len=prompt_len,
-            num_cached=0,
-            tokens=[],
-        )
-        self._history[stream.slot] = -1
-        try:
-            self._forward([stream], embeds[None])
-        except Exception:
-            self.free(stream)
-            raise
-        return stream
+        max_len = min(int(len(r.text_ids) * r.max_token_text_ratio), self.max_len - prompt_len)
+        if len(r.resume_tokens) >= max_len:
+            raise ValueError(f"expected fewer resumed tokens than {max_len}, got {len(r.resume_tokens)}")
+        return embeds, prompt_len, max_len
+
+    def add_requests(self, requests: list[PrefillRequest]) -> list[LMStream | Exception]:
+        """Prefill many prompts in ONE forward (right-padded to the longest), each into a free slot.
+
+        A request the runner cannot take (a bad prompt, no free slot) gets its
+        exception in its place of the result; the others are prefilled.
+        """
+        out: list[LMStream | Exception] = []
+        rows: list[tuple[LMStream, torch.Tensor]] = []
+        for r in requests:
+            try:
+                if len(self._free) == 0:
+                    raise NoFreeSlotError(
+                        f"expected a free KV-cache slot, got all {self.max_batch} in use")
+                embeds, prompt_len, max_len = self._prompt(r)
+            except (ValueError, NoFreeSlotError) as exc:
+                out.append(exc)
+                continue
+            stream = LMStream(
+                slot=self._free.pop(),
+                min_len=int(len(r.text_ids) * r.min_token_text_ratio),
+                max_len=max_len,
+                is_greedy=r.is_greedy,
+                prompt_len=prompt_len,
+                num_cached=0,
+                tokens=[int(t) for t in r.resume_tokens],
+            )
+            self._owners[stream.slot] = stream
+            self._history[stream.slot] = -1
+            recent = stream.tokens[-self.ras.win_size:]
+            if recent:
+                self._history[stream.slot, -len(recent):] = torch.tensor(recent, device=self.device)
+            rows.append((stream, embeds))
+            out.append(stream)
+        if rows:
+            lengths = [e.shape[0] for _, e in rows]
+            padded = torch.zeros(len(rows), max(lengths), rows[0][1].shape[1], device=self.device,
+                                 dtype=rows[0][1].dtype)  # [B, T, D]
+            for i, (_, e) in enumerate(rows):
+                padded[i, : e.shape[0]] = e
+            try:
+                self._forward([s for s, _ in rows], padded, lengths)
+            except Exception:
+                for s, _ in rows:
+                    self.free(s)
+                raise
+        return out
 
     def logp(self, streams: list[LMStream]) -> torch.Tensor:
         """The pending next-token log-probs of each stream [B, V] (before any masking)."""
@@ -314,14 +403,35 @@ class SpeechLMRunner:
 
         `step` uses it for sampled tokens; tests use it for teacher forcing.
         """
+        if len(tokens) != len(streams):
+            raise ValueError(f"expected one token per stream ({len(streams)}), got {len(tokens)}")
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        if self.static is not None:
+            logp = self._static_forward(streams, ids)
+        else:
+            with torch.inference_mode():
+                embeds = self.lm.token_embeds(ids)  # [B, 1, D]
+            logp = self._forward(streams, embeds)  # raises before any state changes
         for s, token in zip(streams, tokens, strict=True):
             s.tokens.append(int(token))
         slots = torch.tensor([s.slot for s in streams], device=self.device)
         self._history[slots] = torch.cat([self._history[slots][:, 1:], ids[:, None]], dim=1)
-        with torch.inference_mode():
-            embeds = self.lm.token_embeds(ids)  # [B, 1, D]
-        return self._forward(streams, embeds)
+        return logp
+
+    def _static_forward(self, streams: list[LMStream], ids: torch.Tensor) -> torch.Tensor:
+        """One token per stream through the bucketed decoder (llm_graphs.py) -> log-probs [B, V]."""
+        assert self.static is not None
+        slots_list = [s.slot for s in streams]
+        if len(set(slots_list)) != len(slots_list):
+            raise ValueError(f"expected distinct streams, got slots {slots_list}")
+        positions = [s.num_cached for s in streams]
+        if max(positions) + 1 > self.max_len:
+            raise ValueError(f"expected at most {self.max_len} cached positions, got {max(positions) + 1}")
+        logp = self.static.run(slots_list, positions, ids)
+        for s in streams:
+            s.num_cached += 1
+        self._logp[torch.tensor(slots_list, device=self.device)] = logp
+        return logp
 
     def step(self, streams: list[LMStream]) -> list[int | None]:
         """Choose one token per stream from its pending log-probs, then feed the live ones.
@@ -357,8 +467,9 @@ class SpeechLMRunner:
 
     def free(self, stream: LMStream) -> None:
         """Return the stream's slot; its cache rows are simply overwritten by the next user."""
-        if stream.slot in self._free:
-            raise ValueError(f"slot {stream.slot} is already free")
+        if self._owners.get(stream.slot) is not stream:
+            raise ValueError(f"slot {stream.slot} is already free (or now another stream's)")
+        del self._owners[stream.slot]
         self._free.append(stream.slot)
         self._free.sort(reverse=True)
         stream.is_finished = True

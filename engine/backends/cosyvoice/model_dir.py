@@ -133,12 +133,17 @@ def detect_version(path: Path) -> int:
     raise ModelLoadError(f"{path}: expected cosyvoice2.yaml or cosyvoice3.yaml, got neither")
 
 
-def load_model_dir(path: str | Path, expected_version: int | None = None) -> ModelDir:
+def load_model_dir(
+    path: str | Path,
+    expected_version: int | None = None,
+    required_files: tuple[str, ...] = REQUIRED_FILES,
+) -> ModelDir:
     """Check an official model directory and read its hyperparameters; loads no weights.
 
     Raises ModelLoadError for a missing directory or file, an unreadable yaml, a
     version other than `expected_version`, or a yaml whose LM class belongs to
-    the other version.
+    the other version. `required_files` narrows the weight files that must
+    exist (e.g. ("llm.pt",) for an LM-only benchmark directory).
     """
     path = Path(path)
     version = detect_version(path)
@@ -165,7 +170,7 @@ def load_model_dir(path: str | Path, expected_version: int | None = None) -> Mod
             f"{yaml_path.name}: expected LM class {LLM_CLASSES[version]} for CosyVoice {version}, "
             f"got {llm_class or 'none'}"
         )
-    for name in REQUIRED_FILES:
+    for name in required_files:
         model_dir.file(name)
     model_dir.qwen_config()
     return model_dir

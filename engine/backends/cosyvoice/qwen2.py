@@ -230,7 +230,8 @@ class Qwen2Attention(nn.Module):
             scale=1.0 / math.sqrt(self.head_dim),
             enable_gqa=True,
         )  # [B, H, T, Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return projected
 
 
 class Qwen2MLP(nn.Module):
@@ -241,7 +242,8 @@ class Qwen2MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -256,7 +258,8 @@ class Qwen2DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, view: CacheView, layer: int
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, view, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class Qwen2Model(nn.Module):
@@ -274,6 +277,9 @@ class Qwen2Model(nn.Module):
 class Qwen2ForCausalLM(nn.Module):
     """`llm.model` of the checkpoint. `lm_head` (text vocabulary) is loaded but never used:
     the speech LM reads the normed hidden state through its own decoder head."""
+
+    rope_cos: torch.Tensor  # [max_position_embeddings, head_dim] float32
+    rope_sin: torch.Tensor
 
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
@@ -302,7 +308,8 @@ class Qwen2ForCausalLM(nn.Module):
         x = embeds
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, view, i)
-        return self.model.norm(x)
+        normed: torch.Tensor = self.model.norm(x)
+        return normed
 
 
 class Qwen2Encoder(nn.Module):

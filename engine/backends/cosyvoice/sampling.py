@@ -13,9 +13,8 @@ Before either, while a stream is shorter than its minimum length, index
 `speech_token_size` (6561) is forbidden; upstream masks exactly that index in
 both versions (for CosyVoice 3 it is sos, not eos: other stop ids may still win).
 
-Here the same rules run as tensor ops over [B, V]; a draw from p is
-argmax(p / E) with E ~ Exp(1), which is a categorical draw per row from one
-shared generator. Greedy decoding is argmax after the same masking.
+Here the same rules run as tensor ops over [B, V]; each row draws by inverse
+CDF with one uniform from a generator shared by the batch. Greedy decoding is argmax after the same masking.
 """
 
 from __future__ import annotations
@@ -62,10 +61,15 @@ class RasConfig:
         )
 
 
-def _categorical(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from unnormalized non-negative weights [B, N] -> [B]."""
-    noise = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
-    return (probs.float() / noise).argmax(dim=-1)
+def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row from unnormalized non-negative weights [B, N] -> [B] (inverse CDF).
+
+    `right=True` never lands on a zero-weight entry: its CDF equals its left neighbour's.
+    """
+    cdf = weights.float().cumsum(dim=-1)  # [B, N]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    return index.clamp(max=cdf.shape[-1] - 1)
 
 
 def mask_min_length(logp: torch.Tensor, below_min: torch.Tensor, index: int) -> torch.Tensor:
@@ -87,8 +91,9 @@ def nucleus_candidates(logp: torch.Tensor, config: RasConfig) -> tuple[torch.Ten
     """
     probs = logp.float().softmax(dim=-1)
     k = min(config.top_k, probs.shape[-1])
-    top_probs, top_ids = probs.sort(dim=-1, descending=True, stable=True)
-    top_probs, top_ids = top_probs[:, :k], top_ids[:, :k]  # [B, k]
+    # Only the k most likely can be kept: topk instead of upstream's full stable
+    # sort (the same set unless probabilities tie exactly at the k-th place).
+    top_probs, top_ids = probs.topk(k, dim=-1, sorted=True)  # [B, k]
     # Mass kept before each rank, summed in rank order as upstream's loop does.
     mass_before = torch.cat(
         [torch.zeros_like(top_probs[:, :1]), top_probs.cumsum(dim=-1)[:, :-1]], dim=-1

@@ -2,7 +2,7 @@
 
 A backend drives it with plain calls (no threads, no clock):
 
-    t2w.add_stream(sid, prompt)       # voice prompt: prompt tokens, prompt mel, x-vector
+    t2w.add_stream(sid, prompt)       # FlowPrompt: prompt tokens, prompt mel, x-vector
     t2w.feed(sid, tokens)             # tokens as the LM emits them
     t2w.finish(sid)                   # the LM has stopped: the next chunk is the last
     for chunk in t2w.run(t2w.ready()):  # one batched flow call + batched vocoder calls
@@ -41,6 +41,7 @@ import torch
 
 from engine.backends.cosyvoice.flow import FlowModel, FlowRow
 from engine.backends.cosyvoice.hift import HiFT
+from engine.backends.cosyvoice.mel import MelExtractor
 from engine.backends.cosyvoice.t2w_vocoder import V2VocoderState, V3VocoderState, vocode_batch
 
 
@@ -48,7 +49,7 @@ from engine.backends.cosyvoice.t2w_vocoder import V2VocoderState, V3VocoderState
 class T2WConfig:
     first_hop_tokens: int | None = 15  # None: upstream's first hop (25 + padding to the grid)
     min_hop_tokens: int = 8
-    max_history_tokens: int | None = 50  # None: recompute the whole history (upstream)
+    max_history_tokens: int | None = 100  # None: recompute the whole history (upstream)
     hift_context_frames: int = 24  # v3: mel frames re-vocoded before the new ones
     streaming_attention: bool = True  # chunked attention in the flow (how upstream streams)
 
@@ -65,16 +66,26 @@ class T2WConfig:
 
 
 @dataclass(slots=True)
-class VoicePrompt:
-    """tokens [Np] int64, mel [P, 80] (P = 2 Np as the frontend trims it), embedding [192]."""
+class FlowPrompt:
+    """A voice as the flow needs it: tokens [Np] int64, mel [P <= 2 Np, 80], embedding [192]."""
 
     tokens: torch.Tensor
     mel: torch.Tensor
     embedding: torch.Tensor
 
+    @classmethod
+    def from_audio(cls, tokens: list[int] | torch.Tensor, wav_24k: torch.Tensor, embedding: torch.Tensor,
+                   mel: MelExtractor) -> FlowPrompt:
+        """Mel of the 24 kHz reference audio, and tokens and mel trimmed to a 1:2 ratio as upstream's
+        frontend does (the LM prompt should use the same trimmed tokens)."""
+        feat = mel(wav_24k)[0]  # [frames, 80]
+        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        n = min(feat.shape[0] // 2, toks.shape[0])
+        return cls(toks[:n], feat[: 2 * n], torch.as_tensor(embedding, dtype=torch.float32).reshape(-1))
+
     def __post_init__(self) -> None:
-        if self.tokens.dim() != 1:
-            raise ValueError(f"expected prompt tokens [N], got shape {tuple(self.tokens.shape)}")
+        if self.tokens.dim() != 1 or self.tokens.shape[0] == 0:
+            raise ValueError(f"expected prompt tokens [N >= 1], got shape {tuple(self.tokens.shape)}")
         if self.mel.dim() != 2 or self.mel.shape[1] != 80 or self.mel.shape[0] > 2 * self.tokens.shape[0]:
             raise ValueError(f"expected prompt mel [<= {2 * self.tokens.shape[0]}, 80], got {tuple(self.mel.shape)}")
         if self.embedding.dim() != 1:
@@ -84,7 +95,7 @@ class VoicePrompt:
 @dataclass(slots=True)
 class WaveChunk:
     stream_id: str
-    audio: torch.Tensor  # [n] float32 at 24 kHz
+    audio: torch.Tensor  # [n] float32 at 24 kHz, on the models' device
     is_final: bool
     num_tokens: int  # speech tokens this chunk covered
     mel: torch.Tensor  # [80, 2 * num_tokens] the chunk's new mel frames (for checks and metrics)
@@ -102,9 +113,29 @@ def first_end(prompt_len: int, hop: int, first_hop: int | None) -> int:
     return first_hop
 
 
+def history_start(offset: int, hop: int, max_history: int | None) -> int:
+    """First history token recomputed for a chunk starting at `offset` (a cut on the hop grid)."""
+    if max_history is None or offset <= max_history:
+        return 0
+    return (offset - max_history) // hop * hop
+
+
+def schedule(prompt_len: int, num_tokens: int, config: T2WConfig, hop: int = 25,
+             lookahead: int = 3) -> list[tuple[int, int, int]]:
+    """(history start, chunk start, chunk end) of every chunk of a finished answer, in tokens."""
+    end, offset, out = first_end(prompt_len, hop, config.first_hop_tokens), 0, []
+    while True:
+        is_final = end + lookahead > num_tokens
+        end = num_tokens if is_final else end
+        out.append((history_start(offset, hop, config.max_history_tokens), offset, end))
+        if is_final:
+            return out
+        offset, end = end, grid_end(prompt_len, end, hop, config.min_hop_tokens)
+
+
 @dataclass(slots=True)
 class _Stream:
-    prompt: VoicePrompt
+    prompt: FlowPrompt
     vocoder: V2VocoderState | V3VocoderState
     next_end: int
     tokens: list[int] = field(default_factory=list)
@@ -126,7 +157,7 @@ class TokenToWave:
 
     # -- stream lifecycle -------------------------------------------------------------------------
 
-    def add_stream(self, stream_id: str, prompt: VoicePrompt, seed: int = 0) -> None:
+    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0) -> None:
         if stream_id in self._streams:
             raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
         vocoder = V3VocoderState() if self.hift.cfg.causal else V2VocoderState.new(seed)
@@ -137,7 +168,11 @@ class TokenToWave:
         stream = self._get(stream_id)
         if stream.is_input_done:
             raise ValueError(f"expected tokens before finish(), got more for {stream_id!r}")
-        stream.tokens.extend(int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens))
+        new = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
+        vocab = self.flow.input_embedding.num_embeddings
+        if any(not 0 <= t < vocab for t in new):
+            raise ValueError(f"expected speech tokens in [0, {vocab}), got {[t for t in new if not 0 <= t < vocab]}")
+        stream.tokens.extend(new)
 
     def finish(self, stream_id: str) -> None:
         self._get(stream_id).is_input_done = True
@@ -174,11 +209,7 @@ class TokenToWave:
     # -- one batched step ---------------------------------------------------------------------------
 
     def history_start(self, offset: int) -> int:
-        """First history token recomputed for a chunk starting at `offset` (a multiple of the hop)."""
-        limit = self.config.max_history_tokens
-        if limit is None or offset <= limit:
-            return 0
-        return (offset - limit) // self.hop * self.hop
+        return history_start(offset, self.hop, self.config.max_history_tokens)
 
     def run(self, stream_ids: list[str]) -> list[WaveChunk]:
         """Compute the next chunk of each listed stream that has one ready, as one batch.
@@ -197,7 +228,7 @@ class TokenToWave:
             start = self.history_start(s.offset)
             la = 0 if is_final else self.lookahead
             p = s.prompt.tokens.shape[0]
-            tokens = torch.cat([s.prompt.tokens.long(),
+            tokens = torch.cat([s.prompt.tokens.long().cpu(),
                                 torch.tensor(s.tokens[start:end + la], dtype=torch.long)])
             noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
             rows.append(FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index))

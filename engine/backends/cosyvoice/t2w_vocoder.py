@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ class V2VocoderState:
     mel: torch.Tensor | None = None  # [80, 8] held-back frames
     source: torch.Tensor | None = None  # [1, 3840] their source
     speech: torch.Tensor | None = None  # [3840] their audio, to fade out
-    phase: torch.Tensor | None = None  # [H] float64 cycles through the frame before `mel`
+    phase: torch.Tensor | None = None  # [H] float64 cycles through the last held-back frame
 
     @classmethod
     def new(cls, seed: int) -> V2VocoderState:
@@ -78,7 +79,7 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
                finals: list[bool]) -> list[torch.Tensor]:
     spf = hift.cfg.samples_per_frame
     overlap = V2_CACHE_FRAMES * spf
-    window = hamming(2 * overlap)
+    window = hamming(2 * overlap).to(mels[0].device) if mels else hamming(2 * overlap)
     inputs = [m if s.mel is None else torch.cat([s.mel, m], dim=1) for s, m in zip(states, mels, strict=True)]
     out: list[torch.Tensor] = [torch.zeros(0)] * len(states)
     for idx in _groups([(x.shape[1], False) for x in inputs]):
@@ -89,8 +90,10 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
         sources, cycles = [], []
         for row, i in enumerate(idx):
             st = states[i]
-            phase0 = None if st.phase is None else st.phase[None]
-            src, cyc = hift.source(f0[row:row + 1], phase0, generator=st.generator)
+            cyc = hift.m_source.phase(f0[row:row + 1])
+            if st.phase is not None:  # continue the phase exactly where the pinned overlap ends
+                cyc = cyc + (st.phase - cyc[0, V2_CACHE_FRAMES - 1])
+            src = hift.m_source(f0[row:row + 1], cyc, generator=st.generator)
             if st.source is not None:
                 src[:, :, : st.source.shape[1]] = st.source
             sources.append(src)
@@ -107,7 +110,7 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
             st.mel = mel[row, :, -V2_CACHE_FRAMES:]
             st.source = sources[row][0, :, -overlap:]
             st.speech = w[-overlap:]
-            st.phase = cycles[row][-V2_CACHE_FRAMES - 1]
+            st.phase = cycles[row][-1]
             out[i] = w[:-overlap]
     return out
 
@@ -119,7 +122,9 @@ def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor
     hold = f0_look + hift.cfg.conv_pre_look_right + 1  # frames of mel that a non-final chunk keeps
     plans = []
     for st, m, fin in zip(states, mels, finals, strict=True):
-        st.mel = torch.cat([st.mel, m], dim=1)
+        if st.mel.device != m.device:  # a new stream's empty history starts on the model's device
+            st.mel, st.f0, st.cycles = st.mel.to(m.device), st.f0.to(m.device), st.cycles.to(m.device)
+        st.mel = torch.cat([st.mel, m.to(st.mel.dtype)], dim=1)
         start = max(0, st.done - context)
         f0_end = st.num_frames if fin else st.num_frames - f0_look
         plans.append((start, f0_end))
@@ -139,8 +144,8 @@ def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor
             st, s = states[i], starts[row]
             kept = st.f0[s - st.f0_start:]
             f0_rows.append(torch.cat([kept, f0_new[row, kept.shape[0]:]]))
-            phase0.append(st.cycles[s - 1 - st.f0_start] if s > 0 else torch.zeros(hift.m_source.dim,
-                                                                                  dtype=torch.float64))
+            phase0.append(st.cycles[s - 1 - st.f0_start] if s > 0 else torch.zeros(
+                hift.m_source.dim, dtype=torch.float64, device=mel.device))
         f0 = torch.stack(f0_rows)
         cycles = hift.m_source.phase(f0, torch.stack(phase0))
         sources = torch.cat([hift.m_source(f0[row:row + 1], cycles[row:row + 1], start=starts[row] * spf)
@@ -159,10 +164,12 @@ def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor
     return out
 
 
-def vocode_batch(hift: HiFT, states: list[V2VocoderState] | list[V3VocoderState], mels: list[torch.Tensor],
+def vocode_batch(hift: HiFT, states: list[V2VocoderState | V3VocoderState], mels: list[torch.Tensor],
                  finals: list[bool], context: int) -> list[torch.Tensor]:
     """New mel [80, n] per stream -> the audio [m] each stream can emit now (float32)."""
+    dtype = hift.window.dtype  # the flow may run in a lower precision than the vocoder
+    mels = [m.to(dtype) for m in mels]
     with torch.inference_mode():
         if hift.cfg.causal:
-            return _vocode_v3(hift, states, mels, finals, context)  # type: ignore[arg-type]
-        return _vocode_v2(hift, states, mels, finals)  # type: ignore[arg-type]
+            return _vocode_v3(hift, [cast(V3VocoderState, s) for s in states], mels, finals, context)
+        return _vocode_v2(hift, [cast(V2VocoderState, s) for s in states], mels, finals)

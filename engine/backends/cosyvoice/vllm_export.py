@@ -49,7 +49,9 @@ FORMAT_VERSION = 1
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-def qwen2_config(lm: SpeechLM, dtype: torch.dtype, max_model_len: int | None = None) -> dict[str, Any]:
+def qwen2_config(
+    lm: SpeechLM, dtype: torch.dtype, max_model_len: int | None = None
+) -> dict[str, Any]:
     """The HF config.json of the exported model (speech vocabulary, untied head)."""
     body = lm.body.config  # Qwen2Config of qwen2.py
     max_pos = int(body.max_position_embeddings if max_model_len is None else max_model_len)
@@ -107,8 +109,12 @@ def export_state(lm: SpeechLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
 
 
-def export_for_vllm(lm: SpeechLM, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-                    max_model_len: int | None = None) -> Path:
+def export_for_vllm(
+    lm: SpeechLM,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    max_model_len: int | None = None,
+) -> Path:
     """Write the folder vLLM loads (`AsyncEngineArgs(model=out_dir)`) and return its path.
 
     Written to a temporary sibling first and renamed into place, so a folder
@@ -126,12 +132,16 @@ def export_for_vllm(lm: SpeechLM, out_dir: str | Path, dtype: torch.dtype = torc
     try:
         save_file(export_state(lm, dtype), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         if lm.llm_decoder.bias is not None:
-            bias = lm.llm_decoder.bias.detach().to(device="cpu", dtype=torch.float32).contiguous()  # [V]
+            bias = (
+                lm.llm_decoder.bias.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            )  # [V]
             (tmp / BIAS_FILE).parent.mkdir()
             save_file({"bias": bias}, str(tmp / BIAS_FILE))
         config = qwen2_config(lm, dtype, max_model_len)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        (tmp / META_FILE).write_text(json.dumps(speech_lm_meta(lm), indent=2) + "\n", encoding="utf-8")
+        (tmp / META_FILE).write_text(
+            json.dumps(speech_lm_meta(lm), indent=2) + "\n", encoding="utf-8"
+        )
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
         if out.exists():
             shutil.rmtree(out)
@@ -159,4 +169,5 @@ def read_head_bias(folder: str | Path) -> torch.Tensor | None:
         return None
     from safetensors.torch import load_file
 
-    return load_file(str(Path(folder) / BIAS_FILE))["bias"]
+    bias: torch.Tensor = load_file(str(Path(folder) / BIAS_FILE))["bias"]
+    return bias

@@ -1,0 +1,145 @@
+"""Decode step time of the CosyVoice speech LM per batch size, eager against CUDA graphs.
+
+Random weights at the real CosyVoice 2/3 LM size (Qwen2-0.5B body, 24 layers,
+hidden 896), bf16, the slot KV cache of llm.py. For each batch size, `feed`
+advances that many streams by one token, each with `--context` positions
+already in its cache (the cache's contents do not change the timing, so no
+prefill is run); warm-up, then the median of `--steps` steps. Modes:
+"dynamic" (eager, exact shapes), "static" (eager, bucketed shapes),
+"cuda_graphs" (the static step replayed as a CUDA graph per bucket).
+
+One device call (about 2 minutes on an H200):
+
+    python -m bench.gpu_cosyvoice_lm --json /tmp/lm.json
+
+CPU smoke run (tiny sizes; CI runs it so the script does not rot):
+
+    python -m bench.gpu_cosyvoice_lm --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from engine.backends.cosyvoice.llm import LMStream, SpeechLMRunner
+from engine.backends.cosyvoice.random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
+from engine.backends.cosyvoice.sampling import RasConfig, sample_tokens
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fake_streams(runner: SpeechLMRunner, n: int, context: int) -> list[LMStream]:
+    """`n` streams that own slots 0..n-1 with `context` positions cached (no prefill: timing only)."""
+    streams = []
+    for _ in range(n):
+        slot = runner._free.pop()
+        stream = LMStream(slot=slot, min_len=0, max_len=1 << 30, is_greedy=True, prompt_len=context,
+                          num_cached=context, tokens=[])
+        runner._owners[slot] = stream
+        streams.append(stream)
+    return streams
+
+
+def time_decode(runner: SpeechLMRunner, streams: list[LMStream], context: int, steps: int,
+                warmup: int) -> float:
+    """Median ms of one `feed` (one token for every stream) at a fixed cache length."""
+    device = runner.device
+    tokens = [i % 6561 for i in range(len(streams))]
+    times = []
+    for i in range(warmup + steps):
+        for s in streams:
+            s.num_cached = context
+        sync(device)
+        start = time.perf_counter()
+        runner.feed(streams, tokens)
+        sync(device)
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def time_sampling(runner: SpeechLMRunner, n: int, steps: int) -> float:
+    logp = torch.randn(n, runner.spec.num_rows, device=runner.device).log_softmax(-1)
+    history = torch.full((n, runner.ras.win_size), -1, dtype=torch.long, device=runner.device)
+    is_greedy = torch.zeros(n, dtype=torch.bool, device=runner.device)
+    times = []
+    for _ in range(steps + 2):
+        sync(runner.device)
+        start = time.perf_counter()
+        sample_tokens(logp, history, is_greedy, runner.ras, runner.generator)
+        sync(runner.device)
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times[2:])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (CI)")
+    parser.add_argument("--version", type=int, choices=[2, 3], default=3)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128,256,512,1024")
+    parser.add_argument("--modes", default="dynamic,cuda_graphs")
+    parser.add_argument("--context", type=int, default=400, help="cached positions per stream")
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.dtype, args.batches, args.modes = "cpu", "float32", "1,2,4", "dynamic,static"
+        args.context, args.max_len, args.steps, args.warmup = 16, 64, 2, 1
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    torch.manual_seed(0)
+    lm = random_speech_lm(args.version, QWEN2_TINY if args.smoke else QWEN2_05B, seed=0, device=device)
+    lm = lm.to(DTYPES[args.dtype])
+    lm.body.reset_rope(device)
+    lm.body.lm_head.weight = torch.nn.Parameter(torch.empty(0, lm.body.config.hidden_size, device=device),
+                                                requires_grad=False)
+    rows: list[dict[str, Any]] = []
+    for mode in modes:
+        runner = SpeechLMRunner(lm, max(batches), args.max_len, RasConfig(), seed=0, decode_mode=mode)
+        for n in batches:
+            streams = fake_streams(runner, n, args.context)
+            ms = time_decode(runner, streams, args.context, args.steps, args.warmup)
+            rows.append({"mode": mode, "batch": n, "decode_ms": ms, "tokens_per_s": n / ms * 1000})
+            for s in streams:
+                runner.free(s)
+        del runner
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    sampling = {n: time_sampling(SpeechLMRunner(lm, 1, 8), n, args.steps) for n in batches}
+    print(f"CosyVoice {args.version} LM, {'tiny' if args.smoke else 'Qwen2-0.5B'} random weights, "
+          f"{args.dtype}, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"{args.context} cached positions")
+    header = "| batch | " + " | ".join(f"{m} ms" for m in modes) + " | RAS sampling ms | best tokens/s |"
+    print(header)
+    print("|" + "---|" * (len(modes) + 3))
+    for n in batches:
+        per_mode = {r["mode"]: r["decode_ms"] for r in rows if r["batch"] == n}
+        best = min(per_mode.values())
+        cells = " | ".join(f"{per_mode[m]:.2f}" for m in modes)
+        print(f"| {n} | {cells} | {sampling[n]:.2f} | {n / best * 1000:.0f} |")
+    result = {"version": args.version, "device": str(device), "dtype": args.dtype, "context": args.context,
+              "rows": rows, "sampling_ms": sampling}
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""TTFA and gap-free capacity of the whole cosyvoice backend (LM -> flow -> HiFT), per concurrency.
+
+Random weights at the real CosyVoice 2/3 sizes (written once as an official
+model directory: LM Qwen2-0.5B, v3 DiT 22 x 1024 / v2 conformer + U-Net,
+HiFT 512 channels; tokenizer files and ONNX stand-ins), driven through the
+`Backend` interface as the engine drives it: N requests arrive at once, and
+every step advances all of them (one LM token each, then whatever chunks are
+ready, batched). For each N it reports TTFA (first PCM of each request), gaps
+(a chunk arriving after the audio before it has played out, playback starting
+at the first chunk) and the time per stage per call: LM step, flow
+(`FlowModel.infer`) and HiFT (`vocode_batch`), with the flow's rows per call.
+
+The answer length is set by the text: the LM must emit at least twice the
+text's token count (byte tokens here), and random weights stop soon after.
+A warm-up pass at each N first (CUDA-graph capture, allocator growth).
+
+One device call (a few minutes on an H200):
+
+    python -m bench.gpu_cosyvoice_pipeline --json /tmp/pipeline.json
+
+CPU smoke run (tiny sizes; CI runs it so the script does not rot):
+
+    python -m bench.gpu_cosyvoice_pipeline --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import engine.backends.cosyvoice.t2w as t2w_module
+from engine.backends.cosyvoice.backend import CosyVoiceBackend
+from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
+from engine.backends.cosyvoice.random_checkpoint import (
+    QWEN2_05B,
+    QWEN2_TINY,
+    write_random_model_dir,
+)
+from engine.backends.cosyvoice.random_parts import write_reference_wav
+from engine.types import RequestId, SynthesisRequest
+
+ANSWER = ("Sure, here is the short version of it. The gateway cuts the stream into sentences as they "
+          "arrive, and it speaks each one while the model writes the next.")
+SAMPLE_RATE = 24000
+VOCODER_NAME = "vocode_batch"  # the function t2w.run calls the vocoder through
+
+
+class StageTimer:
+    """Wall time per call of a wrapped function (synchronizing CUDA), and the rows it served."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.calls: dict[str, list[tuple[float, int]]] = {}
+
+    def wrap(self, name: str, fn: Callable[..., Any], rows: Callable[..., int]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.calls.setdefault(name, []).append((time.perf_counter() - start, rows(*args, **kwargs)))
+            return out
+        return timed
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, calls in self.calls.items():
+            seconds = [s for s, _ in calls]
+            num_rows = sum(r for _, r in calls)
+            out[name] = {"calls": len(calls), "ms_per_call": 1000 * statistics.median(seconds),
+                         "rows_per_call": num_rows / len(calls),
+                         "ms_per_row": 1000 * sum(seconds) / max(num_rows, 1)}
+        return out
+
+
+def instrument(backend: CosyVoiceBackend, timer: StageTimer) -> None:
+    model = backend.model
+    assert model is not None and backend.lm is not None
+    lm = backend.lm
+    lm.step = timer.wrap("lm_step", lm.step, lambda keys: len(keys))  # type: ignore[method-assign]
+    flow = model.t2w.flow
+    flow.infer = timer.wrap("flow", flow.infer, lambda rows, streaming: len(rows))  # type: ignore[method-assign]
+    # t2w.run calls the vocoder through its module's name: wrap it there
+    setattr(t2w_module, VOCODER_NAME, timer.wrap(
+        "hift", getattr(t2w_module, VOCODER_NAME), lambda hift, states, *rest: len(states)))
+
+
+def rank(values: list[float], q: float) -> float:
+    """The nearest-rank q-quantile of sorted values."""
+    return values[max(0, math.ceil(q * len(values)) - 1)]
+
+
+def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str) -> dict[str, Any]:
+    """N requests at once, stepped together to the end: TTFA, gaps and audio per request."""
+    items = [backend.prepare(SynthesisRequest(RequestId(f"{tag}-{n}-{i}"), text, backend.voices()[0].voice_id,
+                                              0.0)) for i in range(n)]
+    first: dict[str, float] = {}
+    audio_s: dict[str, float] = {item.request_id: 0.0 for item in items}
+    gaps: dict[str, float] = {}
+    live = list(items)
+    start = time.perf_counter()
+    num_steps = 0
+    while live:
+        results = backend.step(live)
+        num_steps += 1
+        now = time.perf_counter() - start
+        for item, result in zip(list(live), results, strict=True):
+            if result.error is not None:
+                raise RuntimeError(f"request {item.request_id} failed: {result.error!r}")
+            key = item.request_id
+            if len(result.pcm):
+                if key not in first:
+                    first[key] = now
+                elif now - first[key] > audio_s[key]:  # the listener ran out before this chunk
+                    gaps[key] = max(gaps.get(key, 0.0), now - first[key] - audio_s[key])
+                audio_s[key] += len(result.pcm) / SAMPLE_RATE
+            if result.is_finished:
+                backend.release(item)
+                live.remove(item)
+    wall = time.perf_counter() - start
+    ttfa = sorted(first.values())
+    if len(ttfa) != n:
+        raise RuntimeError(f"expected first audio from all {n} requests, got {len(ttfa)}")
+    return {"streams": n, "steps": num_steps, "wall_s": wall,
+            "ttfa_p50_ms": 1000 * rank(ttfa, 0.5), "ttfa_p95_ms": 1000 * rank(ttfa, 0.95),
+            "ttfa_max_ms": 1000 * ttfa[-1], "audio_s_mean": statistics.mean(audio_s.values()),
+            "streams_with_gaps": len(gaps), "max_gap_ms": 1000 * max(gaps.values(), default=0.0)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (CI)")
+    parser.add_argument("--version", type=int, choices=[2, 3], default=3)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--streams", default="1,8,32,128,256")
+    parser.add_argument("--text", default=ANSWER)
+    parser.add_argument("--lm-dtype", default="auto")
+    parser.add_argument("--flow-dtype", default="float32")
+    parser.add_argument("--decode-mode", default="auto")
+    parser.add_argument("--model-dir", help="an existing model directory (default: write a random one)")
+    parser.add_argument("--workdir", default=None, help="where the random model directory is written")
+    parser.add_argument("--no-warmup", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.device, args.streams, args.text, args.no_warmup = "cpu", "1,2", "Hi there.", True
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    streams = [int(n) for n in args.streams.split(",")]
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="voxgate-cosyvoice-"))
+    model_dir = Path(args.model_dir) if args.model_dir else workdir / f"cosyvoice{args.version}-random"
+    started = time.perf_counter()
+    if not (model_dir / "llm.pt").is_file():
+        write_random_model_dir(model_dir, args.version, QWEN2_TINY if args.smoke else QWEN2_05B,
+                               flow_size="tiny" if args.smoke else "real", with_frontend=True,
+                               device=device, dtype=torch.float16)
+    wav = write_reference_wav(workdir / "reference.wav", seconds=3.0)
+    config = CosyVoiceBackendConfig(
+        model_dir=model_dir, device=device.type, lm_dtype=args.lm_dtype, flow_dtype=args.flow_dtype,
+        decode_mode=args.decode_mode, tokenizer="bytes", max_batch_size=max(streams),
+        max_streams=max(streams), max_len=1024, default_voice_audio=wav, default_voice_text="Hello there.")
+    backend = CosyVoiceBackend(config)
+    backend.load()
+    print(f"model written and loaded in {time.perf_counter() - started:.1f} s")
+    rows = []
+    for n in streams:
+        if not args.no_warmup:
+            run_pass(backend, n, args.text, "warmup")
+        timer = StageTimer(device)
+        instrument(backend, timer)
+        row = run_pass(backend, n, args.text, "run")
+        row["stages"] = timer.summary()
+        _uninstrument(backend)
+        rows.append(row)
+    name = device.type if device.type == "cpu" else torch.cuda.get_device_name(device)
+    assert backend.model is not None
+    hidden = backend.model.model_dir.qwen_config()["hidden_size"]
+    print(f"CosyVoice {args.version} pipeline, random weights (LM hidden {hidden}), {name}, "
+          f"LM {args.lm_dtype}, flow {args.flow_dtype}, decode {args.decode_mode}, "
+          f"text of {len(args.text)} chars")
+    print("| streams | TTFA p50 ms | TTFA p95 ms | gaps (streams) | max gap ms | audio s | wall s "
+          "| LM ms/step | flow ms/call (rows) | HiFT ms/call (rows) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        st = r["stages"]
+        lm, flow, hift = st.get("lm_step", {}), st.get("flow", {}), st.get("hift", {})
+        print(f"| {r['streams']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p95_ms']:.0f} | {r['streams_with_gaps']} "
+              f"| {r['max_gap_ms']:.0f} | {r['audio_s_mean']:.1f} | {r['wall_s']:.1f} "
+              f"| {lm.get('ms_per_call', 0):.1f} | {flow.get('ms_per_call', 0):.0f} "
+              f"({flow.get('rows_per_call', 0):.1f}) | {hift.get('ms_per_call', 0):.0f} "
+              f"({hift.get('rows_per_call', 0):.1f}) |")
+    fine = [r["streams"] for r in rows if not r["streams_with_gaps"] and r["ttfa_p95_ms"] < 300]
+    print(f"gap-free with TTFA p95 < 300 ms up to: {max(fine) if fine else 'none'} of {streams} streams")
+    result = {"version": args.version, "device": name, "rows": rows, "capacity": max(fine, default=0)}
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as out:
+            json.dump(result, out, indent=1)
+    return result
+
+
+_ORIGINAL_VOCODE = getattr(t2w_module, VOCODER_NAME)
+
+
+def _uninstrument(backend: CosyVoiceBackend) -> None:
+    model = backend.model
+    assert model is not None and backend.lm is not None
+    for obj, name in ((backend.lm, "step"), (model.t2w.flow, "infer")):
+        obj.__dict__.pop(name, None)
+    setattr(t2w_module, VOCODER_NAME, _ORIGINAL_VOCODE)
+
+
+if __name__ == "__main__":
+    main()

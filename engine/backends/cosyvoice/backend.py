@@ -1,0 +1,283 @@
+"""The cosyvoice backend: CosyVoice 2/3 behind the engine's `Backend` interface.
+
+One `step` advances a batch of requests by one LM decode step and whatever
+audio became ready (DESIGN.md, Engine):
+
+1. requests without an LM stream start one (prefill into a free KV-cache
+   slot; when every slot is held, the holder with the latest deadline that is
+   not in this batch is preempted and later resumes by recomputation);
+2. one batched LM decode step for every request of the batch still
+   decoding: one speech token each, fed into that request's token-to-wave
+   stream (t2w.py); a request whose LM stopped is marked input-done;
+3. one batched token-to-wave run over the batch's streams that have a chunk
+   ready (first hop 15 tokens, then the 25-token grid, plus 3 lookahead):
+   flow matching then HiFT, all streams in one call each;
+4. a `StepResult` per request with the PCM of this step (often empty) and
+   `is_finished` with the last chunk.
+
+`release` (finished or cancelled) frees the LM slot and drops the t2w stream
+at once, so a cancelled request yields nothing more.
+
+Voices: the default voice clones a reference clip (`default_voice_audio` with
+its transcript), else a sentence that piper's built-in voice speaks at load
+(voice id "joe": CosyVoice cloning joe, so `voxgate serve --engine cosyvoice`
+keeps the server's default voice id), else, without the speaker and speech
+tokenizer models, the model's plain voice ("default", cross-lingual mode).
+Registered voices compute the x-vector, prompt tokens and prompt mel once
+(`make_voice_features`), stored as bytes and restored by `add_voice`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.backend import Backend, BackendRequest, StepResult
+from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
+from engine.backends.cosyvoice.frontend import LMInput, Mode
+from engine.backends.cosyvoice.lm_driver import LMStart, SpeechLMDriver
+from engine.backends.cosyvoice.loader import LoadedModel, load_model
+from engine.backends.cosyvoice.t2w import WaveChunk
+from engine.backends.cosyvoice.voice_prompts import (
+    CosyVoice,
+    clone_voice,
+    flow_prompt_of,
+    from_bytes,
+    to_bytes,
+)
+from engine.errors import BackendFailure, EngineError, UnknownVoiceError, UnsupportedOptionError
+from engine.types import SynthesisRequest, VoiceInfo
+
+log = logging.getLogger("voxgate.engine")
+
+
+@dataclass(slots=True)
+class CosyState:
+    """One request between steps. `tokens`: speech tokens emitted so far (kept for resumption)."""
+
+    key: str
+    voice: CosyVoice
+    lm_input: LMInput
+    deadline: float
+    tokens: list[int] = field(default_factory=list)
+    has_slot: bool = False
+    is_lm_done: bool = False
+    has_stream: bool = False
+    num_samples: int = 0
+
+
+class CosyVoiceBackend(Backend):
+    name = "cosyvoice"
+    sample_rate = 24000
+    needs_transcript = True
+
+    def __init__(self, config: CosyVoiceBackendConfig | None = None) -> None:
+        self.config = config or CosyVoiceBackendConfig()
+        if self.config.model_dir is None:
+            raise ValueError("the cosyvoice engine needs a model directory; expected "
+                             "--engine-option model_dir=PATH or VOXGATE_COSYVOICE_MODEL_DIR, got none")
+        self.max_batch_size = self.config.max_batch_size
+        self.model: LoadedModel | None = None
+        self.lm: SpeechLMDriver | None = None
+        self._default: dict[str, CosyVoice] = {}
+        self._registered: dict[str, CosyVoice] = {}
+        self._retired: dict[str, CosyVoice] = {}
+        self._running: dict[str, CosyState] = {}  # requests holding an LM slot
+        self.voice_features_version = _features_version(self.config)
+        self.num_preemptions = 0
+
+    # -- Backend --------------------------------------------------------------
+
+    def load(self) -> None:
+        self.model = load_model(self.config)
+        self.lm = self.model.lm
+        voice = self.model.default_voice
+        self._default = {voice.info.voice_id: voice}
+        log.info("cosyvoice %d loaded from %s on %s; default voice %r", self.model.version,
+                 self.config.model_dir, self.model.device, voice.info.voice_id)
+
+    def voices(self) -> list[VoiceInfo]:
+        return [v.info for v in [*self._default.values(), *self._registered.values()]]
+
+    def get_voice(self, voice_id: str) -> CosyVoice:
+        voice = self._default.get(voice_id) or self._registered.get(voice_id) or self._retired.get(voice_id)
+        if voice is None:
+            expected = ", ".join([*self._default, *self._registered])
+            raise UnknownVoiceError(f"unknown voice {voice_id!r}; expected one of: {expected}")
+        return voice
+
+    def prepare(self, request: SynthesisRequest) -> BackendRequest:
+        model = self._loaded()
+        voice = self.get_voice(request.voice)
+        if request.params.speed != 1.0:
+            raise UnsupportedOptionError(f"cosyvoice streams at its own pace; expected speed 1.0, "
+                                         f"got {request.params.speed}")
+        if request.instructions and model.version != 3:
+            raise UnsupportedOptionError(f"instructions need a CosyVoice 3 model; expected none, "
+                                         f"got {request.instructions!r}")
+        if request.instructions:
+            mode = Mode.INSTRUCT
+        elif voice.is_plain or _other_language(request.language, voice.info.language):
+            mode = Mode.CROSS_LINGUAL  # the flow keeps the voice; the LM gets no prompt
+        else:
+            mode = Mode.ZERO_SHOT
+        lm_input = model.frontend.lm_input(request.text, voice.prompt, mode, request.instructions)
+        state = CosyState(str(request.request_id), voice, lm_input, request.deadline)
+        if not request.text.strip():
+            state.is_lm_done = True  # nothing to say: finishes empty at its first step
+        est = max(0.2, len(request.text.strip()) / self.config.chars_per_second)
+        return BackendRequest(request=request, state=state, est_audio_s=est)
+
+    def step(self, batch: list[BackendRequest]) -> list[StepResult]:
+        model, lm = self._loaded(), self.lm
+        assert lm is not None
+        results = {id(item): StepResult() for item in batch}
+        states: list[tuple[BackendRequest, CosyState]] = []
+        for item in batch:
+            if isinstance(item.state, CosyState):
+                states.append((item, item.state))
+            else:
+                results[id(item)] = StepResult(is_finished=True, error=BackendFailure(
+                    f"expected a prepared cosyvoice request, got {item.state!r}"))
+        for item, exc in self._start_streams(states).items():  # 1. start (or resume) LM streams
+            results[id(item)] = StepResult(is_finished=True, error=exc)  # a bad prompt fails only itself
+            self.release(item)
+        decoding = [s for _, s in states if s.has_slot]
+        outputs = lm.step([s.key for s in decoding]) if decoding else {}
+        for state in decoding:  # 2. new tokens into the t2w streams
+            out = outputs[state.key]
+            state.tokens += out.tokens
+            if out.tokens:
+                model.t2w.feed(state.key, out.tokens)
+            if out.is_finished:
+                state.has_slot, state.is_lm_done = False, True
+                self._running.pop(state.key, None)
+                if state.tokens:
+                    model.t2w.finish(state.key)
+                else:  # stopped before its first token: no audio at all
+                    model.t2w.drop(state.key)
+                    state.has_stream = False
+        ready = set(model.t2w.ready())
+        chunks = model.t2w.run([s.key for _, s in states if s.key in ready])  # 3. flow + HiFT, batched
+        by_key: dict[str, WaveChunk] = {c.stream_id: c for c in chunks}
+        for item, state in states:  # 4. results
+            if results[id(item)].error is not None:
+                continue
+            chunk = by_key.get(state.key)
+            if chunk is not None:
+                pcm = chunk.audio.detach().float().cpu().numpy().reshape(-1)
+                state.num_samples += len(pcm)
+                results[id(item)] = StepResult(pcm=pcm, is_finished=chunk.is_final)
+            elif state.is_lm_done and not state.has_stream:
+                results[id(item)] = StepResult(is_finished=True)  # nothing was spoken
+        return [results[id(item)] for item in batch]
+
+    def release(self, item: BackendRequest) -> None:
+        state = item.state
+        if isinstance(state, CosyState) and self.model is not None and self.lm is not None:
+            self.lm.stop(state.key)
+            self.model.t2w.drop(state.key)
+            self._running.pop(state.key, None)
+            state.has_slot = state.has_stream = False
+            state.is_lm_done = True
+        item.state = None
+
+    # -- registered voices ----------------------------------------------------
+
+    def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
+        model = self._loaded()
+        return to_bytes(clone_voice(model.frontend, model.mel, audio, sample_rate, transcript))
+
+    def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
+        model = self._loaded()
+        if features is None:
+            raise ValueError("expected cosyvoice voice features (a cloned reference), got none")
+        if voice_id in self._default:
+            raise EngineError(f"voice id {voice_id!r} names the built-in cosyvoice voice")
+        prompt = from_bytes(features, model.version)
+        info = VoiceInfo(voice_id=voice_id, name=str(meta.get("name") or voice_id),
+                         language=str(meta.get("language") or self.config.default_voice_language),
+                         backend=self.name, sample_rate=self.sample_rate, is_builtin=False,
+                         supports_instructions=model.version == 3)
+        self._retired.pop(voice_id, None)
+        self._registered[voice_id] = CosyVoice(info, prompt, flow_prompt_of(prompt))
+        return info
+
+    def retire_voice(self, voice_id: str) -> None:
+        voice = self._registered.pop(voice_id, None)
+        if voice is None:
+            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
+        self._retired[voice_id] = voice
+
+    def remove_voice(self, voice_id: str) -> None:
+        # prepared requests hold their CosyVoice: they finish with it
+        if self._registered.pop(voice_id, None) is None and self._retired.pop(voice_id, None) is None:
+            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
+
+    # -- internals ------------------------------------------------------------
+
+    def _loaded(self) -> LoadedModel:
+        if self.model is None:
+            raise EngineError("cosyvoice backend is not loaded; expected load() before use")
+        return self.model
+
+    def _start_streams(self, states: list[tuple[BackendRequest, CosyState]]) -> dict[BackendRequest, Exception]:
+        """Prefill the LM streams of the batch's new (or preempted) requests in one call.
+
+        When slots run short, holders that are not in this batch give theirs up,
+        the one due last first; they resume later from their tokens.
+        """
+        model, lm = self._loaded(), self.lm
+        assert lm is not None
+        waiting = [(item, s) for item, s in states if not s.has_slot and not s.is_lm_done]
+        if not waiting:
+            return {}
+        in_batch = {s.key for _, s in states}
+        idle = sorted((s for k, s in self._running.items() if k not in in_batch),
+                      key=lambda s: s.deadline, reverse=True)
+        while lm.num_free < len(waiting) and idle:
+            victim = idle.pop(0)
+            lm.stop(victim.key)
+            victim.has_slot = False
+            self._running.pop(victim.key)
+            self.num_preemptions += 1
+        waiting = waiting[:lm.num_free]  # the rest wait for a later step
+        is_greedy = self.config.sampling == "greedy"
+        failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens) for _, s in waiting])
+        errors: dict[BackendRequest, Exception] = {}
+        for item, state in waiting:
+            if state.key in failed:
+                errors[item] = failed[state.key]
+                continue
+            state.has_slot = True
+            self._running[state.key] = state
+            if not state.has_stream:
+                seed = zlib.crc32(state.key.encode()) ^ self.config.seed
+                model.t2w.add_stream(state.key, state.voice.flow, seed=seed)
+                state.has_stream = True
+        return errors
+
+
+def _other_language(requested: str | None, spoken: str) -> bool:
+    if not requested or not spoken:
+        return False
+    return requested.replace("_", "-").split("-")[0].lower() != spoken.split("-")[0].lower()
+
+
+def _features_version(config: CosyVoiceBackendConfig) -> str:
+    """Names what voice features depend on: the frontend models' files and the tokenizer mode."""
+    root = config.model_dir
+    digest = hashlib.sha256(config.tokenizer.encode())
+    if root is not None:
+        for name in ("campplus.onnx", "speech_tokenizer_v2.onnx", "speech_tokenizer_v3.onnx",
+                     "cosyvoice2.yaml", "cosyvoice3.yaml", "CosyVoice-BlankEN/vocab.json",
+                     "CosyVoice-BlankEN/tokenizer.json"):
+            path = root / name
+            if path.is_file():
+                digest.update(f"{name}:{path.stat().st_size}".encode())
+    return f"cosyvoice-{digest.hexdigest()[:16]}"

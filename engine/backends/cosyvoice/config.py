@@ -1,0 +1,116 @@
+"""Options of the cosyvoice backend, from `--engine-option KEY=VALUE` and `VOXGATE_COSYVOICE_*`.
+
+Every field maps onto an environment variable of its upper-cased name
+(`model_dir` <- VOXGATE_COSYVOICE_MODEL_DIR); explicit options override the
+environment. Values given as strings are converted to the field's type.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from engine.backends.cosyvoice.frontend import TOKENIZER_MODES
+from engine.backends.cosyvoice.lm_driver import LM_BACKENDS
+
+ENV_PREFIX = "VOXGATE_COSYVOICE_"
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DECODE_MODES = ("auto", "dynamic", "static", "cuda_graphs")
+SAMPLING = ("ras", "greedy")
+
+
+def _default_num_threads() -> int:
+    # Half the cores, so the event loop (Opus encoding, sockets) keeps the rest.
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(slots=True)
+class CosyVoiceBackendConfig:
+    """Options of the cosyvoice backend; `model_dir` (an official CosyVoice 2/3 directory) is required."""
+
+    model_dir: Path | None = None
+    device: str = "auto"  # auto: cuda when available
+    lm_dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    flow_dtype: str = "float32"
+    lm_backend: str = "torch"  # "vllm": see lm_driver.py (the seam)
+    decode_mode: str = "auto"  # auto: cuda_graphs on cuda, dynamic on cpu
+    max_batch_size: int = 8
+    max_streams: int = 0  # KV-cache slots; 0: 2 x max_batch_size (preempted streams recompute)
+    max_len: int = 2048  # positions per slot: prompt + speech tokens
+    sampling: str = "ras"  # "greedy": argmax (deterministic; tests)
+    seed: int = 0
+    tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend.py)
+    first_hop_tokens: int = 15
+    max_history_tokens: int = 100  # flow recomputation window; -1: the whole history (upstream)
+    default_voice_audio: Path | None = None  # a reference clip for the default voice ...
+    default_voice_text: str = ""  # ... and its transcript
+    default_voice_language: str = "en"
+    num_threads: int = 0  # torch CPU threads; 0: half the cores
+    chars_per_second: float = 14.0  # est_audio_s = len(text) / this
+
+    def __post_init__(self) -> None:
+        if self.model_dir is not None:
+            self.model_dir = Path(self.model_dir)
+        if self.default_voice_audio is not None:
+            self.default_voice_audio = Path(self.default_voice_audio)
+        for name, allowed in (("device", DEVICES), ("lm_dtype", DTYPES), ("flow_dtype", DTYPES),
+                              ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
+                              ("sampling", SAMPLING), ("tokenizer", TOKENIZER_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("max_batch_size", "max_len", "first_hop_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_streams < 0:
+            raise ValueError(f"max_streams must be >= 0 (0: 2 x max_batch_size), got {self.max_streams}")
+        if self.max_history_tokens < -1:
+            raise ValueError(f"max_history_tokens must be >= -1 (-1: all), got {self.max_history_tokens}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.chars_per_second <= 0:
+            raise ValueError(f"chars_per_second must be > 0, got {self.chars_per_second}")
+        if self.default_voice_audio is not None and not self.default_voice_text.strip():
+            raise ValueError("default_voice_text must be the transcript of default_voice_audio, got none")
+
+    @property
+    def num_streams(self) -> int:
+        return self.max_streams or 2 * self.max_batch_size
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], environ: dict[str, str] | None = None) -> CosyVoiceBackendConfig:
+        """VOXGATE_COSYVOICE_<FIELD> variables, then `options` (strings converted to the field's type)."""
+        env = os.environ if environ is None else environ
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown cosyvoice option {unknown[0]!r}; expected one of: {', '.join(sorted(known))}")
+        defaults = cls()
+        values: dict[str, Any] = {}
+        for name in known:
+            raw: Any = env.get(ENV_PREFIX + name.upper())
+            if name in options and options[name] is not None:
+                raw = options[name]
+            if raw is None:
+                continue
+            values[name] = _convert(name, raw, getattr(defaults, name))
+        return cls(**values)
+
+
+def _convert(name: str, raw: Any, default: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    if name in ("model_dir", "default_voice_audio"):
+        return Path(raw) if raw else None
+    try:
+        if isinstance(default, bool):
+            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a {type(default).__name__}, got {raw!r}") from None
+    return raw

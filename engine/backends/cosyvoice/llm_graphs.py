@@ -1,0 +1,116 @@
+"""Static-shape decode steps for the speech LM, captured as CUDA graphs per batch-size bucket.
+
+At real sizes a decode step is launch-bound (24 layers of small kernels:
+DESIGN.md's anchor, 5.7-12 ms eager against 1.3-4.7 ms with graphs), so the
+GPU path replays one captured graph per (batch bucket, KV-length bucket)
+instead (gpt-fast / nano-vllm style). A graph needs fixed shapes and
+addresses, which the dynamic path (llm.py) does not have: it reads exactly
+the batch's cache rows and `max(position) + 1` keys. Here instead:
+
+- the step runs cache rows [0, b) for the smallest bucket b above the
+  highest slot of the batch (slots are handed out lowest-first, so active
+  streams sit at the bottom): attention reads a view of the cache, never a
+  gather. Rows that are not in the batch compute a throwaway output and write
+  a throwaway key and value at position `max_len - 1`; that is harmless because
+  every forward writes its own position before it reads it, so a stale entry
+  is always overwritten before any query can see it;
+- keys are read up to a multiple of `kv_bucket` (the mask hides the rest);
+- inputs are copied into static buffers; the graph writes log-probs into a
+  static output buffer.
+
+`mode="static"` runs the same function eagerly (any device): CPU tests prove it
+computes what the dynamic path does, and the GPU path differs only by capture.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.backends.cosyvoice.qwen2 import CacheView
+
+if TYPE_CHECKING:
+    from engine.backends.cosyvoice.llm import SpeechLMRunner
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DECODE_MODES = ("dynamic", "static", "cuda_graphs")
+
+
+def bucket_of(n: int, buckets: list[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"expected at most {buckets[-1]}, got {n}")
+
+
+class StaticDecoder:
+    """One decode step for any subset of slots, with shapes drawn from a few buckets."""
+
+    def __init__(self, runner: SpeechLMRunner, use_graphs: bool, kv_bucket: int = 256) -> None:
+        if use_graphs and runner.device.type != "cuda":
+            raise ValueError(f"expected a CUDA device for CUDA graphs, got {runner.device}")
+        if kv_bucket < 1:
+            raise ValueError(f"expected kv_bucket >= 1, got {kv_bucket}")
+        self.runner = runner
+        self.use_graphs = use_graphs
+        max_b, max_len, dev = runner.max_batch, runner.max_len, runner.device
+        self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_b] + [max_b]
+        self.kv_buckets = [k for k in range(kv_bucket, max_len, kv_bucket)] + [max_len]
+        self.tokens = torch.zeros(max_b, dtype=torch.long, device=dev)  # [S]
+        self.positions = torch.full((max_b, 1), max_len - 1, dtype=torch.long, device=dev)  # [S, 1]
+        self.rows = torch.arange(max_b, device=dev)  # [S]
+        self.out = torch.zeros(max_b, runner.spec.num_rows, device=dev)  # [S, V] float32
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None  # the graphs' shared memory pool
+
+    def _body(self, b: int, kv: int) -> None:
+        """Rows [0, b): embed the static tokens, one forward, log-probs into `out`."""
+        lm = self.runner.lm
+        embeds = lm.token_embeds(self.tokens[:b]).to(self.runner.dtype)  # [b, 1, D]
+        view = CacheView(self.runner.cache, self.rows[:b], self.positions[:b], kv_len=kv,
+                         row_range=(0, b))
+        hidden = lm.forward_hidden(embeds, view)  # [b, 1, D]
+        self.out[:b] = lm.head_logp(hidden[:, -1])
+
+    def capture(self, b: int, kv: int) -> None:
+        """Record the graph of bucket (b, kv): warm-up on a side stream, then capture."""
+        if (b, kv) in self.graphs:
+            return
+        self.positions.fill_(self.runner.max_len - 1)  # warm-up writes land where nothing reads
+        stream = torch.cuda.Stream(self.runner.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body(b, kv)
+        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            self._body(b, kv)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[(b, kv)] = graph
+
+    def buckets_for(self, slots: list[int], positions: list[int]) -> tuple[int, int]:
+        return (bucket_of(max(slots) + 1, self.batch_buckets),
+                bucket_of(max(positions) + 1, self.kv_buckets))
+
+    def run(self, slots: list[int], positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] for cache rows `slots` at `positions` -> log-probs [B, V] (float32)."""
+        b, kv = self.buckets_for(slots, positions)
+        index = torch.tensor(slots, device=self.runner.device)
+        with torch.inference_mode():
+            self.tokens[:b].zero_()
+            self.positions[:b].fill_(self.runner.max_len - 1)
+            self.tokens[index] = tokens.to(self.tokens.device)
+            self.positions[index, 0] = torch.tensor(positions, device=self.runner.device)
+            if self.use_graphs:
+                if (b, kv) not in self.graphs:
+                    saved = self.tokens.clone(), self.positions.clone()
+                    self.capture(b, kv)
+                    self.tokens.copy_(saved[0])
+                    self.positions.copy_(saved[1])
+                self.graphs[(b, kv)].replay()
+            else:
+                self._body(b, kv)
+            return self.out[index].clone()

@@ -1,0 +1,162 @@
+"""Loading everything the cosyvoice backend runs: LM driver, token-to-wave, frontend, default voice.
+
+Blocking and slow (weights, ONNX sessions, a piper sentence for the default
+voice); the engine calls it once from its worker thread (`Backend.load`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
+from engine.backends.cosyvoice.flow import build_flow
+from engine.backends.cosyvoice.frontend import CosyVoiceFrontend, load_tokenizer
+from engine.backends.cosyvoice.hift import build_hift
+from engine.backends.cosyvoice.llm import SpeechLMRunner, load_speech_lm
+from engine.backends.cosyvoice.lm_driver import SpeechLMDriver, create_lm_driver
+from engine.backends.cosyvoice.mel import MelConfig, MelExtractor
+from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
+from engine.backends.cosyvoice.sampling import RasConfig
+from engine.backends.cosyvoice.t2w import T2WConfig, TokenToWave
+from engine.backends.cosyvoice.voice_prompts import (
+    CosyVoice,
+    clone_voice,
+    flow_prompt_of,
+    plain_prompt,
+)
+from engine.errors import ModelLoadError
+from engine.types import RequestId, SamplingParams, SynthesisRequest, VoiceInfo
+
+log = logging.getLogger("voxgate.engine")
+
+# Spoken by piper's built-in voice at load; CosyVoice clones it as the default voice.
+REFERENCE_TEXT = "Hello there! I am the default voice of this gateway, and I speak clearly."
+PIPER_VOICE_ID = "joe"
+PLAIN_VOICE_ID = "default"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model_dir: ModelDir
+    device: torch.device
+    lm: SpeechLMDriver
+    t2w: TokenToWave
+    frontend: CosyVoiceFrontend
+    mel: MelExtractor
+    default_voice: CosyVoice
+
+    @property
+    def version(self) -> int:
+        return self.model_dir.version
+
+
+def resolve_device(config: CosyVoiceBackendConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("expected a CUDA device for device='cuda', got none available")
+    return torch.device(config.device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
+    assert config.model_dir is not None
+    model_dir = load_model_dir(config.model_dir)
+    device = resolve_device(config)
+    if device.type == "cpu":
+        torch.set_num_threads(config.num_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+    tokenizer = load_tokenizer(model_dir, config.tokenizer)
+    if tokenizer is None:
+        raise ModelLoadError(
+            f"{model_dir.qwen_path}: expected tokenizer files and the transformers package to read "
+            "text, got none usable (pip install transformers; tokenizer=bytes is for tests only)")
+    frontend = CosyVoiceFrontend(model_dir, tokenizer)
+    decode_mode = config.decode_mode
+    if decode_mode == "auto":
+        decode_mode = "cuda_graphs" if device.type == "cuda" else "dynamic"
+    lm = load_speech_lm(model_dir, device, resolve_dtype(config.lm_dtype, device))
+    sampling = model_dir.section("llm").get("sampling")
+    runner = SpeechLMRunner(lm, config.num_streams, config.max_len, RasConfig.from_hparams(sampling),
+                            seed=config.seed, decode_mode=decode_mode)
+    driver = create_lm_driver(config.lm_backend, runner=runner)
+    flow_dtype = resolve_dtype(config.flow_dtype, device)
+    flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
+    hift = build_hift(model_dir).to(device)
+    history = None if config.max_history_tokens < 0 else config.max_history_tokens
+    t2w = TokenToWave(flow, hift, T2WConfig(first_hop_tokens=config.first_hop_tokens,
+                                            max_history_tokens=history))
+    feat = model_dir.hparams.get("feat_extractor")
+    if isinstance(feat, dict):
+        mel = MelExtractor(MelConfig.from_hparams(feat))
+    else:  # an LM-style directory without the section: the released values
+        mel = MelExtractor(MelConfig(fmax=8000.0 if model_dir.version == 2 else None))
+    voice = default_voice(config, model_dir, frontend, mel)
+    return LoadedModel(model_dir, device, driver, t2w, frontend, mel, voice)
+
+
+def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend: CosyVoiceFrontend,
+                  mel: MelExtractor) -> CosyVoice:
+    """The configured reference, else piper's joe cloned, else the model's plain voice."""
+    can_clone = model_dir.campplus_path.is_file() and model_dir.speech_tokenizer_path.is_file()
+    language = config.default_voice_language
+    if config.default_voice_audio is not None:
+        audio, rate = read_audio(config.default_voice_audio)
+        prompt = clone_voice(frontend, mel, audio, rate, config.default_voice_text)
+        voice_id, name = PLAIN_VOICE_ID, f"{config.default_voice_audio.stem} (cloned)"
+    elif can_clone:
+        audio, rate = piper_reference()
+        prompt = clone_voice(frontend, mel, audio, rate, REFERENCE_TEXT)
+        voice_id, name, language = PIPER_VOICE_ID, "Joe (cloned by CosyVoice)", "en-US"
+    else:
+        log.warning("%s has no campplus.onnx / %s: the default voice is the model's plain voice",
+                    model_dir.path, model_dir.speech_tokenizer_path.name)
+        prompt = plain_prompt(model_dir.version)
+        voice_id, name = PLAIN_VOICE_ID, "CosyVoice (no reference)"
+    info = VoiceInfo(voice_id=voice_id, name=name, language=language, backend="cosyvoice",
+                     sample_rate=24000, is_builtin=True, supports_instructions=model_dir.version == 3)
+    return CosyVoice(info, prompt, flow_prompt_of(prompt))
+
+
+def piper_reference() -> tuple[np.ndarray, int]:
+    """REFERENCE_TEXT spoken by piper's built-in voice, noise-free (so the same every start)."""
+    from engine.backends.piper import PiperBackend, PiperBackendConfig
+
+    piper = PiperBackend(PiperBackendConfig(num_threads=1, max_batch_size=1))
+    piper.load()
+    request = SynthesisRequest(RequestId("cosyvoice-reference"), REFERENCE_TEXT, PIPER_VOICE_ID, 0.0,
+                               params=SamplingParams(noise_scale=0.0, noise_w_scale=0.0))
+    (result,) = piper.step([piper.prepare(request)])
+    if result.error is not None:
+        raise ModelLoadError(f"expected piper to speak the reference sentence, got {result.error}")
+    return np.asarray(result.pcm, dtype=np.float32), piper.sample_rate
+
+
+def read_audio(path: Path) -> tuple[np.ndarray, int]:
+    """A sound file as mono float32 at its own rate (PyAV decodes any format FFmpeg reads)."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.audio[0]
+            rate = int(stream.rate)
+            resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+            parts = [f.to_ndarray().reshape(-1) for frame in container.decode(stream)
+                     for f in resampler.resample(frame)]
+    except (OSError, IndexError, av.FFmpegError) as exc:
+        raise ModelLoadError(f"{path}: expected a readable sound file, got {exc}") from exc
+    if not parts:
+        raise ModelLoadError(f"{path}: expected audio, got an empty file")
+    return np.concatenate(parts).astype(np.float32), rate

@@ -1,0 +1,99 @@
+"""End to end: `voxgate serve --engine cosyvoice` on a tiny random model speaks Opus over the socket."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.types import RequestId, SynthesisRequest
+from gateway.audio import decode_opus_packets
+from tests.conftest import ServerProcess, start_server
+from tests.cosyvoice_tiny import tiny_backend, tiny_options
+from tests.wsclient import Client, speak
+
+TEXT = "Hello world."
+MS_PER_TOKEN = 40.0  # 2 mel frames of 480 samples at 24 kHz
+
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is many times faster than several on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    base = tmp_path_factory.getbasetemp()
+    flags = [arg for key, value in tiny_options(base).items() if key != "tokenizer"
+             for arg in ("--engine-option", f"{key}={value}")]
+    env = {"VOXGATE_COSYVOICE_TOKENIZER": "bytes"}  # the environment maps onto the same options
+    proc = start_server(tmp_path_factory.mktemp("cosyvoice-server"), "--engine", "cosyvoice",
+                        "--voice", "default", *flags, env=env, ready_timeout=180.0)
+    yield proc
+    proc.stop()
+
+
+def expected_tokens(base: Path, text: str) -> int:
+    """How many speech tokens the same model speaks for `text` (greedy decoding is deterministic)."""
+    backend = tiny_backend(base)  # the server's options: greedy tokens are the same
+    assert isinstance(backend, CosyVoiceBackend)
+    item = backend.prepare(SynthesisRequest(RequestId("expected"), text, "default", 0.0))
+    state = item.state
+    assert isinstance(state, CosyState)
+    for _ in range(2000):
+        (result,) = backend.step([item])
+        if result.is_finished:
+            backend.release(item)
+            return len(state.tokens)
+    raise AssertionError("the reference run did not finish")
+
+
+def test_a_turn_comes_back_as_opus_of_40_ms_per_speech_token(
+        server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    async def scenario() -> Client:
+        client = await Client.connect(server.ws_url)
+        await speak(client, "turn-1", TEXT)
+        await client.close()
+        return client
+
+    client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    num_tokens = expected_tokens(tmp_path_factory.getbasetemp(), TEXT)
+    want_ms = num_tokens * MS_PER_TOKEN
+    done = client.received.of("context.done", "turn-1")[0]
+    assert abs(done["audio_ms"] - want_ms) <= 40, (done["audio_ms"], want_ms)
+    packets = [p for frame in client.received.audio_of("turn-1") for p in frame["packets"]]
+    audio = decode_opus_packets(packets, 48000)
+    assert abs(len(audio) / 48 - want_ms) <= 40
+    assert float(np.sqrt(np.mean(audio**2))) > 1e-3  # not silence
+    (segment,) = client.received.of("segment", "turn-1")
+    assert segment["text"] == TEXT
+
+
+def test_a_cancelled_turn_stops_and_the_next_one_speaks(server: ServerProcess) -> None:
+    async def scenario() -> Client:
+        client = await Client.connect(server.ws_url)
+        await client.send({"type": "text", "context_id": "long", "text": "Hello world. " * 3, "flush": True})
+        await client.until("audio", "long")
+        await client.send({"type": "cancel", "context_id": "long"})
+        await client.until("cancelled", "long")
+        frames_at_cancel.append(len(client.received.audio_of("long")))
+        await speak(client, "next", TEXT)
+        await client.close()
+        return client
+
+    frames_at_cancel: list[int] = []
+    client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert len(client.received.audio_of("long")) == frames_at_cancel[0]  # nothing after `cancelled`
+    assert not client.received.of("context.done", "long")
+    assert client.received.of("context.done", "next")[0]["audio_ms"] > 0

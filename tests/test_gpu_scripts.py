@@ -1,0 +1,40 @@
+"""The GPU benchmark scripts run end to end in their CPU smoke mode, so they do not rot between GPU runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import gpu_cosyvoice_lm, gpu_cosyvoice_pipeline
+from tests.cosyvoice_tiny import tiny_model_dir
+
+
+@pytest.fixture(autouse=True)
+def keep_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_lm_benchmark_times_every_batch_in_every_mode(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    result = gpu_cosyvoice_lm.main(["--smoke", "--json", str(tmp_path / "lm.json")])
+    assert [(r["mode"], r["batch"]) for r in result["rows"]] == [
+        (m, b) for m in ("dynamic", "static") for b in (1, 2, 4)]
+    assert all(r["decode_ms"] > 0 for r in result["rows"])
+    assert "| 4 |" in capsys.readouterr().out
+    assert (tmp_path / "lm.json").is_file()
+
+
+def test_pipeline_benchmark_reports_ttfa_gaps_and_stage_times(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    model_dir = tiny_model_dir(tmp_path_factory.getbasetemp(), 3)
+    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir", str(tmp_path)])
+    assert [r["streams"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert 0 < row["ttfa_p50_ms"] <= row["ttfa_p95_ms"] <= row["ttfa_max_ms"]
+        assert row["audio_s_mean"] > 0
+        assert set(row["stages"]) == {"lm_step", "flow", "hift"}
+    assert "gap-free with TTFA p95 < 300 ms up to" in capsys.readouterr().out
