@@ -1,6 +1,6 @@
 """Piper backend: synthesis speed per batch size, batched vs one at a time.
 
-    python bench/bench_piper_batch.py [--threads N] [--sizes 1,2,4,8,16] [--repeats 3]
+    python -m bench.bench_piper_batch [--threads N] [--sizes 1,2,4,8,16] [--repeats 5] [--waste W]
 
 For each batch size B, B segments (drawn with a fixed seed from typical voice
 agent sentences of mixed length) are synthesized three ways: one `step` with

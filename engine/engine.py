@@ -59,7 +59,7 @@ class EngineStats:
 
 
 class _Handle:
-    __slots__ = ("request", "queue", "is_cancelled", "is_done")
+    __slots__ = ("is_cancelled", "is_done", "queue", "request")
 
     def __init__(self, request: SynthesisRequest) -> None:
         self.request = request
@@ -229,7 +229,7 @@ class Engine:
                 self.num_failed_steps_in_row = 0
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a failed step ends only its culprits
+            except Exception as exc:
                 log.exception("backend step failed for %d requests", len(batch))
                 self.num_failed_steps_in_row += 1
                 if len(batch) == 1:

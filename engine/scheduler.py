@@ -15,7 +15,7 @@ breaking the deadlines already held is refused with `busy` at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.backend import BackendRequest
 from engine.types import RequestId

@@ -265,9 +265,8 @@ def frames_to_array(frames: list[av.AudioFrame]) -> np.ndarray:
     if not frames:
         return np.zeros(0, dtype=np.float32)
     # each frame: [1, num_samples] float32 ("flt", mono)
-    return np.concatenate([frame.to_ndarray()[0] for frame in frames]).astype(
-        np.float32, copy=False
-    )
+    joined: np.ndarray = np.concatenate([frame.to_ndarray()[0] for frame in frames])
+    return joined.astype(np.float32, copy=False)
 
 
 def _decode_with(codec: str, packets: list[bytes], rate: int) -> np.ndarray:

@@ -194,8 +194,7 @@ def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
         raise ProtocolError("bad_message", f"frame is not valid {kind}: {exc}") from None
     if not isinstance(message, dict):
         raise ProtocolError("bad_message", f"a message must be an object, got {type(message).__name__}")
-    kind = message.get("type")
-    if not isinstance(kind, str):
+    if not isinstance(message.get("type"), str):
         raise ProtocolError("bad_message", "a message needs a string field 'type'")
     return message
 
@@ -230,7 +229,12 @@ def optional_ms(message: dict[str, Any], name: str) -> float | None:
 def encode_event(message: dict[str, Any], encoding: str) -> str | bytes:
     """An event frame in the session's encoding."""
     if encoding == "msgpack":
-        return msgpack.packb(message, use_bin_type=True)
+        return bytes(msgpack.packb(message, use_bin_type=True))
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+
+
+def encode_json(message: dict[str, Any]) -> str:
+    """A JSON text frame (before a session exists, or for clients that asked for JSON)."""
     return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -243,4 +247,4 @@ def encode_audio(message: dict[str, Any], options: SessionOptions) -> str | byte
         if "data" in out:
             out["data"] = base64.b64encode(out["data"]).decode("ascii")
         return json.dumps(out, separators=(",", ":"))
-    return msgpack.packb(message, use_bin_type=True)
+    return bytes(msgpack.packb(message, use_bin_type=True))

@@ -18,7 +18,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from engine.errors import EngineBusyError, VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
@@ -26,7 +26,13 @@ from gateway.audio import make_encoder
 from gateway.context import Context, ContextState, Segment
 from gateway.errors import ProtocolError, error_message
 from gateway.messages import (
-    PROTOCOL_VERSION, Limits, SessionOptions, TokenBucket, apply_update, context_id_of, decode_frame,
+    PROTOCOL_VERSION,
+    Limits,
+    SessionOptions,
+    TokenBucket,
+    apply_update,
+    context_id_of,
+    decode_frame,
     optional_ms,
 )
 from gateway.segmenter import Segmenter, SegmenterConfig
@@ -72,7 +78,7 @@ class Observe:
     value: float
 
 
-Action = Union[Send, Submit, Cancel, Close, Observe]
+Action = Send | Submit | Cancel | Close | Observe
 
 
 class Session:
@@ -439,10 +445,10 @@ class Session:
             if not segment.is_synthesized:
                 return  # later segments wait: audio stays in playback order
             segment.is_sent = True
-        if context.state is ContextState.FLUSHED and not context.segmenter.pending_text.strip():
-            if all(s.is_sent for s in context.segments) and not context.is_audio_flushed:
-                context.is_audio_flushed = True
-                self._queue_frames(context, encoder.flush())
+        if (context.state is ContextState.FLUSHED and not context.segmenter.pending_text.strip()
+                and all(s.is_sent for s in context.segments) and not context.is_audio_flushed):
+            context.is_audio_flushed = True
+            self._queue_frames(context, encoder.flush())
 
     def _queue_frames(self, context: Context, frames: list[Any]) -> None:
         options = context.options
@@ -477,9 +483,10 @@ class Session:
                 # Contexts play one after another: this one starts when the last ends.
                 context.play_started_at = max(now, self._playback_end)
                 context.first_audio_at = now
-            context.audio_ms_sent += message["duration_ms"]
+            duration_ms = float(message["duration_ms"])  # type: ignore[arg-type]
+            context.audio_ms_sent += duration_ms
             actions.append(Send(message, is_audio=True))
-            actions.append(Observe("audio_ms", message["duration_ms"]))
+            actions.append(Observe("audio_ms", duration_ms))
 
 
 def _words_wire(chunk: AudioChunk) -> list[dict[str, Any]] | None:

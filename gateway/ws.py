@@ -11,6 +11,7 @@ or the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -24,10 +25,17 @@ from engine.errors import VoxgateError
 from engine.types import RequestId, SynthesisRequest
 from gateway.auth import is_authorized, is_origin_allowed, presented_key
 from gateway.errors import (
-    CLOSE_FORBIDDEN, CLOSE_GOING_AWAY, CLOSE_IDLE_TIMEOUT, CLOSE_POLICY_VIOLATION, CLOSE_SLOW_CONSUMER,
-    CLOSE_TRY_AGAIN_LATER, CLOSE_UNAUTHORIZED, ProtocolError, error_message,
+    CLOSE_FORBIDDEN,
+    CLOSE_GOING_AWAY,
+    CLOSE_IDLE_TIMEOUT,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_SLOW_CONSUMER,
+    CLOSE_TRY_AGAIN_LATER,
+    CLOSE_UNAUTHORIZED,
+    ProtocolError,
+    error_message,
 )
-from gateway.messages import SessionOptions, apply_update, encode_audio, encode_event
+from gateway.messages import SessionOptions, apply_update, encode_audio, encode_event, encode_json
 from gateway.session import Action, Cancel, Close, Observe, Send, Session, Submit
 
 log = logging.getLogger("voxgate.gateway")
@@ -91,10 +99,8 @@ class Connection:
             self._writer.cancel()
 
     async def _drain_writer(self, writer: asyncio.Task[None]) -> None:
-        try:
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, OSError, RuntimeError):
             await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001
-            pass
 
     def close_going_away(self) -> None:
         """Server shutdown: close with 1001 after what is queued."""
@@ -141,7 +147,7 @@ class Connection:
             raise
         except VoxgateError as exc:
             self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
-        except Exception as exc:  # noqa: BLE001 - ends this context only
+        except Exception as exc:  # ends this context only
             log.exception("request %s failed", request.request_id)
             self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
         finally:
@@ -257,7 +263,7 @@ class Connection:
 async def _refuse(websocket: WebSocket, code: str, message: str, close_code: int) -> None:
     await websocket.accept()
     error = error_message(ProtocolError(code, message, fatal=True))
-    await websocket.send_text(encode_event(error, "json"))
+    await websocket.send_text(encode_json(error))
     await websocket.close(close_code, code)
 
 
@@ -299,7 +305,7 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         except ProtocolError as exc:
             exc.fatal = True
             await websocket.accept()
-            await websocket.send_text(encode_event(error_message(exc), "json"))
+            await websocket.send_text(encode_json(error_message(exc)))
             await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
             return
         await websocket.accept()

@@ -6,11 +6,13 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.random_parts import write_reference_wav
 from engine.types import RequestId, SynthesisRequest
 from gateway.audio import decode_opus_packets
 from tests.conftest import ServerProcess, start_server
@@ -97,3 +99,23 @@ def test_a_cancelled_turn_stops_and_the_next_one_speaks(server: ServerProcess) -
     assert len(client.received.audio_of("long")) == frames_at_cancel[0]  # nothing after `cancelled`
     assert not client.received.of("context.done", "long")
     assert client.received.of("context.done", "next")[0]["audio_ms"] > 0
+
+
+def test_a_registered_reference_voice_is_cloned_and_speaks(
+        server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.mktemp("voice")
+    wav = write_reference_wav(base / "alice.wav", seconds=2.0, rate=22050)
+    response = httpx.post(server.url + "/v1/voices", data={"id": "alice", "text": "Testing one two."},
+                          files={"audio": ("alice.wav", wav.read_bytes(), "audio/wav")}, timeout=60)
+    assert response.status_code == 201, response.text
+    listed = {v["id"]: v for v in httpx.get(server.url + "/v1/voices").json()["voices"]}
+    assert "alice" in listed
+
+    async def scenario() -> Client:
+        client = await Client.connect(server.ws_url + "?voice=alice")
+        await speak(client, "alice-1", TEXT)
+        await client.close()
+        return client
+
+    client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert client.received.of("context.done", "alice-1")[0]["audio_ms"] > 0

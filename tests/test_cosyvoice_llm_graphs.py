@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.cosyvoice.llm import LMStream, SpeechLM, SpeechLMRunner, load_speech_lm
+from engine.backends.cosyvoice.llm import (
+    LMStream,
+    NoFreeSlotError,
+    PrefillRequest,
+    SpeechLM,
+    SpeechLMRunner,
+    load_speech_lm,
+)
 from engine.backends.cosyvoice.llm_graphs import StaticDecoder, bucket_of
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from tests.cosyvoice_parity import assert_close_report, fixture_dir
@@ -84,3 +91,44 @@ def test_buckets_and_graph_mode_refuse_what_they_cannot_serve(loaded: Any) -> No
     with pytest.raises(ValueError, match="decode_mode"):
         SpeechLMRunner(lm, max_batch=2, max_len=64, decode_mode="fast")
     assert isinstance(SpeechLMRunner(lm, 2, 64, decode_mode="static").static, StaticDecoder)
+
+
+def test_prompts_prefilled_together_give_each_stream_its_single_prefill(loaded: Any) -> None:
+    lm, ref = loaded
+    requests = [PrefillRequest(t, p, s, is_greedy=True) for t, p, s in prompts(ref)]
+    alone = SpeechLMRunner(lm, max_batch=1, max_len=320)
+    want = []
+    for r in requests:
+        (stream,) = alone.add_requests([r])
+        assert isinstance(stream, LMStream)
+        want.append(alone.logp([stream])[0])
+        alone.free(stream)
+    together = SpeechLMRunner(lm, max_batch=4, max_len=320)
+    streams = together.add_requests(requests)
+    assert [s.num_cached for s in streams if isinstance(s, LMStream)] == [
+        len(r.prompt_text_ids) + len(r.text_ids) + len(r.prompt_speech_tokens) + 2 for r in requests]
+    got = together.logp([s for s in streams if isinstance(s, LMStream)])
+    assert_close_report("llm.batched_prefill_logp", got, torch.stack(want), 1e-4)
+    # with one slot free: an empty prompt is refused, one fits, the next finds no slot;
+    # each failure is reported in its place, not raised
+    first = streams[0]
+    assert isinstance(first, LMStream)
+    together.free(first)
+    extra = together.add_requests([PrefillRequest([]), requests[0], requests[1]])
+    assert isinstance(extra[0], ValueError) and isinstance(extra[1], LMStream)
+    assert isinstance(extra[2], NoFreeSlotError)
+
+
+def test_strict_min_length_forbids_every_stop_id_before_the_minimum(loaded: Any) -> None:
+    lm, ref = loaded
+    runner = SpeechLMRunner(lm, max_batch=4, max_len=320, seed=0)
+    runner.strict_min_length = True
+    streams = [runner.add_request(t, p, s) for t, p, s in prompts(ref)]
+    # push every stop id far above the speech tokens: only the mask can hold them back
+    runner._logp[:, lm.spec.speech_token_size:] = 0.0
+    runner._logp[:, : lm.spec.speech_token_size] = -50.0
+    minimum = min(s.min_len for s in streams)
+    for _ in range(minimum):
+        assert None not in runner.step(streams)
+        runner._logp[:, lm.spec.speech_token_size:] = 0.0
+        runner._logp[:, : lm.spec.speech_token_size] = -50.0

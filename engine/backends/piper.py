@@ -1,7 +1,7 @@
 """The piper backend: Piper VITS voices on onnxruntime, batched across sessions.
 
 A step synthesizes whole segments. Items that share a voice and synthesis
-scales (and, by default, are of similar length: `max_padding_waste`) run in
+scales (and, by default, are of equal length: `max_padding_waste`) run in
 ONE onnxruntime call: phoneme ids padded to the longest item, `input_lengths`
 per item. The model masks the padding, but its vocoder still
 writes audio past each item's end (convolution biases over the masked frames),
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,17 @@ class PiperBackendConfig:
     target_peak: float | None = 0.5
     # Items of a step share one onnxruntime call only while the padding adds at most
     # this fraction of real phoneme ids (None: one call per voice and scales, however
-    # ragged). On CPU a call costs about its padded length, so padding is pure loss
-    # (docs/benchmarks.md, "piper batching").
-    max_padding_waste: float | None = 0.1
+    # ragged). On CPU the work is linear in audio and a ragged call pays for its
+    # padding (1.7-2.7x the CPU of one call per item at 8-16 items), so only items of equal
+    # length share a call by default (docs/benchmarks.md, "piper backend batching").
+    max_padding_waste: float | None = 0.0
+    # Separate onnxruntime calls of one step run in parallel on this many threads
+    # (each call uses `num_threads` cores); 1 runs them one after another.
+    num_parallel_calls: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2))
 
     def __post_init__(self) -> None:
+        if self.num_parallel_calls < 1:
+            raise ValueError(f"num_parallel_calls must be >= 1, got {self.num_parallel_calls}")
         if self.voices_dir is not None:
             self.voices_dir = Path(self.voices_dir)
         if self.max_batch_size < 1:
@@ -150,6 +157,8 @@ class PiperBackend(Backend):
         self._registered: dict[str, tuple[VoiceInfo, str]] = {}
         self._retired: dict[str, tuple[VoiceInfo, str]] = {}
         self.sample_rate = 22050
+        self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
+                      if self.config.num_parallel_calls > 1 else None)
 
     # -- Backend --------------------------------------------------------------
 
@@ -218,7 +227,10 @@ class PiperBackend(Backend):
 
     def remove_voice(self, voice_id: str) -> None:
         # Prepared requests hold their LoadedVoice: they finish with it.
-        if self._registered.pop(voice_id, None) is None and self._retired.pop(voice_id, None) is None:
+        if (
+            self._registered.pop(voice_id, None) is None
+            and self._retired.pop(voice_id, None) is None
+        ):
             raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
 
     def get_files(self, voice_id: str) -> VoiceFiles:
@@ -275,13 +287,20 @@ class PiperBackend(Backend):
             else:
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
+        calls: list[list[int]] = []
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]
-            for call in pack_by_length(lengths, self.config.max_padding_waste):
-                indices = [group[k] for k in call]
-                states = [batch[i].state for i in indices]
-                for index, result in zip(indices, self._run_group(states), strict=True):
-                    results[index] = result
+            calls += [[group[k] for k in call]
+                      for call in pack_by_length(lengths, self.config.max_padding_waste)]
+        # onnxruntime releases the GIL: separate calls of one step run on separate cores.
+        states_per_call = [[batch[i].state for i in indices] for indices in calls]
+        if len(calls) > 1 and self._pool is not None:
+            outputs = list(self._pool.map(self._run_group, states_per_call))
+        else:
+            outputs = [self._run_group(states) for states in states_per_call]
+        for indices, output in zip(calls, outputs, strict=True):
+            for index, result in zip(indices, output, strict=True):
+                results[index] = result
         return [r if r is not None else StepResult(is_finished=True) for r in results]
 
     # -- internals ------------------------------------------------------------

@@ -144,7 +144,7 @@ class CosyVoiceBackend(Backend):
             else:
                 results[id(item)] = StepResult(is_finished=True, error=BackendFailure(
                     f"expected a prepared cosyvoice request, got {item.state!r}"))
-        for item, exc in self._start_streams(states).items():  # 1. start (or resume) LM streams
+        for item, exc in self._start_streams(states):  # 1. start (or resume) LM streams
             results[id(item)] = StepResult(is_finished=True, error=exc)  # a bad prompt fails only itself
             self.release(item)
         decoding = [s for _, s in states if s.has_slot]
@@ -226,7 +226,8 @@ class CosyVoiceBackend(Backend):
             raise EngineError("cosyvoice backend is not loaded; expected load() before use")
         return self.model
 
-    def _start_streams(self, states: list[tuple[BackendRequest, CosyState]]) -> dict[BackendRequest, Exception]:
+    def _start_streams(self, states: list[tuple[BackendRequest, CosyState]]
+                       ) -> list[tuple[BackendRequest, Exception]]:
         """Prefill the LM streams of the batch's new (or preempted) requests in one call.
 
         When slots run short, holders that are not in this batch give theirs up,
@@ -236,7 +237,7 @@ class CosyVoiceBackend(Backend):
         assert lm is not None
         waiting = [(item, s) for item, s in states if not s.has_slot and not s.is_lm_done]
         if not waiting:
-            return {}
+            return []
         in_batch = {s.key for _, s in states}
         idle = sorted((s for k, s in self._running.items() if k not in in_batch),
                       key=lambda s: s.deadline, reverse=True)
@@ -249,10 +250,10 @@ class CosyVoiceBackend(Backend):
         waiting = waiting[:lm.num_free]  # the rest wait for a later step
         is_greedy = self.config.sampling == "greedy"
         failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens) for _, s in waiting])
-        errors: dict[BackendRequest, Exception] = {}
+        errors: list[tuple[BackendRequest, Exception]] = []
         for item, state in waiting:
             if state.key in failed:
-                errors[item] = failed[state.key]
+                errors.append((item, failed[state.key]))
                 continue
             state.has_slot = True
             self._running[state.key] = state

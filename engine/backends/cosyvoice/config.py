@@ -34,7 +34,7 @@ class CosyVoiceBackendConfig:
     model_dir: Path | None = None
     device: str = "auto"  # auto: cuda when available
     lm_dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    flow_dtype: str = "float32"
+    flow_dtype: str = "auto"  # auto: bfloat16 on cuda (upstream offers half precision), float32 on cpu
     lm_backend: str = "torch"  # "vllm": see lm_driver.py (the seam)
     decode_mode: str = "auto"  # auto: cuda_graphs on cuda, dynamic on cpu
     max_batch_size: int = 8

@@ -251,6 +251,9 @@ class SpeechLMRunner:
         self.generator = torch.Generator(device=self.device)
         if seed is not None:
             self.generator.manual_seed(seed)
+        #: False (upstream): below the minimum length only index 6561 is forbidden, so a v3
+        #: model may still stop early on 6562+; True forbids every stop id there.
+        self.strict_min_length = False
         self.static: StaticDecoder | None = None
         if decode_mode != "dynamic":
             self.static = StaticDecoder(self, decode_mode == "cuda_graphs", kv_bucket)
@@ -445,6 +448,9 @@ class SpeechLMRunner:
         below_min = torch.tensor([len(s.tokens) < s.min_len for s in streams], device=self.device)
         is_greedy = torch.tensor([s.is_greedy for s in streams], device=self.device)
         logp = mask_min_length(self._logp[slots], below_min, self.spec.min_length_mask_index)
+        if self.strict_min_length:  # every stop id, as vLLM's min_tokens (benchmarks: random weights)
+            stops = logp[:, self.spec.speech_token_size:]
+            logp[:, self.spec.speech_token_size:] = torch.where(below_min[:, None], float("-inf"), stops)
         chosen = sample_tokens(
             logp, self._history[slots], is_greedy, self.ras, self.generator
         ).tolist()

@@ -1,0 +1,228 @@
+"""One flow-estimator pass per batch size: eager torch vs CUDA graphs vs TensorRT.
+
+Random weights at the real CosyVoice 3 DiT size (22 blocks x 1024, 16 heads
+of 64, ff x2), `--dtype` bf16 by default. A batch of N streams is 2N CFG rows
+x `--frames` mel frames with chunked (streaming) attention, as the flow runs
+it; one pass is one of the ten Euler steps. Per mode and batch: warm-up (and
+graph capture / engine build), then the median of `--steps` passes, and the
+output's departure from eager (relative RMS). Modes:
+
+- eager: the torch estimator (flow_dit.py);
+- cuda_graphs: estimator_graphs.GraphedEstimator, one graph per bucket;
+- tensorrt (only where `import tensorrt` works): ONNX export (float32 I/O),
+  engine built with `--trt-precision` and cached in `--cache-dir`
+  (estimator_trt.py; the first build takes minutes, reruns load it);
+- concurrency: `--concurrency` threads each running 1-stream passes, TensorRT
+  with one execution context (upstream AsyncCosyVoice's arrangement) against
+  `--contexts` contexts (ours): passes per second in all.
+
+DESIGN.md's anchor (H200, eager bf16): 7.2 ms for 1 stream x 200 frames,
+62 ms for 128 streams x 200 frames.
+
+One device call (well under 5 minutes on an H200 once the TensorRT engine is
+cached; the first build is the long part, and results are written to
+`--json` after each mode so a cut-off run keeps what it measured):
+
+    python -m bench.gpu_flow_estimator --json /tmp/flow_estimator.json
+
+CPU smoke run (tiny DiT; onnxruntime stands in for TensorRT, the padded
+static path for CUDA graphs; tests/test_cosyvoice_estimator_onnx.py runs it):
+
+    python -m bench.gpu_flow_estimator --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+from contextlib import nullcontext
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.backends.cosyvoice.estimator_graphs import GraphedEstimator
+from engine.backends.cosyvoice.estimator_onnx import OnnxEstimator, example_inputs, export_estimator
+from engine.backends.cosyvoice.estimator_trt import TrtEstimator, TrtProfile, cached_engine, trt_available
+from engine.backends.cosyvoice.flow_dit import DiTEstimator
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+REAL_DIT = {"dim": 1024, "depth": 22, "heads": 16, "dim_head": 64}
+TINY_DIT = {"dim": 64, "depth": 2, "heads": 4, "dim_head": 16}
+ANCHOR_MS = {1: 7.2, 128: 62.0}  # DESIGN.md, H200, eager, 200 frames
+
+
+def random_dit(size: dict[str, int], device: torch.device, dtype: torch.dtype) -> DiTEstimator:
+    torch.manual_seed(0)
+    dit = DiTEstimator(size["dim"], size["depth"], size["heads"], size["dim_head"], ff_mult=2, mel_dim=80,
+                       mu_dim=80, spk_dim=80, static_chunk_size=50)
+    return dit.to(device, dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_passes(run: Callable[[], torch.Tensor], device: torch.device, steps: int, warmup: int) -> float:
+    """Median ms of one pass."""
+    times = []
+    for i in range(warmup + steps):
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).pow(2).mean().sqrt() / want.float().std().clamp_min(1e-12))
+
+
+def time_concurrent(estimator: nn.Module, inputs: tuple[torch.Tensor, ...], threads: int, calls: int,
+                    streaming: bool, device: torch.device) -> float:
+    """Passes per second with `threads` threads each making `calls` passes on its own CUDA stream."""
+    def worker() -> None:
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for _ in range(calls):
+                estimator(*inputs, streaming)
+            sync(device)
+
+    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    sync(device)
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return threads * calls / (time.perf_counter() - start)
+
+
+def build_modes(args: argparse.Namespace, dit: DiTEstimator, device: torch.device, max_rows: int,
+                workdir: Path) -> dict[str, Callable[[], nn.Module]]:
+    """Each mode's estimator, made lazily (an engine build is long; a failed mode does not stop the rest)."""
+    def onnx_path() -> Path:
+        return export_estimator(random_dit(args.size, device, torch.float32), workdir / "dit.onnx",
+                                args.streaming)
+
+    def trt(contexts: int) -> Callable[[], nn.Module]:
+        def make() -> nn.Module:
+            profile = TrtProfile(min_rows=2, opt_rows=min(64, max_rows), max_rows=max_rows, min_frames=4,
+                                 opt_frames=args.frames, max_frames=max(args.frames, 256))
+            mode = "streaming" if args.streaming else "offline"
+            path = Path(args.cache_dir) / "onnx" / f"dit_{args.size['depth']}x{args.size['dim']}_{mode}.onnx"
+            if not path.is_file():
+                path = export_estimator(random_dit(args.size, device, torch.float32), path, args.streaming)
+            engine = cached_engine(path, args.cache_dir, profile, args.trt_precision, device)
+            return TrtEstimator({args.streaming: engine}, profile, contexts, device)
+        return make
+
+    return {
+        "eager": lambda: dit,
+        "static": lambda: GraphedEstimator(dit, max_rows, args.frames, use_graphs=False),
+        "cuda_graphs": lambda: GraphedEstimator(dit, max_rows, args.frames, use_graphs=True),
+        "onnxruntime": lambda: OnnxEstimator({args.streaming: onnx_path()}, num_threads=1),
+        "tensorrt": trt(args.contexts),
+        "tensorrt_1ctx": trt(1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny DiT on the CPU (CI)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="streams (CFG doubles the rows)")
+    parser.add_argument("--frames", type=int, default=200)
+    parser.add_argument("--offline", dest="streaming", action="store_false", help="full attention")
+    parser.add_argument("--modes", default=None, help="default: eager,cuda_graphs[,tensorrt]")
+    parser.add_argument("--trt-precision", choices=["fp16", "bf16", "fp32"], default="fp16")
+    parser.add_argument("--contexts", type=int, default=4, help="TensorRT execution contexts")
+    parser.add_argument("--concurrency", type=int, default=4, help="threads in the concurrency test (0: skip)")
+    parser.add_argument("--cache-dir", default="/tmp/voxgate-trt-cache")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--json", help="write the results here (after each mode)")
+    args = parser.parse_args(argv)
+    args.size = REAL_DIT
+    if args.smoke:
+        args.device, args.dtype, args.batches, args.frames = "cpu", "float32", "1,2", 40
+        args.modes, args.steps, args.warmup, args.concurrency, args.size = "eager,static,onnxruntime", 2, 1, 2, TINY_DIT
+        torch.set_num_threads(1)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    has_trt = trt_available() and device.type == "cuda"
+    modes = (args.modes or ("eager,cuda_graphs,tensorrt" if has_trt else "eager,cuda_graphs")).split(",")
+    batches = [int(b) for b in args.batches.split(",")]
+    dtype = DTYPES[args.dtype]
+    dit = random_dit(args.size, device, dtype)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    result: dict[str, Any] = {"device": gpu, "dtype": args.dtype, "frames": args.frames, "streaming": args.streaming,
+                              "size": args.size, "trt_precision": args.trt_precision, "rows": [], "errors": {},
+                              "concurrency": []}
+
+    def save() -> None:
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        makers = build_modes(args, dit, device, 2 * max(batches), Path(tmp))
+        inputs = {n: example_inputs(2 * n, args.frames, dtype, device, seed=n) for n in batches}
+        with torch.inference_mode():
+            reference = {n: dit(*inputs[n], args.streaming) for n in batches}
+        for mode in modes:
+            try:
+                estimator = makers[mode]()
+                for n in batches:
+                    with torch.inference_mode():
+                        out = estimator(*inputs[n], args.streaming)
+                        ms = time_passes(lambda e=estimator, a=inputs[n]: e(*a, args.streaming), device,
+                                         args.steps, args.warmup)
+                    result["rows"].append({"mode": mode, "streams": n, "rows": 2 * n, "ms": ms,
+                                           "rel_rms_vs_eager": rel_rms(out, reference[n])})
+            except Exception as exc:  # report and go on: one mode's failure must not lose the others
+                result["errors"][mode] = f"{type(exc).__name__}: {exc}"
+            save()
+        if args.concurrency > 0:
+            one = example_inputs(2, args.frames, dtype, device, seed=1)
+            pairs = [("tensorrt_1ctx", "tensorrt")] if "tensorrt" in modes else [("eager", "static")]
+            for mode in (m for pair in pairs for m in pair):
+                try:
+                    rate = time_concurrent(makers[mode](), one, args.concurrency, args.steps, args.streaming, device)
+                    result["concurrency"].append({"mode": mode, "threads": args.concurrency, "passes_per_s": rate})
+                except Exception as exc:
+                    result["errors"][f"concurrency {mode}"] = f"{type(exc).__name__}: {exc}"
+                save()
+    print_table(result, modes, batches)
+    return result
+
+
+def print_table(result: dict[str, Any], modes: list[str], batches: list[int]) -> None:
+    print(f"CosyVoice 3 DiT {result['size']['depth']} x {result['size']['dim']}, random weights, {result['dtype']}, "
+          f"{result['device']}, {result['frames']} frames, {'chunked' if result['streaming'] else 'full'} attention")
+    print("| streams | rows | " + " | ".join(f"{m} ms" for m in modes) + " | DESIGN anchor ms |")
+    print("|" + "---|" * (len(modes) + 3))
+    for n in batches:
+        cells = []
+        for m in modes:
+            row = next((r for r in result["rows"] if r["mode"] == m and r["streams"] == n), None)
+            cells.append(f"{row['ms']:.2f} ({row['rel_rms_vs_eager']:.1e})" if row else "-")
+        print(f"| {n} | {2 * n} | " + " | ".join(cells) + f" | {ANCHOR_MS.get(n, '')} |")
+    print("(in brackets: relative RMS departure from eager)")
+    for row in result["concurrency"]:
+        print(f"concurrency: {row['mode']}, {row['threads']} threads of 1-stream passes: "
+              f"{row['passes_per_s']:.1f} passes/s")
+    for mode, error in result["errors"].items():
+        print(f"{mode}: FAILED {error}")
+
+
+if __name__ == "__main__":
+    main()

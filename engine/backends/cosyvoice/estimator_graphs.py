@@ -1,0 +1,155 @@
+"""The torch flow estimator replayed as CUDA graphs, one per (mode, row bucket, frame bucket).
+
+The path for a GPU without TensorRT. A DiT pass at serving sizes launches a
+few hundred small kernels (22 blocks); replaying a captured graph removes the
+launch cost (gpt-fast / nano-vllm style, as llm_graphs.py does for the LM). A
+graph has fixed shapes and addresses, so each call is padded up to a bucket:
+
+- rows (CFG rows, twice the streams) to the next power of two; the padding
+  rows get mask 1 everywhere (a row with no valid frame would make attention
+  softmax over nothing, NaN) and zeros elsewhere, and are thrown away;
+- frames to the next multiple of `frame_step`, masked out. Right padding is
+  exact: the estimator's convolutions are causal and masked, attention masks
+  padded keys, and the chunked mask depends on absolute positions only
+  (tests/test_cosyvoice_flow.py proves it for ragged batches; the tests here
+  for the bucket padding itself).
+
+`use_graphs=False` runs the same padded static path eagerly on any device, so
+CPU tests cover everything but the capture. Calls larger than the largest
+bucket fall back to the plain estimator. One lock: a graph's static buffers
+serve one call at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.backends.cosyvoice.llm_graphs import bucket_of
+
+Bucket = tuple[bool, int, int]  # (streaming, rows, frames)
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """Powers of two up to `max_rows`, which is the last bucket whatever it is."""
+    if max_rows < 1:
+        raise ValueError(f"expected max_rows >= 1, got {max_rows}")
+    out, b = [], 1
+    while b < max_rows:
+        out.append(b)
+        b *= 2
+    return out + [max_rows]
+
+
+def frame_buckets(max_frames: int, frame_step: int) -> list[int]:
+    """Multiples of `frame_step` up to `max_frames` (the last bucket)."""
+    if frame_step < 1 or max_frames < 2:
+        raise ValueError(f"expected frame_step >= 1 and max_frames >= 2, got {frame_step}, {max_frames}")
+    return list(range(frame_step, max_frames, frame_step)) + [max_frames]
+
+
+def pad_inputs(inputs: tuple[torch.Tensor, ...], rows: int, frames: int) -> tuple[torch.Tensor, ...]:
+    """(x, mask, mu, t, spks, cond) of B rows and T frames -> the same padded to `rows` x `frames`."""
+    static = empty_static(rows, frames, inputs[0].dtype, inputs[0].device)
+    load_static(static, inputs)
+    return static
+
+
+def empty_static(rows: int, frames: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+    def z(*shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    # x, mask, mu, t, spks, cond
+    return z(rows, 80, frames), z(rows, 1, frames), z(rows, 80, frames), z(rows), z(rows, 80), z(rows, 80, frames)
+
+
+def load_static(static: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> None:
+    """Copy a call's inputs into the top-left corner of a bucket's buffers; padding as the docstring says."""
+    b, t = inputs[0].shape[0], inputs[0].shape[2]
+    rows, frames = static[0].shape[0], static[0].shape[2]
+    if b > rows or t > frames:
+        raise ValueError(f"expected at most {rows} rows and {frames} frames, got {b} and {t}")
+    for buf, a in zip(static, inputs, strict=True):
+        buf.zero_()
+        if buf.dim() == 3:
+            buf[:b, :, :t].copy_(a)
+        else:
+            buf[:b].copy_(a)
+    static[1][b:].fill_(1.0)  # padding rows: every frame valid, so no all-masked softmax
+
+
+class GraphedEstimator(nn.Module):
+    """The torch estimator through bucketed static buffers, replayed as CUDA graphs (or eagerly)."""
+
+    def __init__(self, estimator: nn.Module, max_rows: int = 256, max_frames: int = 1024,
+                 frame_step: int = 64, use_graphs: bool = True) -> None:
+        super().__init__()
+        param = next(estimator.parameters())
+        if use_graphs and param.device.type != "cuda":
+            raise ValueError(f"expected the estimator on a CUDA device for CUDA graphs, got {param.device}")
+        self.estimator = estimator
+        self.use_graphs = use_graphs
+        self.rows = row_buckets(max_rows)
+        self.frames = frame_buckets(max_frames, frame_step)
+        self.static: dict[Bucket, tuple[torch.Tensor, ...]] = {}
+        self.outputs: dict[Bucket, torch.Tensor] = {}
+        self.graphs: dict[Bucket, Any] = {}  # torch.cuda.CUDAGraph per bucket
+        self.num_fallbacks = 0  # calls beyond the largest bucket, run by the plain estimator
+        self._pool: Any = None  # the graphs' shared memory pool
+        self._lock = threading.Lock()
+
+    def bucket_for(self, rows: int, frames: int, streaming: bool) -> Bucket | None:
+        if rows > self.rows[-1] or frames > self.frames[-1]:
+            return None
+        return streaming, bucket_of(rows, self.rows), bucket_of(frames, self.frames)
+
+    def _buffers(self, bucket: Bucket, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if bucket not in self.static:
+            self.static[bucket] = empty_static(bucket[1], bucket[2], like.dtype, like.device)
+            self.static[bucket][1].fill_(1.0)
+        return self.static[bucket]
+
+    def _run_static(self, bucket: Bucket) -> torch.Tensor:
+        out: torch.Tensor = self.estimator(*self.static[bucket], bucket[0])
+        return out
+
+    def capture(self, bucket: Bucket, like: torch.Tensor) -> None:
+        """Record the graph of a bucket: warm-up on a side stream, then capture into the shared pool."""
+        self._buffers(bucket, like)
+        device = like.device
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.inference_mode(), torch.cuda.stream(side):
+            for _ in range(2):
+                self._run_static(bucket)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
+            self.outputs[bucket] = self._run_static(bucket)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self.graphs[bucket] = graph
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+        # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T]
+        b, frames = x.shape[0], x.shape[2]
+        bucket = self.bucket_for(b, frames, streaming)
+        inputs = (x, mask, mu, t, spks, cond)
+        if bucket is None:
+            self.num_fallbacks += 1
+            out: torch.Tensor = self.estimator(*inputs, streaming)
+            return out
+        with self._lock, torch.inference_mode():
+            if self.use_graphs and bucket not in self.graphs:
+                self.capture(bucket, x)
+            load_static(self._buffers(bucket, x), inputs)
+            if self.use_graphs:
+                self.graphs[bucket].replay()
+                result = self.outputs[bucket]
+            else:
+                result = self._run_static(bucket)
+            return result[:b, :, :frames].clone()

@@ -1,0 +1,291 @@
+"""The flow estimator on TensorRT: engines cached per GPU, a pool of execution contexts.
+
+Used only where `import tensorrt` works (`trt_available()`); nothing here
+imports it at module level, so the pure parts (profile, cache key, context
+pool) are tested on any machine.
+
+- Engines are built from the exported ONNX (estimator_onnx.py) with one
+  optimization profile over CFG rows and mel frames, and cached under
+  `cache_dir` by a key of the GPU name and compute capability, the TensorRT
+  version, the profile, the precision and a digest of the ONNX file(s), so
+  a new GPU, driver stack or checkpoint builds anew and nothing else does.
+- Upstream's AsyncCosyVoice runs every flow call through one execution
+  context, so concurrent chunks queue behind one another. Here an engine has
+  `num_contexts` contexts, each with its own CUDA stream; a call borrows a
+  free one for its duration, so up to `num_contexts` calls (from different
+  threads) run on the GPU at once, and the rest wait only for the first
+  context to come back.
+- The ONNX graph's inputs and output are float32; `precision` ("fp16",
+  "bf16", "fp32") is the builder's choice of kernels inside.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import queue
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch import nn
+
+from engine.backends.cosyvoice.estimator_onnx import INPUT_NAMES, MEL_BINS, OUTPUT_NAME
+
+PRECISIONS = ("fp16", "bf16", "fp32")
+Item = TypeVar("Item")
+
+
+def trt_available() -> bool:
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+@dataclass(slots=True, frozen=True)
+class TrtProfile:
+    """The shapes an engine accepts: CFG rows and mel frames, min / opt / max."""
+
+    min_rows: int = 2
+    opt_rows: int = 64
+    max_rows: int = 256
+    min_frames: int = 4
+    opt_frames: int = 200
+    max_frames: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_rows <= self.opt_rows <= self.max_rows:
+            raise ValueError(f"expected 1 <= min_rows <= opt_rows <= max_rows, got "
+                             f"{self.min_rows}, {self.opt_rows}, {self.max_rows}")
+        if not 2 <= self.min_frames <= self.opt_frames <= self.max_frames:
+            raise ValueError(f"expected 2 <= min_frames <= opt_frames <= max_frames, got "
+                             f"{self.min_frames}, {self.opt_frames}, {self.max_frames}")
+
+    def shapes(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(min, opt, max) shape of one input of the estimator graph."""
+        dims = ((self.min_rows, self.min_frames), (self.opt_rows, self.opt_frames), (self.max_rows, self.max_frames))
+        per_input = {"x": (MEL_BINS,), "mu": (MEL_BINS,), "cond": (MEL_BINS,), "mask": (1,)}
+        if name in per_input:
+            return tuple((b, per_input[name][0], t) for b, t in dims)  # type: ignore[return-value]
+        if name == "t":
+            return tuple((b,) for b, _ in dims)  # type: ignore[return-value]
+        if name == "spks":
+            return tuple((b, MEL_BINS) for b, _ in dims)  # type: ignore[return-value]
+        raise ValueError(f"expected one of {INPUT_NAMES}, got {name!r}")
+
+    def accepts(self, rows: int, frames: int) -> bool:
+        return self.min_rows <= rows <= self.max_rows and self.min_frames <= frames <= self.max_frames
+
+    def tag(self) -> str:
+        return (f"r{self.min_rows}-{self.opt_rows}-{self.max_rows}"
+                f"_f{self.min_frames}-{self.opt_frames}-{self.max_frames}")
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of an ONNX file and of its external-data file (`<name>.data`) when there is one."""
+    digest = hashlib.sha256()
+    for part in (path, path.with_name(path.name + ".data")):
+        if part.is_file():
+            with part.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    digest.update(block)
+    return digest.hexdigest()
+
+
+def engine_file_name(onnx_digest: str, gpu_name: str, capability: tuple[int, int], trt_version: str,
+                     profile: TrtProfile, precision: str) -> str:
+    """The cache file name: every input that changes the engine is in it."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"expected precision in {PRECISIONS}, got {precision!r}")
+    gpu = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-") or "gpu"
+    return (f"estimator_{onnx_digest[:16]}_{gpu}-sm{capability[0]}{capability[1]}_trt{trt_version}"
+            f"_{precision}_{profile.tag()}.plan")
+
+
+class ContextPool(Generic[Item]):
+    """Items (execution contexts with their streams) lent one call at a time; thread-safe."""
+
+    def __init__(self, items: list[Item]) -> None:
+        if not items:
+            raise ValueError("expected at least one execution context, got none")
+        self._free: queue.Queue[Item] = queue.Queue()
+        for item in items:
+            self._free.put(item)
+        self.size = len(items)
+
+    @contextmanager
+    def borrow(self, timeout: float | None = None) -> Iterator[Item]:
+        """A free item for the block; waits (up to `timeout` s) when all are lent."""
+        try:
+            item = self._free.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"expected a free execution context within {timeout} s, got none") from None
+        try:
+            yield item
+        finally:
+            self._free.put(item)
+
+    def num_free(self) -> int:
+        return self._free.qsize()
+
+
+def build_engine(onnx_path: Path, profile: TrtProfile, precision: str, workspace_gib: float = 8.0,
+                 optimization_level: int = 3) -> bytes:
+    """A serialized TensorRT engine of the estimator graph (minutes for the real DiT)."""
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    major = int(trt.__version__.split(".")[0])
+    explicit = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH) if major < 10 else 0
+    network = builder.create_network(explicit)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise RuntimeError(f"{onnx_path}: expected an ONNX graph TensorRT parses, got: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    config.builder_optimization_level = optimization_level
+    if precision == "fp16":
+        config.set_flag(trt.BuilderFlag.FP16)
+    elif precision == "bf16":
+        config.set_flag(trt.BuilderFlag.BF16)
+    opt = builder.create_optimization_profile()
+    for name in INPUT_NAMES:
+        opt.set_shape(name, *profile.shapes(name))
+    config.add_optimization_profile(opt)
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise RuntimeError(f"{onnx_path}: expected TensorRT to build an engine, got none (see its log)")
+    return bytes(serialized)
+
+
+def cached_engine(onnx_path: str | Path, cache_dir: str | Path, profile: TrtProfile, precision: str,
+                  device: torch.device, **build_args: Any) -> Path:
+    """The engine file for this GPU, built and stored on first use."""
+    import tensorrt as trt
+
+    onnx_path = Path(onnx_path)
+    name = engine_file_name(file_digest(onnx_path), torch.cuda.get_device_name(device),
+                            torch.cuda.get_device_capability(device), trt.__version__, profile, precision)
+    path = Path(cache_dir) / name
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(build_engine(onnx_path, profile, precision, **build_args))
+        tmp.replace(path)  # atomic: a crashed build leaves no half engine in the cache
+    return path
+
+
+class TrtEstimator(nn.Module):
+    """TensorRT engines (one per attention mode) in place of the torch estimator; same call."""
+
+    def __init__(self, engine_paths: Mapping[bool, str | Path], profile: TrtProfile, num_contexts: int = 4,
+                 device: str | torch.device = "cuda") -> None:
+        super().__init__()
+        import tensorrt as trt
+
+        if num_contexts < 1:
+            raise ValueError(f"expected num_contexts >= 1, got {num_contexts}")
+        self.device = torch.device(device)
+        self.profile = profile
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self._engines: dict[bool, Any] = {}
+        self.pools: dict[bool, ContextPool[tuple[Any, torch.cuda.Stream]]] = {}
+        with torch.cuda.device(self.device):
+            for mode, path in engine_paths.items():
+                engine = self._runtime.deserialize_cuda_engine(Path(path).read_bytes())
+                if engine is None:
+                    raise RuntimeError(f"{path}: expected a TensorRT engine for this GPU and version, got none")
+                self._engines[mode] = engine
+                contexts = [(engine.create_execution_context(), torch.cuda.Stream(self.device))
+                            for _ in range(num_contexts)]
+                self.pools[mode] = ContextPool(contexts)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
+                spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
+        # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T] in x's dtype
+        pool = self.pools.get(streaming)
+        if pool is None:
+            raise ValueError(f"expected a {'streaming' if streaming else 'offline'} engine, got none")
+        b, frames = x.shape[0], x.shape[2]
+        if not self.profile.accepts(b, frames):
+            raise ValueError(f"expected rows and frames within the engine profile {self.profile.tag()}, "
+                             f"got {b} rows, {frames} frames")
+        caller = torch.cuda.current_stream(self.device)
+        inputs = [a.to(self.device, torch.float32).contiguous() for a in (x, mask, mu, t, spks, cond)]
+        with pool.borrow() as (context, stream):
+            stream.wait_stream(caller)  # the inputs were made on the caller's stream
+            with torch.cuda.stream(stream):
+                out = torch.empty(b, MEL_BINS, frames, device=self.device, dtype=torch.float32)
+                for name, a in zip(INPUT_NAMES, inputs, strict=True):
+                    context.set_input_shape(name, tuple(a.shape))
+                    context.set_tensor_address(name, a.data_ptr())
+                context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
+                if not context.execute_async_v3(stream.cuda_stream):
+                    raise RuntimeError(f"expected TensorRT to run the estimator, got a failure at {b} x {frames}")
+            # Only this thread waits; the other contexts keep running. The context is
+            # reusable (new shapes, new addresses) once its work is done.
+            stream.synchronize()  # type: ignore[no-untyped-call]
+        caller.wait_stream(stream)
+        out.record_stream(caller)  # allocated on the context's stream, used on the caller's
+        return out.to(x.dtype)
+
+
+RUNTIMES = ("auto", "tensorrt", "cuda_graphs", "torch")
+
+
+def choose_runtime(requested: str, device_type: str, has_tensorrt: bool) -> str:
+    """"auto": TensorRT on a GPU that has it, else CUDA graphs on a GPU, else the torch estimator."""
+    if requested not in RUNTIMES:
+        raise ValueError(f"expected a flow estimator runtime in {RUNTIMES}, got {requested!r}")
+    if requested == "auto":
+        if device_type != "cuda":
+            return "torch"
+        return "tensorrt" if has_tensorrt else "cuda_graphs"
+    if requested != "torch" and device_type != "cuda":
+        raise ValueError(f"expected a CUDA device for the {requested} estimator, got {device_type}")
+    if requested == "tensorrt" and not has_tensorrt:
+        raise ValueError("expected the tensorrt package for the tensorrt estimator, got none (pip install tensorrt)")
+    return requested
+
+
+def accelerate_flow(flow: nn.Module, runtime: str = "auto", cache_dir: str | Path = "~/.cache/voxgate/trt",
+                    profile: TrtProfile | None = None, precision: str = "fp16", num_contexts: int = 4,
+                    max_rows: int = 256, max_frames: int = 1024) -> str:
+    """Swap the flow's estimator for the chosen runtime; returns the runtime used.
+
+    TensorRT exports both ONNX graphs into `cache_dir` (once per checkpoint:
+    an existing export is reused) and builds or loads the engines there.
+    """
+    from engine.backends.cosyvoice.estimator_graphs import GraphedEstimator
+    from engine.backends.cosyvoice.estimator_onnx import FILE_NAMES, export_estimators, use_estimator
+
+    estimator: nn.Module = flow.decoder.estimator  # type: ignore[assignment]
+    device = next(estimator.parameters()).device
+    chosen = choose_runtime(runtime, device.type, trt_available())
+    if chosen == "cuda_graphs":
+        use_estimator(flow, GraphedEstimator(estimator, max_rows, max_frames))
+    elif chosen == "tensorrt":
+        profile = profile or TrtProfile(max_rows=max_rows, max_frames=max_frames)
+        folder = Path(cache_dir).expanduser()
+        onnx_dir = folder / f"onnx-{weights_digest(estimator)[:16]}"
+        paths = {mode: onnx_dir / name for mode, name in FILE_NAMES.items()}
+        if not all(p.is_file() for p in paths.values()):
+            # float32 graph I/O whatever the flow's dtype; the engine's precision is the builder's
+            paths = export_estimators(copy.deepcopy(estimator).float(), onnx_dir)
+        engines = {mode: cached_engine(p, folder, profile, precision, device) for mode, p in paths.items()}
+        use_estimator(flow, TrtEstimator(engines, profile, num_contexts, device))
+    return chosen
+
+
+def weights_digest(module: nn.Module) -> str:
+    """sha256 of a module's parameters and buffers (names, shapes, float32 values): which checkpoint it holds."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return digest.hexdigest()
