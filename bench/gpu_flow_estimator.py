@@ -38,9 +38,10 @@ import json
 import statistics
 import tempfile
 import threading
-from contextlib import nullcontext
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,12 @@ from torch import nn
 
 from engine.backends.cosyvoice.estimator_graphs import GraphedEstimator
 from engine.backends.cosyvoice.estimator_onnx import OnnxEstimator, example_inputs, export_estimator
-from engine.backends.cosyvoice.estimator_trt import TrtEstimator, TrtProfile, cached_engine, trt_available
+from engine.backends.cosyvoice.estimator_trt import (
+    TrtEstimator,
+    TrtProfile,
+    cached_engine,
+    trt_available,
+)
 from engine.backends.cosyvoice.flow_dit import DiTEstimator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,12 +96,17 @@ def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
 def time_concurrent(estimator: nn.Module, inputs: tuple[torch.Tensor, ...], threads: int, calls: int,
                     streaming: bool, device: torch.device) -> float:
     """Passes per second with `threads` threads each making `calls` passes on its own CUDA stream."""
+    errors: list[BaseException] = []
+
     def worker() -> None:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for _ in range(calls):
-                estimator(*inputs, streaming)
-            sync(device)
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+                for _ in range(calls):
+                    estimator(*inputs, streaming)
+                sync(device)
+        except BaseException as exc:  # noqa: BLE001 (re-raised in the caller's thread below)
+            errors.append(exc)
 
     workers = [threading.Thread(target=worker) for _ in range(threads)]
     sync(device)
@@ -104,6 +115,8 @@ def time_concurrent(estimator: nn.Module, inputs: tuple[torch.Tensor, ...], thre
         w.start()
     for w in workers:
         w.join()
+    if errors:
+        raise errors[0]
     return threads * calls / (time.perf_counter() - start)
 
 
@@ -126,8 +139,11 @@ def build_modes(args: argparse.Namespace, dit: DiTEstimator, device: torch.devic
             return TrtEstimator({args.streaming: engine}, profile, contexts, device)
         return make
 
+    def eager() -> nn.Module:
+        return dit
+
     return {
-        "eager": lambda: dit,
+        "eager": eager,
         "static": lambda: GraphedEstimator(dit, max_rows, args.frames, use_graphs=False),
         "cuda_graphs": lambda: GraphedEstimator(dit, max_rows, args.frames, use_graphs=True),
         "onnxruntime": lambda: OnnxEstimator({args.streaming: onnx_path()}, num_threads=1),
@@ -184,11 +200,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for n in batches:
                     with torch.inference_mode():
                         out = estimator(*inputs[n], args.streaming)
-                        ms = time_passes(lambda e=estimator, a=inputs[n]: e(*a, args.streaming), device,
+                        ms = time_passes(partial(estimator, *inputs[n], args.streaming), device,
                                          args.steps, args.warmup)
                     result["rows"].append({"mode": mode, "streams": n, "rows": 2 * n, "ms": ms,
                                            "rel_rms_vs_eager": rel_rms(out, reference[n])})
-            except Exception as exc:  # report and go on: one mode's failure must not lose the others
+            except Exception as exc:  # noqa: BLE001 (one mode's failure must not lose the others' numbers)
                 result["errors"][mode] = f"{type(exc).__name__}: {exc}"
             save()
         if args.concurrency > 0:
@@ -198,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 try:
                     rate = time_concurrent(makers[mode](), one, args.concurrency, args.steps, args.streaming, device)
                     result["concurrency"].append({"mode": mode, "threads": args.concurrency, "passes_per_s": rate})
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 (as above)
                     result["errors"][f"concurrency {mode}"] = f"{type(exc).__name__}: {exc}"
                 save()
     print_table(result, modes, batches)

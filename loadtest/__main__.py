@@ -187,15 +187,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         plot_dir.mkdir(parents=True, exist_ok=True)
         if args.mode == "sweep":
             plot_capacity(runs, args.ttfa_target_ms, plot_dir / "loadtest_capacity.png")
-            # every target at the same concurrency: the capacity, or else the level with the
-            # most TTFA samples
-            at = report["targets"][args.protocol]["capacity"] or max(
-                results, key=lambda r: r.summary["ttfa_segment_ms"]["n"]).sessions
-            top = {f"{name}, {at} sessions": next(r for r in rs if r.sessions == at).turns
-                   for name, rs in runs.items() if any(r.sessions == at for r in rs)}
-        else:
-            top = {name: rs[0].turns for name, rs in runs.items()}
-        plot_ttfa(top, plot_dir / "loadtest_ttfa.png")
+        plot_ttfa(runs, args.ttfa_target_ms, plot_dir / "loadtest_ttfa.png")
         report["plots"] = sorted(str(p) for p in plot_dir.glob("loadtest_*.png"))
     return report
 

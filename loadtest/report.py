@@ -96,31 +96,41 @@ def write_json(report: dict[str, Any], path: str | Path) -> None:
         Path(path).write_text(text + "\n", encoding="utf-8")
 
 
-def plot_ttfa(series: dict[str, list[TurnRecordLike]], path: str | Path) -> None:
-    """TTFA distributions (empirical CDFs, one line per target) as a PNG."""
+def plot_ttfa(series: dict[str, list[LevelResult]], ttfa_target_ms: float,
+              path: str | Path) -> None:
+    """TTFA distributions as empirical CDFs: one panel per target, one line per level."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4), dpi=110,
+                             sharex=True, sharey=True, squeeze=False)
+    levels = sorted({r.sessions for results in series.values() for r in results})
+    colours = plt.get_cmap("viridis")
     lowest, highest = math.inf, -math.inf
-    for name, turns in series.items():
-        values = sorted(t.ttfa_segment_ms for t in turns if t.ttfa_segment_ms is not None)
-        if values:
+    for ax, (name, results) in zip(axes[0], series.items()):
+        for r in sorted(results, key=lambda r: r.sessions):
+            values = sorted(t.ttfa_segment_ms for t in r.turns if t.ttfa_segment_ms is not None)
+            if not values:
+                continue
             ys = [0.0] + [(i + 1) / len(values) for i in range(len(values))]
-            marker = "." if len(values) < 30 else None
-            ax.step([values[0], *values], ys, where="post", marker=marker,
-                    label=f"{name} (n={len(values)})")
+            shade = colours(0.85 * levels.index(r.sessions) / max(1, len(levels) - 1))
+            ax.step([values[0], *values], ys, where="post", color=shade,
+                    marker="." if len(values) < 30 else None,
+                    label=f"{r.sessions} sessions (n={len(values)})")
             lowest, highest = min(lowest, values[0]), max(highest, values[-1])
-    if 0 < lowest and highest / lowest > 20:  # voxgate and the anchor differ by orders
+        ax.axvline(ttfa_target_ms, color="grey", linestyle=":")
+        ax.set_title(name)
+        ax.set_xlabel("TTFA: first segment complete -> first audio (ms)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(loc="lower right", fontsize=8)
+    if 0 < lowest and highest / lowest > 20:  # the levels span orders of magnitude
         from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-        ax.set_xscale("log")
-        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.xaxis.set_major_formatter(ScalarFormatter())
-        ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xlabel("TTFA: first segment complete -> first audio (ms)")
-    ax.set_ylabel("share of turns")
-    ax.set_ylim(0, 1.01)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="best")
+        ax0 = axes[0][0]
+        ax0.set_xscale("log")
+        ax0.xaxis.set_major_locator(LogLocator(subs=(1.0, 3.0)))
+        ax0.xaxis.set_major_formatter(ScalarFormatter())
+        ax0.xaxis.set_minor_formatter(NullFormatter())
+    axes[0][0].set_ylabel("share of turns")
+    axes[0][0].set_ylim(0, 1.01)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -166,4 +176,3 @@ def _pyplot() -> Any:
     return plt
 
 
-TurnRecordLike = Any  # a TurnRecord (kept loose so plots accept records read back from JSON)

@@ -106,7 +106,7 @@ class GraphedEstimator(nn.Module):
             return None
         return streaming, bucket_of(rows, self.rows), bucket_of(frames, self.frames)
 
-    def _buffers(self, bucket: Bucket, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _static_for(self, bucket: Bucket, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if bucket not in self.static:
             self.static[bucket] = empty_static(bucket[1], bucket[2], like.dtype, like.device)
             self.static[bucket][1].fill_(1.0)
@@ -118,7 +118,7 @@ class GraphedEstimator(nn.Module):
 
     def capture(self, bucket: Bucket, like: torch.Tensor) -> None:
         """Record the graph of a bucket: warm-up on a side stream, then capture into the shared pool."""
-        self._buffers(bucket, like)
+        self._static_for(bucket, like)
         device = like.device
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
@@ -146,7 +146,7 @@ class GraphedEstimator(nn.Module):
         with self._lock, torch.inference_mode():
             if self.use_graphs and bucket not in self.graphs:
                 self.capture(bucket, x)
-            load_static(self._buffers(bucket, x), inputs)
+            load_static(self._static_for(bucket, x), inputs)
             if self.use_graphs:
                 self.graphs[bucket].replay()
                 result = self.outputs[bucket]

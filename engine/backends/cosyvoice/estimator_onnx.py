@@ -92,12 +92,17 @@ def export_estimator(estimator: nn.Module, path: str | Path, streaming: bool, ex
               "cond": per_frame}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    exporter_log = logging.getLogger("torch.onnx")
+    level = exporter_log.level
     with warnings.catch_warnings(), torch.no_grad():
-        # The exporter's own deprecation and shape-naming notices; they say nothing about this model.
+        # The exporter's own deprecation and shape-naming notices (and its log lines about
+        # torchvision ops it cannot register); they say nothing about this model.
         warnings.simplefilter("ignore")
+        exporter_log.setLevel(logging.ERROR)
         program = torch.onnx.export(FixedModeEstimator(estimator, streaming).eval(), args, None, dynamo=True,
                                     input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
                                     dynamic_shapes=shapes, opset_version=OPSET, verbose=False)
+        exporter_log.setLevel(level)
         if program is None:
             raise RuntimeError("expected torch.onnx.export(dynamo=True) to return an ONNXProgram, got None")
         program.save(str(path))
@@ -139,6 +144,7 @@ class OnnxEstimator(nn.Module):
             options.intra_op_num_threads = num_threads
             options.inter_op_num_threads = 1
         chosen = providers or ["CPUExecutionProvider"]
+        self.paths = {mode: Path(p) for mode, p in paths.items()}
         self.sessions = {mode: ort.InferenceSession(str(p), options, providers=chosen) for mode, p in paths.items()}
         for mode, session in self.sessions.items():
             names = tuple(i.name for i in session.get_inputs())

@@ -201,7 +201,7 @@ class TrtEstimator(nn.Module):
                 if engine is None:
                     raise RuntimeError(f"{path}: expected a TensorRT engine for this GPU and version, got none")
                 self._engines[mode] = engine
-                contexts = [(engine.create_execution_context(), torch.cuda.Stream(self.device))
+                contexts = [(engine.create_execution_context(), torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
                             for _ in range(num_contexts)]
                 self.pools[mode] = ContextPool(contexts)
 
@@ -229,7 +229,7 @@ class TrtEstimator(nn.Module):
                     raise RuntimeError(f"expected TensorRT to run the estimator, got a failure at {b} x {frames}")
             # Only this thread waits; the other contexts keep running. The context is
             # reusable (new shapes, new addresses) once its work is done.
-            stream.synchronize()  # type: ignore[no-untyped-call]
+            stream.synchronize()
         caller.wait_stream(stream)
         out.record_stream(caller)  # allocated on the context's stream, used on the caller's
         return out.to(x.dtype)
@@ -262,9 +262,13 @@ def accelerate_flow(flow: nn.Module, runtime: str = "auto", cache_dir: str | Pat
     an existing export is reused) and builds or loads the engines there.
     """
     from engine.backends.cosyvoice.estimator_graphs import GraphedEstimator
-    from engine.backends.cosyvoice.estimator_onnx import FILE_NAMES, export_estimators, use_estimator
+    from engine.backends.cosyvoice.estimator_onnx import (
+        FILE_NAMES,
+        export_estimators,
+        use_estimator,
+    )
 
-    estimator: nn.Module = flow.decoder.estimator  # type: ignore[assignment]
+    estimator: nn.Module = flow.decoder.estimator  # type: ignore[union-attr,assignment]
     device = next(estimator.parameters()).device
     chosen = choose_runtime(runtime, device.type, trt_available())
     if chosen == "cuda_graphs":

