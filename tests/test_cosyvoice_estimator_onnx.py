@@ -11,6 +11,7 @@ magnitude larger.
 
 from __future__ import annotations
 
+import argparse
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -190,15 +191,15 @@ def test_trt_profile_rejects_bounds_out_of_order() -> None:
 
 def test_the_engine_cache_key_changes_with_each_thing_that_changes_the_engine() -> None:
     base = ("abc123" * 4, "NVIDIA H200", (9, 0), "10.9.0", TrtProfile(), "fp16")
-    name = engine_file_name(*base)  # type: ignore[arg-type]
+    name = engine_file_name(*base)
     assert name.endswith(".plan") and "NVIDIA-H200-sm90" in name and "/" not in name
     variants = [("ffff" * 6,) + base[1:], base[:1] + ("NVIDIA A100-SXM4-80GB",) + base[2:],
                 base[:2] + ((8, 0),) + base[3:], base[:3] + ("10.10.0",) + base[4:],
                 base[:4] + (TrtProfile(max_rows=128),) + base[5:], base[:5] + ("bf16",)]
-    names = {engine_file_name(*v) for v in variants}  # type: ignore[arg-type]
+    names = {engine_file_name(*v) for v in variants}
     assert len(names) == len(variants) and name not in names
     with pytest.raises(ValueError, match="expected precision"):
-        engine_file_name(*base[:5], "int4")  # type: ignore[arg-type]
+        engine_file_name(*base[:5], "int4")
 
 
 def test_the_onnx_digest_covers_its_external_data_file(tmp_path: Path) -> None:
@@ -277,3 +278,9 @@ def test_the_gpu_benchmark_runs_every_mode_in_its_cpu_smoke_mode(capsys: pytest.
     assert [c["mode"] for c in result["concurrency"]] == ["eager", "static"]
     assert "| 2 | 4 |" in capsys.readouterr().out
     assert (tmp_path / "flow.json").is_file()
+
+
+def test_the_benchmark_skips_tensorrt_when_its_time_budget_is_spent() -> None:
+    args = argparse.Namespace(cache_dir="bench/out/trt-cache")
+    with pytest.raises(TimeoutError, match="rerun with the cache"):
+        gpu_flow_estimator.prepare_engine_within(args, 2, 0.0)

@@ -99,6 +99,7 @@ class GraphedEstimator(nn.Module):
         self.graphs: dict[Bucket, Any] = {}  # torch.cuda.CUDAGraph per bucket
         self.num_fallbacks = 0  # calls beyond the largest bucket, run by the plain estimator
         self._pool: Any = None  # the graphs' shared memory pool
+        self._largest: tuple[torch.Tensor, ...] | None = None  # input buffers of the largest bucket
         self._lock = threading.Lock()
 
     def bucket_for(self, rows: int, frames: int, streaming: bool) -> Bucket | None:
@@ -107,10 +108,23 @@ class GraphedEstimator(nn.Module):
         return streaming, bucket_of(rows, self.rows), bucket_of(frames, self.frames)
 
     def _static_for(self, bucket: Bucket, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A bucket's inputs: views of the top-left corner of one set of largest-bucket buffers
+        (every call loads its whole view before it runs, so buckets can share the memory)."""
+        if self._largest is None:
+            self._largest = empty_static(self.rows[-1], self.frames[-1], like.dtype, like.device)
+            self._largest[1].fill_(1.0)
         if bucket not in self.static:
-            self.static[bucket] = empty_static(bucket[1], bucket[2], like.dtype, like.device)
-            self.static[bucket][1].fill_(1.0)
+            rows, frames = bucket[1], bucket[2]
+            self.static[bucket] = tuple(a[:rows, :, :frames] if a.dim() == 3 else a[:rows] for a in self._largest)
         return self.static[bucket]
+
+    def capture_all(self, like: torch.Tensor, streaming: bool = True) -> int:
+        """Capture every bucket of a mode now (start-up) rather than on first use (a serving-time stall)."""
+        for rows in self.rows:
+            for frames in self.frames:
+                with self._lock:
+                    self.capture((streaming, rows, frames), like)
+        return len(self.rows) * len(self.frames)
 
     def _run_static(self, bucket: Bucket) -> torch.Tensor:
         out: torch.Tensor = self.estimator(*self.static[bucket], bucket[0])
@@ -118,7 +132,9 @@ class GraphedEstimator(nn.Module):
 
     def capture(self, bucket: Bucket, like: torch.Tensor) -> None:
         """Record the graph of a bucket: warm-up on a side stream, then capture into the shared pool."""
-        self._static_for(bucket, like)
+        if bucket in self.graphs:
+            return
+        self._static_for(bucket, like)[1].fill_(1.0)  # valid inputs for the warm-up passes
         device = like.device
         side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(device))
@@ -148,6 +164,8 @@ class GraphedEstimator(nn.Module):
                 self.capture(bucket, x)
             load_static(self._static_for(bucket, x), inputs)
             if self.use_graphs:
+                # Graphs share one pool: another bucket's replay may overwrite this output's
+                # memory, so it is read (cloned) at once, under the lock.
                 self.graphs[bucket].replay()
                 result = self.outputs[bucket]
             else:

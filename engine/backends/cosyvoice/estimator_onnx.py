@@ -99,10 +99,12 @@ def export_estimator(estimator: nn.Module, path: str | Path, streaming: bool, ex
         # torchvision ops it cannot register); they say nothing about this model.
         warnings.simplefilter("ignore")
         exporter_log.setLevel(logging.ERROR)
-        program = torch.onnx.export(FixedModeEstimator(estimator, streaming).eval(), args, None, dynamo=True,
-                                    input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
-                                    dynamic_shapes=shapes, opset_version=OPSET, verbose=False)
-        exporter_log.setLevel(level)
+        try:
+            program = torch.onnx.export(FixedModeEstimator(estimator, streaming).eval(), args, None, dynamo=True,
+                                        input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
+                                        dynamic_shapes=shapes, opset_version=OPSET, verbose=False)
+        finally:
+            exporter_log.setLevel(level)
         if program is None:
             raise RuntimeError("expected torch.onnx.export(dynamo=True) to return an ONNXProgram, got None")
         program.save(str(path))

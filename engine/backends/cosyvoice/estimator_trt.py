@@ -222,16 +222,17 @@ class TrtEstimator(nn.Module):
             with torch.cuda.stream(stream):
                 out = torch.empty(b, MEL_BINS, frames, device=self.device, dtype=torch.float32)
                 for name, a in zip(INPUT_NAMES, inputs, strict=True):
-                    context.set_input_shape(name, tuple(a.shape))
+                    if not context.set_input_shape(name, tuple(a.shape)):
+                        raise ValueError(f"expected {name} within the engine profile, got {tuple(a.shape)}")
                     context.set_tensor_address(name, a.data_ptr())
                 context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
                 if not context.execute_async_v3(stream.cuda_stream):
                     raise RuntimeError(f"expected TensorRT to run the estimator, got a failure at {b} x {frames}")
             # Only this thread waits; the other contexts keep running. The context is
-            # reusable (new shapes, new addresses) once its work is done.
+            # reusable (new shapes, new addresses) once its work is done, and the
+            # caller's stream may read `out` without waiting on this one.
             stream.synchronize()
-        caller.wait_stream(stream)
-        out.record_stream(caller)  # allocated on the context's stream, used on the caller's
+        out.record_stream(caller)  # allocated on the context's stream, used and freed on the caller's
         return out.to(x.dtype)
 
 

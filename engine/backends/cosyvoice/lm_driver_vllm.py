@@ -235,7 +235,7 @@ class VllmLMDriver:
                 with self._cond:
                     stream.pending.append(token)
                     self._cond.notify_all()
-        except Exception:  # noqa: BLE001 - the stream ends short; the engine serves the others
+        except Exception:  # the stream ends short; the engine serves the others
             log.exception("vLLM request %s failed", stream.request_id)
         finally:
             with self._cond:
@@ -280,10 +280,13 @@ def load_vllm_driver(lm: SpeechLM, config: VllmDriverConfig, device: torch.devic
         ))
         driver = VllmLMDriver(lm, engine, config)
         driver._export_dir = folder
-        return driver.open()
+        driver.open()
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
+    log.info("cosyvoice LM on vLLM (%s, %s): %d streams of %d positions", device.type,
+             _DTYPE_NAMES[dtype], config.max_streams, config.max_len)
+    return driver
 
 
 def create_vllm_driver(lm: SpeechLM, options: Any, ras: RasConfig, device: torch.device) -> VllmLMDriver:
