@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="admission limit on talking contexts (default 0: measured)")
     serve.add_argument("--scheduler", choices=["edf", "fifo"],
                        help="edf: deadline-aware batching (default); fifo: one at a time (baseline)")
+    serve.add_argument("--lm-backend", choices=["torch", "vllm"],
+                       help="cosyvoice: run the speech LM in torch (default) or on vLLM's async engine "
+                       "(same as --engine-option lm_backend=...)")
     serve.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                        help="a backend option, repeatable (cosyvoice: model_dir=PATH; docs/cosyvoice.md)")
     serve.add_argument("--data-dir", help="where registered voices are stored")
@@ -123,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                                         scheduler_policy=args.scheduler, auth=auth,
                                         max_sessions=args.max_sessions,
                                         shutdown_grace_s=args.shutdown_grace,
-                                        engine_options=_engine_options(args.engine_option))
+                                        engine_options=_engine_options(
+                                            args.engine_option + ([f"lm_backend={args.lm_backend}"]
+                                                                  if args.lm_backend else [])))
         log.info(check_exposure(config.host, config.auth))
     except (TypeError, ValueError, OSError) as exc:
         print(f"voxgate: bad configuration: {exc}", file=sys.stderr)

@@ -184,8 +184,8 @@ def test_a_preempted_stream_resumes_from_its_tokens_where_it_stopped(
 
 @pytest.fixture(scope="module")
 def server(options: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    flags = [arg for key, value in {**options, "lm_backend": "vllm"}.items()
-             for arg in ("--engine-option", f"{key}={value}")]
+    flags = [arg for key, value in options.items() for arg in ("--engine-option", f"{key}={value}")]
+    flags += ["--lm-backend", "vllm"]
     proc = start_server(tmp_path_factory.mktemp("cosyvoice-vllm-server"), "--engine", "cosyvoice",
                         "--voice", "default", *flags, ready_timeout=240.0)
     yield proc
