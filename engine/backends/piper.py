@@ -297,7 +297,8 @@ class PiperBackend(Backend):
         if len(calls) > 1 and self._pool is not None:
             outputs = list(self._pool.map(self._run_group, states_per_call))
         else:
-            outputs = [self._run_group(states) for states in states_per_call]
+            solo = len(calls) == 1
+            outputs = [self._run_group(states, is_solo=solo) for states in states_per_call]
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
@@ -321,7 +322,7 @@ class PiperBackend(Backend):
         words = word_timings(state.words, state.word_spans, np.zeros(0), 0, self.sample_rate)
         return StepResult(words=words, is_finished=True)
 
-    def _run_group(self, states: list[PiperState]) -> list[StepResult]:
+    def _run_group(self, states: list[PiperState], is_solo: bool = False) -> list[StepResult]:
         """One onnxruntime call for items of one voice and one set of scales."""
         voice = states[0].voice
         config = voice.config
@@ -334,7 +335,7 @@ class PiperBackend(Backend):
         if config.num_speakers > 1:
             sids = np.full(len(states), config.default_speaker_id, dtype=np.int64)
         try:
-            audio, durations = voice.run(ids, lengths, scales, sids)  # [B, T], [B, L]
+            audio, durations = voice.run(ids, lengths, scales, sids, is_solo=is_solo)  # [B, T], [B, L]
         except Exception as exc:  # onnxruntime raises its own types
             logger.exception("piper step failed for a batch of %d", len(states))
             failure = BackendFailure(f"piper synthesis failed: {exc}")

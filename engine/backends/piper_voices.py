@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,9 @@ class LoadedVoice:
 
     files: VoiceFiles
     info: VoiceInfo
-    session: Any  # onnxruntime.InferenceSession
+    session: Any  # onnxruntime.InferenceSession, `num_threads` cores: calls run side by side
     frontend: Any  # piper.voice.PiperVoice (used for phonemize only)
+    solo_session: Any = None  # every core, for a step with a single call (lowest latency)
     gain: float = 1.0
     sec_per_phoneme: float = 0.06
     sec_overhead: float = 0.0
@@ -141,7 +143,8 @@ class LoadedVoice:
         return ids, spans
 
     def run(
-        self, ids: np.ndarray, lengths: np.ndarray, scales: np.ndarray, sids: np.ndarray | None
+        self, ids: np.ndarray, lengths: np.ndarray, scales: np.ndarray, sids: np.ndarray | None,
+        *, is_solo: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         """One onnxruntime call for a padded batch.
 
@@ -153,7 +156,8 @@ class LoadedVoice:
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
         if sids is not None:
             feeds["sid"] = sids
-        audio, durations = self.session.run(None, feeds)
+        session = self.solo_session if is_solo and self.solo_session is not None else self.session
+        audio, durations = session.run(None, feeds)
         # audio: [B, 1, 1, T] (some exports [B, 1, T]); durations: [B, 1, L]
         return audio.reshape(audio.shape[0], -1), durations.reshape(durations.shape[0], -1)
 
@@ -186,19 +190,25 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
             f"got {len(model.graph.output)}"
         )
 
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = num_threads
-    options.inter_op_num_threads = 1
-    # Every batch has a different padded shape: the CPU arena would keep the high-water
-    # mark of each and grow the process by hundreds of MB under load (measured with
-    # 200 barge-in sessions: 600 -> 990 MB). Plain malloc returns memory instead.
-    options.enable_cpu_mem_arena = False
-    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-    # The event loop shares these cores: idle inference threads must sleep, not spin.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(
-        model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
-    )
+    def open_session(threads: int) -> Any:
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        # Every batch has a different padded shape: the CPU arena would keep the high-water
+        # mark of each and grow the process by hundreds of MB under load (measured with
+        # 200 barge-in sessions: 600 -> 990 MB). Plain malloc returns memory instead.
+        options.enable_cpu_mem_arena = False
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        # The event loop shares these cores: idle inference threads must sleep, not spin.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return onnxruntime.InferenceSession(
+            model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+
+    session = open_session(num_threads)
+    cores = os.cpu_count() or 1
+    # A lone call (light load: the first segment of a turn) may use every core.
+    solo_session = open_session(cores) if cores > num_threads else None
     name = config_dict.get("dataset") or files.voice_id
     info = VoiceInfo(
         voice_id=files.voice_id,
@@ -208,7 +218,8 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         sample_rate=piper_config.sample_rate,
         is_builtin=files.is_builtin,
     )
-    voice = LoadedVoice(files, info, session, PiperVoice(session=session, config=piper_config))
+    voice = LoadedVoice(files, info, session, PiperVoice(session=session, config=piper_config),
+                        solo_session=solo_session)
     _calibrate(voice, target_peak)
     return voice
 
