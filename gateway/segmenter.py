@@ -237,6 +237,11 @@ class Segmenter:
                 end, resume = self._judge(text, i, final)
                 if end == _WAIT:
                     break
+                if (is_first and end >= 0 and char in _TERMINALS and not (i > 0 and is_cjk(text[i - 1]))
+                        and count_words(strip_marks(text[:end])) < self.config.first_segment_min_words):
+                    # A very short first sentence ("Sure!") would play out before the
+                    # next one exists and leave a gap: it joins what follows instead.
+                    end = _NO
                 if end >= 0 and end <= stop and _SPEAKABLE.search(text, 0, end):
                     return end, resume
                 pos = resume

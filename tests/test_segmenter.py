@@ -112,9 +112,9 @@ def test_segments_lose_and_double_nothing_and_respect_the_cap(config: SegmenterC
 
 def test_sentence_end_waits_for_the_next_sentence_start() -> None:
     segmenter = Segmenter()
-    assert segmenter.push("It costs 12.", 0.0) == []
+    assert segmenter.push("It costs only 12.", 0.0) == []
     assert segmenter.push(" ", 0.0) == []
-    assert segmenter.push("5", 0.0) == ["It costs 12."]
+    assert segmenter.push("5", 0.0) == ["It costs only 12."]
     assert segmenter.pending_text == "5"
 
 
@@ -193,9 +193,16 @@ def test_idle_release_includes_text_the_cleaner_was_holding() -> None:
     assert segmenter.poll(0.1) == ["Read [the docs"]
 
 
+def test_a_very_short_first_sentence_joins_what_follows_so_it_cannot_leave_a_gap() -> None:
+    segmenter = Segmenter()
+    assert segmenter.push("Sure! Here is the short version, in two parts. Then", 0.0) == [
+        "Sure! Here is the short version,", "in two parts."]
+    assert segmenter.push(" more. Ok. Fine. Next", 0.0) == ["Then more.", "Ok.", "Fine."]
+
+
 def test_flush_releases_everything_and_empties_the_buffer() -> None:
     segmenter = Segmenter()
-    assert segmenter.push("One. Two is **unfinish", 0.0) == ["One."]
+    assert segmenter.push("One two three four. Two is **unfinish", 0.0) == ["One two three four."]
     assert segmenter.flush(0.0) == ["Two is unfinish"]
     assert segmenter.pending_text == ""
     assert segmenter.num_emitted == 2

@@ -50,15 +50,15 @@ def test_session_ready_announces_options_and_limits() -> None:
 
 def test_first_segment_is_submitted_due_now_and_later_ones_due_later() -> None:
     session = make_session()
-    requests = submits(text(session, "c", "First sentence here. Second one follows. Third", now=5.0))
-    assert [r.text for r in requests] == ["First sentence here.", "Second one follows."]
+    requests = submits(text(session, "c", "The first sentence is here. Second one follows. Third", now=5.0))
+    assert [r.text for r in requests] == ["The first sentence is here.", "Second one follows."]
     assert requests[0].deadline == 5.0
     assert requests[1].deadline > requests[0].deadline
 
 
 def test_audio_is_framed_in_order_and_context_done_follows_flush() -> None:
     session = make_session()
-    r1, r2 = submits(text(session, "c", "One two three. Four five six. ", flush=True))
+    r1, r2 = submits(text(session, "c", "One two three four. Five six seven. ", flush=True))
     # The second segment's audio arrives first: it must wait for the first.
     early = session.receive_audio(chunk(r2.request_id, 0.5), 0.1)
     assert sent(early, "audio") == [] and sent(early, "segment") == []
@@ -86,13 +86,14 @@ def test_contexts_play_one_after_another() -> None:
 
 def test_cancel_splits_heard_text_by_word_timings() -> None:
     session = make_session()
-    r1, r2 = submits(text(session, "c", "Alpha beta gamma. Delta epsilon. Zeta", now=0.0))
-    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200), WordTiming("gamma.", 200, 300)]
+    r1, r2 = submits(text(session, "c", "Alpha beta gamma delta. Epsilon zeta. Eta", now=0.0))
+    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200), WordTiming("gamma", 200, 250),
+             WordTiming("delta.", 250, 300)]
     session.receive_audio(chunk(r1.request_id, 0.3, words), 0.1)
     actions = session.receive_frame(json.dumps({"type": "cancel", "context_id": "c", "played_ms": 210}), 0.3)
     cancelled = sent(actions, "cancelled")[0]
     assert cancelled["spoken_text"] == "Alpha beta"
-    assert cancelled["unspoken_text"] == "gamma. Delta epsilon. Zeta"
+    assert cancelled["unspoken_text"] == "gamma delta. Epsilon zeta. Eta"
     assert [a.request_id for a in actions if isinstance(a, Cancel)] == [r2.request_id]
     # Late audio and late text of the cancelled context produce nothing but one context_closed.
     assert session.receive_audio(chunk(r2.request_id, 0.2), 0.4) == []
