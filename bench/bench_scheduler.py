@@ -48,10 +48,10 @@ def load(port: int, sessions: int, duration: float, seed: int, out: Path) -> dic
     subprocess.run(
         [sys.executable, "-m", "loadtest", "run", "--url", f"http://127.0.0.1:{port}",
          "--sessions", str(sessions), "--duration", str(duration), "--seed", str(seed),
-         "--quiet", "--json", str(out)], cwd=REPO, check=True)
+         "--quiet", "--json", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
-    levels = report.get("levels") or report.get("results") or [report]
-    return levels[0]["summary"] if "summary" in levels[0] else levels[0]
+    summary: dict = report["targets"]["voxgate"]["levels"][0]["summary"]
+    return summary
 
 
 def main() -> None:

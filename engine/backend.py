@@ -67,6 +67,9 @@ class Backend(ABC):
     name: str = "backend"
     sample_rate: int = 22050
     max_batch_size: int = 8
+    #: items a step can run side by side at the cost of one (e.g. one per core):
+    #: the scheduler never sends fewer than this when that many are waiting
+    parallelism: int = 1
     #: Registration refuses reference audio without its transcript (cosyvoice's prompt text).
     needs_transcript: bool = False
     #: Names the format of `make_voice_features`' output: stored features made under

@@ -29,6 +29,8 @@ class SchedulerConfig:
     #: at a time in arrival order (the naive server, kept as a benchmark baseline).
     policy: str = "edf"
     max_batch_size: int = 8
+    #: items that run side by side in one step at the cost of one (Backend.parallelism)
+    parallelism: int = 1
     #: a batch of work that is not yet due stops growing at this predicted step
     #: length, so a new turn's first segment never waits behind a long step of
     #: look-ahead work (a step cannot be interrupted once it runs)
@@ -172,8 +174,9 @@ class Scheduler:
         # Ties (e.g. many first segments due "now") go to the older request: no starvation.
         ready.sort(key=lambda e: (e.item.request.deadline, e.seq))
         urgent_deadline = ready[0].item.request.deadline
-        size = 1
         limit = min(self.config.max_batch_size, len(ready))
+        # Items up to the backend's parallelism ride along for free (another core).
+        size = max(1, min(self.config.parallelism, limit))
         while size < limit:
             step_end = now + self.cost.step_seconds(size + 1)
             # Grow while the urgent request still makes its deadline, or while the

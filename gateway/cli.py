@@ -47,6 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=int, help="most open sockets (default 1000)")
     serve.add_argument("--shutdown-grace", type=float,
                        help="seconds open contexts may finish after SIGTERM (default 10)")
+    serve.add_argument("--memory-profile", choices=["compact", "fast"],
+                       help="compact (default): RSS stays flat under session churn; fast: about 40%% "
+                       "more synthesis per CPU second, RSS grows to a higher plateau "
+                       "(VOXGATE_MEMORY_PROFILE)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -90,13 +94,15 @@ def _engine_options(items: list[str]) -> dict[str, str] | None:
     return options or None
 
 
-def _tune_malloc() -> None:
-    """Keep glibc from holding freed audio and tensor buffers (steady RSS under churn).
+def _tune_malloc(profile: str) -> None:
+    """glibc malloc settings: "compact" (default) keeps RSS flat, "fast" synthesizes faster.
 
-    glibc raises its mmap threshold as large blocks are freed, after which big
-    PCM and inference buffers come from the heap and are rarely returned; a
-    fixed 1 MiB threshold and few arenas keep RSS flat across thousands of
-    sessions (docs/operations.md has the numbers).
+    compact: a fixed 1 MiB mmap threshold and two arenas. glibc otherwise
+    raises its mmap threshold as large blocks are freed, after which big PCM
+    and inference buffers come from the heap and are rarely returned, and RSS
+    ratchets up under session churn. The price is page faults: piper makes
+    about 30% less audio per CPU second (docs/operations.md has both numbers).
+    fast: two arenas only.
     """
     try:
         import ctypes
@@ -105,13 +111,14 @@ def _tune_malloc() -> None:
     except OSError:
         return  # not glibc
     m_mmap_threshold, m_arena_max = -3, -8
-    libc.mallopt(m_mmap_threshold, 1 << 20)
     libc.mallopt(m_arena_max, 2)
+    if profile == "compact":
+        libc.mallopt(m_mmap_threshold, 1 << 20)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _tune_malloc()
+    _tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     port = args.port if args.port is not None else (int(os.environ["PORT"]) if "PORT" in os.environ else None)

@@ -100,7 +100,6 @@ class Session:
         self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
         self._by_request: dict[RequestId, Context] = {}
         self._request_ids = itertools.count()
-        self._timeline_end = 0.0  # when all audio submitted so far will have played
         self._playback_end = 0.0  # when the audio of finished contexts ends playing
         self.is_closing = False
         self.last_activity = 0.0
@@ -367,14 +366,44 @@ class Session:
                 segment.is_submitted = True
                 in_flight += 1
                 self._by_request[segment.request_id] = context
-                # Deadline: when the audio already promised runs out (DESIGN.md, Engine).
-                deadline = max(now, self._timeline_end)
-                self._timeline_end = deadline + EST_S_PER_CHAR * len(segment.text) / options.speed
+                deadline = self._deadline(context, segment.segment_id, now)
                 actions.append(Submit(SynthesisRequest(
                     segment.request_id, segment.text, options.voice, deadline, context_key=context.key,
                     language=options.language, instructions=options.instructions,
                     params=SamplingParams(speed=options.speed))))
         return actions
+
+    def _deadline(self, context: Context, index: int, now: float) -> float:
+        """When segment `index` of `context` must have audio (DESIGN.md, Engine).
+
+        The first segment of a turn that nothing plays before is due now (its
+        TTFA); any other is due when the audio before it runs out: the
+        context's playback start (actual, or predicted after the contexts
+        queued before it) plus the durations of its earlier segments (actual
+        once synthesized, estimated from their text before).
+        """
+        start = context.play_started_at
+        if start is None:
+            start = now
+            for other in self.contexts.values():
+                if other is context:
+                    break
+                start = max(start, self._predicted_end(other, now))
+        return start + self._audio_s(context.segments[:index], context.options.speed)
+
+    def _predicted_end(self, context: Context, now: float) -> float:
+        start = context.play_started_at if context.play_started_at is not None else now
+        return start + self._audio_s(context.segments, context.options.speed)
+
+    @staticmethod
+    def _audio_s(segments: list[Segment], speed: float) -> float:
+        total = 0.0
+        for s in segments:
+            if s.is_synthesized:  # framed audio plus chunks still waiting to be framed
+                total += (s.audio_ms + sum(c.duration_ms for c in s.chunks)) / 1000.0
+            else:
+                total += EST_S_PER_CHAR * len(s.text) / speed
+        return total
 
     def _end_context(self, context: Context, state: ContextState) -> list[Action]:
         actions: list[Action] = [Cancel(r) for r in context.pending_requests()]
@@ -392,8 +421,6 @@ class Session:
             while len(self._recent_done) > MAX_RECENT_DONE:
                 self._recent_done.popitem(last=False)
         self.contexts.pop(context.context_id, None)
-        if not self.contexts and state is not ContextState.DONE:
-            self._timeline_end = 0.0  # nothing promised any more
         self._closed[context.context_id] = False
         while len(self._closed) > MAX_REMEMBERED_CLOSED:
             self._closed.popitem(last=False)

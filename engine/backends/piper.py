@@ -157,6 +157,7 @@ class PiperBackend(Backend):
         self._registered: dict[str, tuple[VoiceInfo, str]] = {}
         self._retired: dict[str, tuple[VoiceInfo, str]] = {}
         self.sample_rate = 22050
+        self.parallelism = self.config.num_parallel_calls
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
                       if self.config.num_parallel_calls > 1 else None)
 
