@@ -50,7 +50,7 @@ def load(port: int, sessions: int, duration: float, seed: int, out: Path) -> dic
          "--sessions", str(sessions), "--duration", str(duration), "--seed", str(seed),
          "--quiet", "--json", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
-    summary: dict = report["targets"]["voxgate"]["levels"][0]["summary"]
+    summary: dict = report["targets"]["voxgate"]["result"]["summary"]
     return summary
 
 

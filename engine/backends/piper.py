@@ -78,9 +78,17 @@ class PiperBackendConfig:
     # padding (1.7-2.7x the CPU of one call per item at 8-16 items), so only items of equal
     # length share a call by default (docs/benchmarks.md, "piper backend batching").
     max_padding_waste: float | None = 0.0
+    # On a CPU, items in one call run on one core while separate calls run side by
+    # side on the pool: 8 sentences took 6.0 s as one padded call plus singles and
+    # 2.9 s as 8 separate calls over 2 cores (bench in docs/benchmarks.md). So by
+    # default every item gets its own call; False packs by `max_padding_waste`.
+    one_call_per_item: bool = True
     # Separate onnxruntime calls of one step run in parallel on this many threads
     # (each call uses `num_threads` cores); 1 runs them one after another.
-    num_parallel_calls: int = field(default_factory=lambda: max(1, (os.cpu_count() or 2) // 2))
+    # Measured here (docs/benchmarks.md): calls one after another on a session with
+    # every core make 17.5x real time; the same calls side by side on 1-core
+    # sessions make 10x, so the default runs them one after another.
+    num_parallel_calls: int = 1
 
     def __post_init__(self) -> None:
         if self.num_parallel_calls < 1:
@@ -291,15 +299,17 @@ class PiperBackend(Backend):
         calls: list[list[int]] = []
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]
-            calls += [[group[k] for k in call]
-                      for call in pack_by_length(lengths, self.config.max_padding_waste)]
+            if self.config.one_call_per_item:
+                calls += [[index] for index in group]
+            else:
+                calls += [[group[k] for k in call]
+                          for call in pack_by_length(lengths, self.config.max_padding_waste)]
         # onnxruntime releases the GIL: separate calls of one step run on separate cores.
         states_per_call = [[batch[i].state for i in indices] for indices in calls]
         if len(calls) > 1 and self._pool is not None:
             outputs = list(self._pool.map(self._run_group, states_per_call))
-        else:
-            solo = len(calls) == 1
-            outputs = [self._run_group(states, is_solo=solo) for states in states_per_call]
+        else:  # one after another, each on every core
+            outputs = [self._run_group(states, is_solo=True) for states in states_per_call]
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
