@@ -114,9 +114,9 @@ async def fuzz_one(url: str, burst: list[str | bytes]) -> list[dict]:
     events = []
     async with websockets.connect(url, max_size=None) as ws:
         await ws.recv()  # session.ready
-        for frame in burst:
-            await ws.send(frame)
         try:
+            for frame in burst:  # a fuzzed `close` may end the socket mid-burst
+                await ws.send(frame)
             while True:
                 frame = await asyncio.wait_for(ws.recv(), 0.3)
                 if isinstance(frame, str):
