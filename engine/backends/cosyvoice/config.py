@@ -45,6 +45,8 @@ class CosyVoiceBackendConfig:
     tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend.py)
     first_hop_tokens: int = 15
     max_history_tokens: int = 100  # flow recomputation window; -1: the whole history (upstream)
+    # flow estimator: auto = TensorRT on a GPU that has it, else CUDA graphs on a GPU, else torch
+    flow_runtime: str = "auto"
     default_voice_audio: Path | None = None  # a reference clip for the default voice ...
     default_voice_text: str = ""  # ... and its transcript
     default_voice_language: str = "en"
@@ -57,6 +59,7 @@ class CosyVoiceBackendConfig:
         if self.default_voice_audio is not None:
             self.default_voice_audio = Path(self.default_voice_audio)
         for name, allowed in (("device", DEVICES), ("lm_dtype", DTYPES), ("flow_dtype", DTYPES),
+                              ("flow_runtime", ("auto", "torch", "cuda_graphs", "tensorrt")),
                               ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
                               ("sampling", SAMPLING), ("tokenizer", TOKENIZER_MODES)):
             if getattr(self, name) not in allowed:

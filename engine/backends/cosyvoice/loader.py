@@ -97,6 +97,11 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
         driver = create_lm_driver(config.lm_backend, runner=runner)
     flow_dtype = resolve_dtype(config.flow_dtype, device)
     flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
+    if device.type == "cuda" or config.flow_runtime not in ("auto", "torch"):
+        from engine.backends.cosyvoice.estimator_trt import accelerate_flow
+
+        runtime = accelerate_flow(flow, config.flow_runtime)
+        log.info("flow estimator runs on %s", runtime)
     hift = build_hift(model_dir).to(device)
     history = None if config.max_history_tokens < 0 else config.max_history_tokens
     t2w = TokenToWave(flow, hift, T2WConfig(first_hop_tokens=config.first_hop_tokens,
