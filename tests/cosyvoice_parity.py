@@ -8,10 +8,24 @@ log alone.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models: one intra-op thread is many times faster than several on a shared CPU.
+
+    Autouse in every module that imports it (the CosyVoice test modules do).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:

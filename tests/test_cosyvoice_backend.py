@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnxruntime
 import pytest
-import torch
 
 from engine.backend import BackendRequest
 from engine.backends import create_backend
@@ -20,19 +18,14 @@ from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.voice_prompts import from_bytes
 from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SamplingParams, SynthesisRequest
-from tests.cosyvoice_parity import fixture_dir
+from tests.cosyvoice_parity import (
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 from tests.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_backend, tiny_model_dir, voiced
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz: 40 ms
 TEXTS = ("Hi.", "Hello world.", "OK!")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_backend(base: Path, version: int = 3, **options: object) -> CosyVoiceBackend:

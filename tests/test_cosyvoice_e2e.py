@@ -9,13 +9,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.random_parts import write_reference_wav
 from engine.types import RequestId, SynthesisRequest
 from gateway.audio import decode_opus_packets
 from tests.conftest import ServerProcess, start_server
+from tests.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.cosyvoice_tiny import tiny_backend, tiny_options
 from tests.wsclient import Client, speak
 
@@ -23,15 +23,6 @@ TEXT = "Hello world."
 MS_PER_TOKEN = 40.0  # 2 mel frames of 480 samples at 24 kHz
 
 
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is many times faster than several on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

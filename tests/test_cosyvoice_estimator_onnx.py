@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +44,14 @@ from engine.backends.cosyvoice.estimator_trt import (
 )
 from engine.backends.cosyvoice.flow import FlowModel, FlowRow, build_flow
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from tests.cosyvoice_parity import assert_close_report, fixture_dir
+from tests.cosyvoice_parity import (
+    assert_close_report,
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 
 ATOL = 1e-4
 SHAPES = [(2, 60), (6, 37), (1, 131), (4, 2)]  # (CFG rows, mel frames): odd, tiny, and longer than the export's 64
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one intra-op thread is many times faster than several on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +14,14 @@ from engine.backends.cosyvoice.mel import MelConfig, MelExtractor, slaney_filter
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.t2w import FlowPrompt
 from engine.errors import ModelLoadError
-from tests.cosyvoice_parity import assert_close_report, copy_model_dir, fixture_dir
+from tests.cosyvoice_parity import (
+    assert_close_report,
+    copy_model_dir,
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 
 ATOL = 1e-4  # what upstream itself meets against these files (fixture README)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one intra-op thread is many times faster than several on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

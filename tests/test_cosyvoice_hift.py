@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,18 +11,14 @@ import torch
 from engine.backends.cosyvoice.hift import HiFT, HiFTConfig, build_hift, load_hift_state
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.errors import ModelLoadError
-from tests.cosyvoice_parity import assert_close_report, copy_model_dir, fixture_dir
+from tests.cosyvoice_parity import (
+    assert_close_report,
+    copy_model_dir,
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 
 ATOL = 1e-4  # what upstream itself meets against these files (fixture README)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny convolutions: one intra-op thread is many times faster than several on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

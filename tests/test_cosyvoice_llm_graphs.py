@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,15 +17,11 @@ from engine.backends.cosyvoice.llm import (
 )
 from engine.backends.cosyvoice.llm_graphs import StaticDecoder, bucket_of
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from tests.cosyvoice_parity import assert_close_report, fixture_dir
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.cosyvoice_parity import (
+    assert_close_report,
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,18 +24,14 @@ from engine.backends.cosyvoice.sampling import (
     nucleus_candidates,
     ras,
 )
-from tests.cosyvoice_parity import assert_close_report, assert_equal_report, fixture_dir
+from tests.cosyvoice_parity import (
+    assert_close_report,
+    assert_equal_report,
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny matrices: one intra-op thread is many times faster than several on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

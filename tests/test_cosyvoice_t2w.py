@@ -20,19 +20,14 @@ from engine.backends.cosyvoice.t2w import (
     grid_end,
     schedule,
 )
-from tests.cosyvoice_parity import assert_close_report, fixture_dir
+from tests.cosyvoice_parity import (
+    assert_close_report,
+    fixture_dir,
+    one_torch_thread,  # noqa: F401 (autouse)
+)
 
 UPSTREAM_HOPS = T2WConfig(first_hop_tokens=None, max_history_tokens=None)
 SPF = 480  # samples per mel frame
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models: one intra-op thread is many times faster than several on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

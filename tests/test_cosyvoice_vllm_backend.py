@@ -29,6 +29,7 @@ from engine.backends.cosyvoice.random_checkpoint import QWEN2_TINY, write_random
 from engine.types import RequestId, SynthesisRequest
 from gateway.audio import decode_opus_packets
 from tests.conftest import ServerProcess, start_server
+from tests.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.cosyvoice_tiny import REFERENCE_TEXT, reference_wav
 from tests.wsclient import Client, speak
 
@@ -41,14 +42,6 @@ MS_PER_TOKEN = 40.0
 MAX_STEPS = 20_000  # a vLLM step may bring no token: it waits a few ms at most
 
 _ids = iter(range(1_000_000))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
