@@ -24,6 +24,16 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 
+# config.json keys without a default: every one must be present and positive.
+_REQUIRED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
 
 @dataclass(slots=True)
 class Qwen2Config:
@@ -40,14 +50,7 @@ class Qwen2Config:
     max_position_embeddings: int = 32768
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
+        for name in _REQUIRED_FIELDS:
             if int(getattr(self, name)) <= 0:
                 raise ModelLoadError(
                     f"Qwen2 config: expected {name} > 0, got {getattr(self, name)}"
@@ -81,14 +84,7 @@ class Qwen2Config:
             return cls(
                 **{
                     name: config[name]
-                    for name in (
-                        "vocab_size",
-                        "hidden_size",
-                        "intermediate_size",
-                        "num_hidden_layers",
-                        "num_attention_heads",
-                        "num_key_value_heads",
-                    )
+                    for name in _REQUIRED_FIELDS
                 },
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(config.get("rope_theta", 1_000_000.0)),
