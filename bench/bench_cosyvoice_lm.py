@@ -18,7 +18,7 @@ import torch
 
 from engine.backends.cosyvoice.llm import SpeechLMRunner
 from engine.backends.cosyvoice.random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
-from engine.backends.cosyvoice.sampling import RasConfig, sample_tokens
+from engine.backends.cosyvoice.sampling import RasConfig, draw_uniforms, sample_tokens
 
 
 def sync(device: torch.device) -> None:
@@ -82,8 +82,9 @@ def main() -> None:
         greedy = torch.zeros(batch, dtype=torch.bool, device=device)
         sync(device)
         start = time.perf_counter()
-        for _ in range(args.steps):
-            sample_tokens(logp, history, greedy, runner.ras, runner.generator).tolist()
+        for step in range(args.steps):  # the per-stream uniforms included, as SpeechLMRunner.step
+            uniforms = draw_uniforms(range(batch), [step] * batch, device)
+            sample_tokens(logp, history, greedy, runner.ras, uniforms).tolist()
         sync(device)
         sample_ms = (time.perf_counter() - start) * 1000 / args.steps
         rate = batch * 1000 / (decode_ms + sample_ms)

@@ -161,6 +161,28 @@ def test_a_full_cache_preempts_an_idle_stream_which_resumes_with_the_same_tokens
     np.testing.assert_allclose(got_first[1], want[0][1], atol=1e-4)
 
 
+def test_a_sampled_request_with_a_seed_speaks_the_same_alone_batched_or_preempted(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    sampled = make_backend(tmp_path_factory.getbasetemp(), sampling="ras", max_batch_size=2, max_streams=2)
+    seeded = SamplingParams(seed=1234)
+    alone = prepare(sampled, "Hello world.", params=seeded)
+    want_tokens, want_pcm = run(sampled, [alone])[alone.request_id]
+    # the same seed under another request id, in a full batch, preempted once by a more urgent request
+    again = prepare(sampled, "Hello world.", deadline=5.0, params=seeded)
+    other = prepare(sampled, "Hi there.", deadline=4.0)
+    for _ in range(10):
+        sampled.step([again, other])
+    urgent = prepare(sampled, "OK!", deadline=1.0)
+    sampled.step([urgent, other])  # `again` is idle: it loses its slot
+    assert sampled.num_preemptions == 1
+    got = run(sampled, [again, other, urgent])
+    assert got[again.request_id][0] == want_tokens and len(want_tokens) > 10  # preempted midway
+    np.testing.assert_allclose(got[again.request_id][1], want_pcm, atol=1e-4)
+    unseeded = prepare(sampled, "Hello world.")
+    assert run(sampled, [unseeded])[unseeded.request_id][0] != want_tokens
+
+
 def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(backend: CosyVoiceBackend) -> None:
     features = backend.make_voice_features(voiced(2.0, 22050, f0=220.0), 22050, "Testing one two.")
     assert features is not None

@@ -19,6 +19,7 @@ from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.sampling import (
     RasConfig,
     _categorical,
+    draw_uniforms,
     mask_min_length,
     nucleus,
     nucleus_candidates,
@@ -153,6 +154,56 @@ def test_sampled_decoding_is_reproducible_with_a_seed_and_emits_only_speech_toke
     assert len(runs[0]) == 240 or outputs[len(runs[0])] is None
 
 
+def _decode(runner: SpeechLMRunner, streams: list[LMStream]) -> list[list[int]]:
+    while not all(s.is_finished for s in streams):
+        runner.step([s for s in streams if not s.is_finished])
+    return [s.tokens for s in streams]
+
+
+def test_a_seeded_sampled_stream_is_the_same_alone_or_in_any_batch(loaded: Any) -> None:
+    lm, ref, ras_config = loaded
+    prompts = [_other_prompt(ref, 2, 3), _other_prompt(ref, 4, 2), _other_prompt(ref, 1, 4)]
+    singles = []
+    for seed, prompt in enumerate(prompts):
+        runner = SpeechLMRunner(lm, max_batch=1, max_len=128, ras=ras_config)
+        singles.extend(_decode(runner, [runner.add_request(*prompt, seed=100 + seed)]))
+    runner = SpeechLMRunner(lm, max_batch=4, max_len=128, ras=ras_config)
+    runner.free(runner.add_request(*prompts[0]))  # the batch's slots differ from the single runs'
+    streams = [runner.add_request(*p, seed=100 + i) for i, p in reversed(list(enumerate(prompts)))]
+    assert _decode(runner, streams)[::-1] == singles
+    assert len(set(map(tuple, singles))) == 3
+
+
+def test_another_seed_samples_other_tokens_and_a_resumed_stream_goes_on_the_same(
+    loaded: Any,
+) -> None:
+    lm, ref, ras_config = loaded
+    prompt = _other_prompt(ref, 2, 6)
+    runner = SpeechLMRunner(lm, max_batch=2, max_len=160, ras=ras_config)
+    whole, other = _decode(runner, [runner.add_request(*prompt, seed=s) for s in (5, 6)])
+    assert whole != other
+    runner = SpeechLMRunner(lm, max_batch=1, max_len=160, ras=ras_config)
+    first = runner.add_request(*prompt, seed=5)
+    for _ in range(len(whole) // 2):
+        runner.step([first])
+    runner.free(first)  # preempted: its tokens are prefilled again on resumption
+    resumed = runner.add_request(*prompt, resume_tokens=first.tokens, seed=5)
+    assert _decode(runner, [resumed]) == [whole]
+
+
+def test_uniforms_are_a_pure_function_of_seed_and_counter_and_look_uniform() -> None:
+    u = draw_uniforms([9] * 50000, range(50000))  # [N, 2]
+    assert torch.equal(u, draw_uniforms([9] * 50000, range(50000)))
+    assert bool(((u > 0) & (u < 1)).all())
+    assert torch.allclose(u.mean(0), torch.full((2,), 0.5), atol=0.01)
+    counts = torch.histc(u[:, 0], bins=10, min=0, max=1)
+    assert bool((counts - 5000).abs().max() < 300)  # about 4 sigma
+    assert abs(float(torch.corrcoef(u.T)[0, 1])) < 0.02  # the two draws are independent
+    by_seed = draw_uniforms(range(1000), [0] * 1000)[:, 0]
+    assert len(set(by_seed.tolist())) > 990  # neighbouring seeds do not repeat each other
+    assert torch.equal(draw_uniforms([-1], [3]), draw_uniforms([2**64 - 1], [3]))  # mod 2**64
+
+
 def _with_decoder_bias(lm: SpeechLM, index: int) -> SpeechLM:
     """A copy whose head strongly prefers one id (v3 has no bias: shift the weight row instead)."""
     biased = copy.deepcopy(lm)
@@ -258,7 +309,7 @@ def test_ras_resamples_a_token_repeated_in_the_window() -> None:
     logp[:, 3] = 0.0  # nucleus always picks 3
     logp[:, 5] = -3.0  # outside the nucleus (p(3) > 0.8), the fallback's favourite
     history = torch.tensor([[-1] * 9 + [3], [-1] * 10])
-    tokens = ras(logp.log_softmax(-1), history, RasConfig(), torch.Generator().manual_seed(0))
+    tokens = ras(logp.log_softmax(-1), history, RasConfig(), draw_uniforms([0, 0], [0, 1]))
     assert tokens.tolist() == [5, 3]
 
 
@@ -285,7 +336,7 @@ def test_ras_config_reads_the_yaml_sampling_node() -> None:
 
 def test_draws_follow_the_weights_and_never_pick_a_zero_weight() -> None:
     weights = torch.tensor([[0.0, 1.0, 3.0, 0.0]]).repeat(20000, 1)
-    draws = _categorical(weights, torch.Generator().manual_seed(0))
+    draws = _categorical(weights, draw_uniforms([0] * 20000, range(20000))[:, 0])
     counts = torch.bincount(draws, minlength=4).tolist()
     assert counts[0] == counts[3] == 0
     assert abs(counts[2] / 20000 - 0.75) < 0.02
@@ -295,7 +346,7 @@ def test_nucleus_draws_only_from_its_candidates() -> None:
     logp = torch.randn(64, 6761, generator=torch.Generator().manual_seed(1)).mul(4).log_softmax(-1)
     config = RasConfig()
     weights, ids = nucleus_candidates(logp, config)
-    draws = nucleus(logp, config, torch.Generator().manual_seed(2))
+    draws = nucleus(logp, config, draw_uniforms([2] * 64, range(64))[:, 0])
     for row in range(64):
         assert int(draws[row]) in {
             int(i) for w, i in zip(weights[row], ids[row], strict=True) if w > 0

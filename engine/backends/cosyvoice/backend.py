@@ -30,6 +30,7 @@ Registered voices compute the x-vector, prompt tokens and prompt mel once
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import zlib
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class CosyState:
     voice: CosyVoice
     lm_input: LMInput
     deadline: float
+    seed: int  # the LM's sampling and the stream's t2w noise; kept across preemption
     tokens: list[int] = field(default_factory=list)
     has_slot: bool = False
     is_lm_done: bool = False
@@ -127,7 +129,11 @@ class CosyVoiceBackend(Backend):
         else:
             mode = Mode.ZERO_SHOT
         lm_input = model.frontend.lm_input(request.text, voice.prompt, mode, request.instructions)
-        state = CosyState(str(request.request_id), voice, lm_input, request.deadline)
+        key = str(request.request_id)
+        seed = request.params.seed
+        if seed is None:  # reproducible per request id, whatever shares its batches
+            seed = zlib.crc32(key.encode()) ^ self.config.seed
+        state = CosyState(key, voice, lm_input, request.deadline, seed)
         if not request.text.strip():
             state.is_lm_done = True  # nothing to say: finishes empty at its first step
         est = max(0.2, len(request.text.strip()) / self.config.chars_per_second)
@@ -249,7 +255,7 @@ class CosyVoiceBackend(Backend):
             self.num_preemptions += 1
         waiting = waiting[:lm.num_free]  # the rest wait for a later step
         is_greedy = self.config.sampling == "greedy"
-        failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens) for _, s in waiting])
+        failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens, s.seed) for _, s in waiting])
         errors: list[tuple[BackendRequest, Exception]] = []
         for item, state in waiting:
             if state.key in failed:
@@ -258,8 +264,7 @@ class CosyVoiceBackend(Backend):
             state.has_slot = True
             self._running[state.key] = state
             if not state.has_stream:
-                seed = zlib.crc32(state.key.encode()) ^ self.config.seed
-                model.t2w.add_stream(state.key, state.voice.flow, seed=seed)
+                model.t2w.add_stream(state.key, state.voice.flow, seed=state.seed)
                 state.has_stream = True
         return errors
 
@@ -271,9 +276,13 @@ def _other_language(requested: str | None, spoken: str) -> bool:
 
 
 def _features_version(config: CosyVoiceBackendConfig) -> str:
-    """Names what voice features depend on: the frontend models' files and the tokenizer mode."""
+    """Names what voice features depend on: the frontend models' files, the tokenizer and
+    text normalization (the transcript's ids)."""
     root = config.model_dir
-    digest = hashlib.sha256(config.tokenizer.encode())
+    normalizer = config.text_frontend
+    if normalizer == "auto":
+        normalizer = "wetext" if importlib.util.find_spec("wetext") is not None else "none"
+    digest = hashlib.sha256(f"{config.tokenizer}:{normalizer}".encode())
     if root is not None:
         for name in ("campplus.onnx", "speech_tokenizer_v2.onnx", "speech_tokenizer_v3.onnx",
                      "cosyvoice2.yaml", "cosyvoice3.yaml", "CosyVoice-BlankEN/vocab.json",

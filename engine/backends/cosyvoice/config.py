@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.backends.cosyvoice.frontend import TOKENIZER_MODES
 from engine.backends.cosyvoice.lm_driver import LM_BACKENDS
+from engine.backends.cosyvoice.textnorm import TEXT_FRONTENDS
 
 ENV_PREFIX = "VOXGATE_COSYVOICE_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -43,6 +44,7 @@ class CosyVoiceBackendConfig:
     sampling: str = "ras"  # "greedy": argmax (deterministic; tests)
     seed: int = 0
     tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend.py)
+    text_frontend: str = "auto"  # text normalization: auto (wetext where installed), wetext, none
     first_hop_tokens: int = 15
     max_history_tokens: int = 100  # flow recomputation window; -1: the whole history (upstream)
     # flow estimator: auto = TensorRT on a GPU that has it, else CUDA graphs on a GPU, else torch
@@ -61,7 +63,8 @@ class CosyVoiceBackendConfig:
         for name, allowed in (("device", DEVICES), ("lm_dtype", DTYPES), ("flow_dtype", DTYPES),
                               ("flow_runtime", ("auto", "torch", "cuda_graphs", "tensorrt")),
                               ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
-                              ("sampling", SAMPLING), ("tokenizer", TOKENIZER_MODES)):
+                              ("sampling", SAMPLING), ("tokenizer", TOKENIZER_MODES),
+                              ("text_frontend", TEXT_FRONTENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("max_batch_size", "max_len", "first_hop_tokens"):

@@ -32,6 +32,7 @@ import torch
 
 from engine.backends.cosyvoice.features import FBANK_RATE, kaldi_fbank, resample, whisper_log_mel
 from engine.backends.cosyvoice.model_dir import ModelDir
+from engine.backends.cosyvoice.textnorm import PlainText, TextNormalizer
 from engine.backends.cosyvoice.tokens import (
     END_OF_PROMPT,
     SPECIAL_TOKENS_V2,
@@ -209,10 +210,12 @@ def _onnx_session(path: Any) -> Any:
 class CosyVoiceFrontend:
     """Tokenizer, speaker model and speech tokenizer of one model directory."""
 
-    def __init__(self, model_dir: ModelDir, tokenizer: TextTokenizer | None = None) -> None:
+    def __init__(self, model_dir: ModelDir, tokenizer: TextTokenizer | None = None,
+                 normalizer: TextNormalizer | None = None) -> None:
         self.model_dir = model_dir
         self.version = model_dir.version
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_dir)
+        self.normalizer = normalizer if normalizer is not None else PlainText()
         self._campplus: Any = None
         self._speech_tokenizer: Any = None
 
@@ -266,7 +269,8 @@ class CosyVoiceFrontend:
         return [int(t) for t in np.asarray(out).reshape(-1)]
 
     def prompt_text_ids(self, transcript: str) -> list[int]:
-        """The LM's zero-shot prompt text for a transcript (v3 adds the system prefix)."""
+        """The LM's zero-shot prompt text for a transcript, normalized (v3 adds the system prefix)."""
+        transcript = self.normalizer.normalize(transcript)  # it must read as the audio sounds
         if self.version == 3 and END_OF_PROMPT not in transcript:
             transcript = f"{SYSTEM_PROMPT}{END_OF_PROMPT}{transcript}"
         return self.tokenize(transcript)
@@ -294,7 +298,7 @@ class CosyVoiceFrontend:
             raise ValueError(
                 f"expected a CosyVoice {self.version} voice, got one made for {voice.version}"
             )
-        text_ids = self.tokenize(text) if isinstance(text, str) else list(text)
+        text_ids = self.tokenize(self.normalizer.normalize(text)) if isinstance(text, str) else list(text)
         if mode is Mode.ZERO_SHOT:
             return LMInput(text_ids, list(voice.prompt_text_ids), list(voice.prompt_speech_tokens))
         if mode is Mode.CROSS_LINGUAL:

@@ -21,6 +21,7 @@ ignore it); the flow model uses it.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from torch import nn
 from engine.backends.cosyvoice.llm_graphs import DECODE_MODES, StaticDecoder
 from engine.backends.cosyvoice.model_dir import ModelDir
 from engine.backends.cosyvoice.qwen2 import CacheView, Qwen2Config, Qwen2Encoder, SlotKVCache
-from engine.backends.cosyvoice.sampling import RasConfig, mask_min_length, sample_tokens
+from engine.backends.cosyvoice.sampling import RasConfig, draw_uniforms, mask_min_length, sample_tokens
 from engine.backends.cosyvoice.tokens import FIRST_ADDED_ID
 from engine.errors import ModelLoadError
 
@@ -192,6 +193,7 @@ class PrefillRequest:
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
     resume_tokens: list[int] = field(default_factory=list)
+    seed: int | None = None  # None: the runner draws one
 
 
 @dataclass(slots=True)
@@ -200,6 +202,7 @@ class LMStream:
 
     `num_cached` positions of the slot are filled (prompt plus fed tokens).
     `tokens` are the speech tokens emitted so far (never a stop id).
+    Its k-th token is sampled with the uniforms of (`seed`, k) (sampling.py).
     """
 
     slot: int
@@ -209,6 +212,7 @@ class LMStream:
     prompt_len: int
     num_cached: int
     tokens: list[int]
+    seed: int = 0
     is_finished: bool = False
 
 
@@ -248,9 +252,8 @@ class SpeechLMRunner:
         self._history = torch.full(
             (max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device
         )
-        self.generator = torch.Generator(device=self.device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
+        # Seeds for requests that bring none: reproducible from `seed`, else fresh per run.
+        self._seeds = random.Random(seed)
         #: False (upstream): below the minimum length only index 6561 is forbidden, so a v3
         #: model may still stop early on 6562+; True forbids every stop id there.
         self.strict_min_length = False
@@ -311,6 +314,7 @@ class SpeechLMRunner:
         min_token_text_ratio: float = 2.0,
         max_token_text_ratio: float = 20.0,
         resume_tokens: Sequence[int] = (),
+        seed: int | None = None,
     ) -> LMStream:
         """Prefill `[sos, prompt_text + text, task, prompt_speech_tokens]` into a free slot.
 
@@ -320,11 +324,12 @@ class SpeechLMRunner:
 
         `resume_tokens` are speech tokens the stream already emitted before it
         lost its slot (preemption by recomputation, as vLLM does): they are
-        prefilled after the prompt, so the stream goes on exactly where it was.
+        prefilled after the prompt, so the stream goes on exactly where it was
+        (with the same `seed`, sampled tokens too).
         """
         (out,) = self.add_requests([PrefillRequest(
             list(text_ids), list(prompt_text_ids), list(prompt_speech_tokens), is_greedy,
-            min_token_text_ratio, max_token_text_ratio, list(resume_tokens))])
+            min_token_text_ratio, max_token_text_ratio, list(resume_tokens), seed)])
         if isinstance(out, Exception):
             raise out
         return out
@@ -375,6 +380,7 @@ class SpeechLMRunner:
                 prompt_len=prompt_len,
                 num_cached=0,
                 tokens=[int(t) for t in r.resume_tokens],
+                seed=self._seeds.getrandbits(64) if r.seed is None else int(r.seed),
             )
             self._owners[stream.slot] = stream
             self._history[stream.slot] = -1
@@ -451,9 +457,9 @@ class SpeechLMRunner:
         if self.strict_min_length:  # every stop id, as vLLM's min_tokens (benchmarks: random weights)
             stops = logp[:, self.spec.speech_token_size:]
             logp[:, self.spec.speech_token_size:] = torch.where(below_min[:, None], float("-inf"), stops)
-        chosen = sample_tokens(
-            logp, self._history[slots], is_greedy, self.ras, self.generator
-        ).tolist()
+        uniforms = draw_uniforms([s.seed for s in streams], [len(s.tokens) for s in streams],
+                                 self.device)  # [B, 2]
+        chosen = sample_tokens(logp, self._history[slots], is_greedy, self.ras, uniforms).tolist()
         out: list[int | None] = []
         live: list[tuple[LMStream, int]] = []
         for s, token in zip(streams, chosen, strict=True):

@@ -35,12 +35,17 @@ LM_BACKENDS = ("torch", "vllm")
 
 @dataclass(slots=True)
 class LMStart:
-    """A stream to start: its prompt, its sampling, and the tokens it already emitted (resumption)."""
+    """A stream to start: its prompt, its sampling, and the tokens it already emitted (resumption).
+
+    `seed` fixes its sampled tokens (None: the driver picks one); resuming with
+    the same seed continues the same token sequence.
+    """
 
     key: str
     lm_input: LMInput
     is_greedy: bool
     resume_tokens: Sequence[int] = ()
+    seed: int | None = None
 
 
 @dataclass(slots=True)
@@ -94,7 +99,7 @@ class TorchLMDriver:
                 fresh.append(r)
         prefill = [PrefillRequest(r.lm_input.text_ids, r.lm_input.prompt_text_ids,
                                   r.lm_input.prompt_speech_tokens, r.is_greedy,
-                                  resume_tokens=list(r.resume_tokens)) for r in fresh]
+                                  resume_tokens=list(r.resume_tokens), seed=r.seed) for r in fresh]
         for r, out in zip(fresh, self.runner.add_requests(prefill), strict=True):
             if isinstance(out, Exception):
                 failed[r.key] = out

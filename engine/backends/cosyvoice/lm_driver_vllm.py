@@ -217,7 +217,7 @@ class VllmLMDriver:
         num_resumed = len(r.resume_tokens)
         if num_resumed >= max_len:
             raise ValueError(f"expected fewer resumed tokens than {max_len}, got {num_resumed}")
-        seed = (zlib.crc32(r.key.encode()) ^ c.seed) & 0x7FFFFFFF
+        seed = (zlib.crc32(r.key.encode()) ^ c.seed if r.seed is None else r.seed) & 0x7FFFFFFF
         ras = c.ras
         sampling = SpeechSampling(
             max_tokens=max_len - num_resumed,

@@ -24,6 +24,7 @@ from engine.backends.cosyvoice.mel import MelConfig, MelExtractor
 from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
 from engine.backends.cosyvoice.sampling import RasConfig
 from engine.backends.cosyvoice.t2w import T2WConfig, TokenToWave
+from engine.backends.cosyvoice.textnorm import load_text_normalizer
 from engine.backends.cosyvoice.voice_prompts import (
     CosyVoice,
     clone_voice,
@@ -83,7 +84,7 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
         raise ModelLoadError(
             f"{model_dir.qwen_path}: expected tokenizer files and the transformers package to read "
             "text, got none usable (pip install transformers; tokenizer=bytes is for tests only)")
-    frontend = CosyVoiceFrontend(model_dir, tokenizer)
+    frontend = CosyVoiceFrontend(model_dir, tokenizer, load_text_normalizer(config.text_frontend))
     decode_mode = config.decode_mode
     if decode_mode == "auto":
         decode_mode = "cuda_graphs" if device.type == "cuda" else "dynamic"

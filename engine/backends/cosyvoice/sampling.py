@@ -14,11 +14,18 @@ Before either, while a stream is shorter than its minimum length, index
 both versions (for CosyVoice 3 it is sos, not eos: other stop ids may still win).
 
 Here the same rules run as tensor ops over [B, V]; each row draws by inverse
-CDF with one uniform from a generator shared by the batch. Greedy decoding is argmax after the same masking.
+CDF. Greedy decoding is argmax after the same masking.
+
+Randomness is per stream and counter-based: a stream's k-th token reads
+uniforms that are a hash of (its seed, k), computed on the device for the
+whole batch at once (`draw_uniforms`). So a stream samples the same tokens
+whatever else shares its batch, and after preemption it resumes exactly where
+it was; upstream's shared global generator gives neither.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,14 +68,57 @@ class RasConfig:
         )
 
 
-def _categorical(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row from unnormalized non-negative weights [B, N] -> [B] (inverse CDF).
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9  # spreads consecutive draw indices over the hash's input
+NUM_DRAWS = 2  # uniforms per token: the nucleus draw and the RAS fallback draw
 
-    `right=True` never lands on a zero-weight entry: its CDF equals its left neighbour's.
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without int64 overflow.
+
+    The constant is split in 16-bit halves so that no product exceeds 2**48.
+    """
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche mix (MurmurHash3's finalizer constants): [..] int64 -> [..] int64."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def draw_uniforms(
+    seeds: Sequence[int], counters: Sequence[int], device: torch.device | str = "cpu",
+    num_draws: int = NUM_DRAWS,
+) -> torch.Tensor:
+    """Uniforms in (0, 1) [B, num_draws] from each row's (seed, counter): a pure function of both.
+
+    Seeds are any Python ints (taken mod 2**64); counters count a stream's tokens.
+    """
+    if len(seeds) != len(counters):
+        raise ValueError(f"expected one counter per seed ({len(seeds)}), got {len(counters)}")
+    words = torch.tensor(
+        [[(s & _MASK32), (s >> 32) & _MASK32, c & _MASK32] for s, c in zip(seeds, counters, strict=True)],
+        dtype=torch.long,
+    ).reshape(-1, 3).to(device)  # [B, 3]: seed low, seed high, counter
+    key = _mix32(words[:, 0] ^ _mix32(words[:, 1] ^ _mix32(words[:, 2])))  # [B]
+    draws = torch.arange(1, num_draws + 1, device=words.device) * _GOLDEN32 & _MASK32  # [num_draws]
+    bits = _mix32((key[:, None] + draws) & _MASK32)  # [B, num_draws]
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32
+
+
+def _categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from unnormalized non-negative weights [B, N] with uniforms u [B] -> [B].
+
+    Inverse CDF; `right=True` never lands on a zero-weight entry: its CDF equals its left neighbour's.
     """
     cdf = weights.float().cumsum(dim=-1)  # [B, N]
-    u = torch.rand(cdf.shape[0], 1, generator=generator, device=cdf.device)
-    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    index = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)[:, 0]
     return index.clamp(max=cdf.shape[-1] - 1)
 
 
@@ -102,29 +152,28 @@ def nucleus_candidates(logp: torch.Tensor, config: RasConfig) -> tuple[torch.Ten
     return torch.where(keep, top_probs, torch.zeros_like(top_probs)), top_ids
 
 
-def nucleus(
-    logp: torch.Tensor, config: RasConfig, generator: torch.Generator | None
-) -> torch.Tensor:
-    """One draw per row from the nucleus set. [B, V] -> [B]."""
+def nucleus(logp: torch.Tensor, config: RasConfig, u: torch.Tensor) -> torch.Tensor:
+    """One draw per row from the nucleus set with uniforms u [B]. [B, V] -> [B]."""
     weights, ids = nucleus_candidates(logp, config)
-    choice = _categorical(weights, generator)
+    choice = _categorical(weights, u)
     return ids.gather(1, choice[:, None])[:, 0]
 
 
 def ras(
-    logp: torch.Tensor, history: torch.Tensor, config: RasConfig, generator: torch.Generator | None
+    logp: torch.Tensor, history: torch.Tensor, config: RasConfig, uniforms: torch.Tensor
 ) -> torch.Tensor:
     """Repetition-aware sampling for a batch.
 
     logp: [B, V] (already masked for min length); history: [B, W] the last
-    `win_size` tokens of each stream, -1 where the stream is shorter.
+    `win_size` tokens of each stream, -1 where the stream is shorter;
+    uniforms: [B, 2] (`draw_uniforms`), the nucleus draw then the fallback's.
     """
-    first = nucleus(logp, config, generator)  # [B]
+    first = nucleus(logp, config, uniforms[:, 0])  # [B]
     repeats = (history[:, -config.win_size :] == first[:, None]).sum(dim=-1)
     is_repeat = repeats >= config.win_size * config.tau_r  # [B]
     # Fallback: the full distribution without the repeated token.
     fallback_logp = logp.float().scatter(1, first[:, None], float("-inf"))
-    fallback = _categorical(fallback_logp.softmax(dim=-1), generator)
+    fallback = _categorical(fallback_logp.softmax(dim=-1), uniforms[:, 1])
     return torch.where(is_repeat, fallback, first)
 
 
@@ -133,12 +182,12 @@ def sample_tokens(
     history: torch.Tensor,
     is_greedy: torch.Tensor,
     config: RasConfig,
-    generator: torch.Generator | None,
+    uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    """Per row greedy or RAS. logp [B, V], history [B, W], is_greedy [B] -> tokens [B]."""
+    """Per row greedy or RAS. logp [B, V], history [B, W], is_greedy [B], uniforms [B, 2] -> tokens [B]."""
     if bool(is_greedy.all()):
         return greedy(logp)
-    sampled = ras(logp, history, config, generator)
+    sampled = ras(logp, history, config, uniforms)
     if not bool(is_greedy.any()):
         return sampled
     return torch.where(is_greedy, greedy(logp), sampled)

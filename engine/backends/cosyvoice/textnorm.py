@@ -1,0 +1,89 @@
+"""Text normalization before tokenizing: digits, dates, units and symbols spelled out as words.
+
+CosyVoice's LM was trained on normalized text: "$12.50" or "2024年3月5日" as
+written are read badly or skipped. Upstream normalizes with WeTextProcessing's
+runtime (`wetext`, finite-state grammars for English and Chinese) where it is
+installed, and so do we (`text_frontend` option):
+
+- "auto": wetext where importable, else the text as it is (logged once);
+- "wetext": wetext, and a clear error at load when it is missing;
+- "none": the text as it is.
+
+Choices kept from upstream (cli/frontend.py `text_normalize`): the Chinese
+grammar for any text holding a CJK ideograph, else the English one; text
+carrying CosyVoice's inline markup (`<|...|>`, e.g. `<|breath|>`) is left
+alone, since the grammars would spell the markup out; for Chinese, blanks
+between non-ASCII characters are dropped. Not kept: upstream's own sentence
+splitting (the gateway's segmenter already cut the text) and its extra
+`inflect` pass over English digits (wetext already spells them).
+
+Normalization happens in the engine only: the gateway's `segment` and
+`spoken_text` keep the text as the LLM wrote it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Protocol
+
+from engine.errors import ModelLoadError
+
+TEXT_FRONTENDS = ("auto", "wetext", "none")
+
+log = logging.getLogger("voxgate.engine")
+
+_CJK = re.compile(r"[\u4e00-\u9fff]")
+_MARKUP = re.compile(r"<\|[^|<>]*\|>")
+# A blank with a non-ASCII character on either side (Chinese text keeps spaces only inside ASCII runs).
+_BLANK_BESIDE_NON_ASCII = re.compile(r"(?<=[^\x00-\x7f])\s+|\s+(?=[^\x00-\x7f])")
+
+
+class TextNormalizer(Protocol):
+    def normalize(self, text: str) -> str: ...
+
+
+class PlainText:
+    """No normalization: the text as it is."""
+
+    name = "none"
+
+    def normalize(self, text: str) -> str:
+        return text
+
+
+class WeTextNormalizer:
+    """WeTextProcessing's English and Chinese text normalization grammars (the `wetext` package)."""
+
+    name = "wetext"
+
+    def __init__(self, wetext: Any) -> None:
+        self._en = wetext.Normalizer(lang="en", operator="tn")
+        self._zh = wetext.Normalizer(lang="zh", operator="tn", remove_erhua=False)
+
+    def normalize(self, text: str) -> str:
+        if not text.strip() or _MARKUP.search(text):
+            return text
+        if _CJK.search(text):
+            return _BLANK_BESIDE_NON_ASCII.sub("", str(self._zh.normalize(text)))
+        return str(self._en.normalize(text))
+
+
+def load_text_normalizer(mode: str = "auto") -> TextNormalizer:
+    """The normalizer for `text_frontend` (see the module docstring)."""
+    if mode not in TEXT_FRONTENDS:
+        raise ValueError(f"text_frontend must be one of {TEXT_FRONTENDS}, got {mode!r}")
+    if mode == "none":
+        return PlainText()
+    try:
+        import wetext  # optional dependency: pip install 'voxgate[cosyvoice]'
+    except ImportError as exc:
+        if mode == "wetext":
+            raise ModelLoadError(
+                "text_frontend 'wetext' expects the wetext package, got none installed "
+                "(pip install wetext, or text_frontend=none)"
+            ) from exc
+        log.warning("wetext is not installed: cosyvoice speaks digits and symbols as written "
+                    "(pip install wetext)")
+        return PlainText()
+    return WeTextNormalizer(wetext)
