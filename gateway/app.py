@@ -27,7 +27,9 @@ from gateway.ws import stream_endpoint
 
 log = logging.getLogger("voxgate.gateway")
 
-WEB_DIR = Path(__file__).resolve().parent.parent / "web"
+# The browser client: web/ beside the package in a source tree, gateway/web in an installed wheel.
+_WEB_DIRS = (Path(__file__).resolve().parent.parent / "web", Path(__file__).resolve().parent / "web")
+WEB_DIR = next((d for d in _WEB_DIRS if (d / "index.html").is_file()), _WEB_DIRS[0])
 
 
 @dataclass(slots=True)
