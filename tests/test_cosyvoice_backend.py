@@ -15,6 +15,7 @@ from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.frontend import ByteTokenizer, load_tokenizer
 from engine.backends.cosyvoice.loader import default_voice
 from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.sampling import RasConfig
 from engine.backends.cosyvoice.voice_prompts import from_bytes
 from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SamplingParams, SynthesisRequest
@@ -255,6 +256,16 @@ def test_config_comes_from_the_environment_then_options() -> None:
         CosyVoiceBackendConfig.from_options({"modeldir": "/x"}, {})
     with pytest.raises(ValueError, match="model directory"):
         create_backend("cosyvoice")
+
+
+def test_vllms_share_of_the_gpu_is_an_option_handed_to_its_engine() -> None:
+    from engine.backends.cosyvoice.lm_driver_vllm import driver_config
+
+    config = CosyVoiceBackendConfig.from_options({}, {"VOXGATE_COSYVOICE_VLLM_GPU_MEMORY_SHARE": "0.45"})
+    assert driver_config(config, RasConfig()).gpu_memory_share == 0.45
+    assert driver_config(CosyVoiceBackendConfig(), RasConfig()).gpu_memory_share == 0.3
+    with pytest.raises(ValueError, match=r"vllm_gpu_memory_share must be within \(0, 1\], got 1.5"):
+        CosyVoiceBackendConfig(vllm_gpu_memory_share=1.5)
 
 
 def test_the_written_model_directory_holds_every_file_the_backend_loads(

@@ -9,9 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends.cosyvoice.backend import CosyVoiceBackend, CosyState
+from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
-from engine.backends.cosyvoice.frontend import SYSTEM_PROMPT, ByteTokenizer, CosyVoiceFrontend, VoicePrompt
+from engine.backends.cosyvoice.frontend import (
+    SYSTEM_PROMPT,
+    ByteTokenizer,
+    CosyVoiceFrontend,
+    VoicePrompt,
+)
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.textnorm import PlainText, WeTextNormalizer, load_text_normalizer
 from engine.backends.cosyvoice.tokens import added_token_id

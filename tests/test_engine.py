@@ -63,7 +63,6 @@ def test_cancel_during_a_step_drops_its_result_and_frees_it_before_the_next_step
         engine.cancel(RequestId("victim"))       # while its step is running
         backend.gate.set()
         await asyncio.wait_for(task, 5)           # the consumer ends quietly
-        steps_before = len(backend.batches)
         other = [c async for c in engine.submit(request("other"))]
         assert other and other[-1].is_last
         await engine.stop()

@@ -37,6 +37,7 @@ class CosyVoiceBackendConfig:
     lm_dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     flow_dtype: str = "auto"  # auto: bfloat16 on cuda (upstream offers half precision), float32 on cpu
     lm_backend: str = "torch"  # "vllm": see lm_driver.py (the seam)
+    vllm_gpu_memory_share: float = 0.3  # lm_backend=vllm on a GPU: its share (weights + KV cache)
     decode_mode: str = "auto"  # auto: cuda_graphs on cuda, dynamic on cpu
     max_batch_size: int = 8
     max_streams: int = 0  # KV-cache slots; 0: 2 x max_batch_size (preempted streams recompute)
@@ -76,6 +77,8 @@ class CosyVoiceBackendConfig:
             raise ValueError(f"max_history_tokens must be >= -1 (-1: all), got {self.max_history_tokens}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if not 0.0 < self.vllm_gpu_memory_share <= 1.0:
+            raise ValueError(f"vllm_gpu_memory_share must be within (0, 1], got {self.vllm_gpu_memory_share}")
         if self.chars_per_second <= 0:
             raise ValueError(f"chars_per_second must be > 0, got {self.chars_per_second}")
         if self.default_voice_audio is not None and not self.default_voice_text.strip():

@@ -32,7 +32,12 @@ from torch import nn
 from engine.backends.cosyvoice.llm_graphs import DECODE_MODES, StaticDecoder
 from engine.backends.cosyvoice.model_dir import ModelDir
 from engine.backends.cosyvoice.qwen2 import CacheView, Qwen2Config, Qwen2Encoder, SlotKVCache
-from engine.backends.cosyvoice.sampling import RasConfig, draw_uniforms, mask_min_length, sample_tokens
+from engine.backends.cosyvoice.sampling import (
+    RasConfig,
+    draw_uniforms,
+    mask_min_length,
+    sample_tokens,
+)
 from engine.backends.cosyvoice.tokens import FIRST_ADDED_ID
 from engine.errors import ModelLoadError
 

@@ -66,6 +66,7 @@ class VllmDriverConfig:
     ras: RasConfig = field(default_factory=RasConfig)
     seed: int = 0
     wait_s: float = 0.005  # longest wait in `step` for a first new token
+    gpu_memory_share: float = 0.3  # vLLM's share of the GPU (weights + KV cache); the flow needs the rest
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
 
@@ -75,6 +76,8 @@ class VllmDriverConfig:
                              f"{self.max_streams} and {self.max_len}")
         if not 0.0 <= self.wait_s <= 1.0:
             raise ValueError(f"expected wait_s in [0, 1] seconds, got {self.wait_s}")
+        if not 0.0 < self.gpu_memory_share <= 1.0:
+            raise ValueError(f"expected gpu_memory_share in (0, 1], got {self.gpu_memory_share}")
 
 
 @dataclass(slots=True)
@@ -273,6 +276,7 @@ def load_vllm_driver(lm: SpeechLM, config: VllmDriverConfig, device: torch.devic
             dtype=_DTYPE_NAMES[dtype],
             kv_cache_memory_bytes=kv_cache_bytes(lm, config.max_streams, config.max_len, dtype)
             if device.type == "cpu" else None,
+            gpu_memory_utilization=config.gpu_memory_share,
             max_num_seqs=config.max_streams,
             max_model_len=config.max_len,
             enforce_eager=device.type == "cpu",  # CPU: no graphs; compiling costs minutes
@@ -289,8 +293,11 @@ def load_vllm_driver(lm: SpeechLM, config: VllmDriverConfig, device: torch.devic
     return driver
 
 
+def driver_config(options: Any, ras: RasConfig) -> VllmDriverConfig:
+    """From the backend's CosyVoiceBackendConfig (`num_streams`, `max_len`, `seed`, `vllm_gpu_memory_share`)."""
+    return VllmDriverConfig(max_streams=options.num_streams, max_len=options.max_len, ras=ras,
+                            seed=options.seed, gpu_memory_share=options.vllm_gpu_memory_share)
+
+
 def create_vllm_driver(lm: SpeechLM, options: Any, ras: RasConfig, device: torch.device) -> VllmLMDriver:
-    """From the backend's CosyVoiceBackendConfig (`num_streams`, `max_len`, `seed`)."""
-    config = VllmDriverConfig(max_streams=options.num_streams, max_len=options.max_len, ras=ras,
-                              seed=options.seed)
-    return load_vllm_driver(lm, config, device)
+    return load_vllm_driver(lm, driver_config(options, ras), device)
