@@ -222,8 +222,18 @@ def test_instructions_speak_without_the_voice_tokens_and_other_languages_cross_l
 def test_bad_requests_are_refused_at_prepare(backend: CosyVoiceBackend) -> None:
     with pytest.raises(UnknownVoiceError, match="default"):
         backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody", 0.0))
-    with pytest.raises(UnsupportedOptionError, match="speed"):
-        prepare(backend, "Hi.", params=SamplingParams(speed=1.5))
+
+
+def test_speed_stretches_the_audio_of_the_same_tokens(backend: CosyVoiceBackend) -> None:
+    items = {speed: prepare(backend, "Hello world.", params=SamplingParams(speed=speed))
+             for speed in (1.0, 0.8, 1.5)}
+    got = run(backend, list(items.values()))
+    tokens = got[items[1.0].request_id][0]
+    for speed, item in items.items():
+        item_tokens, pcm = got[item.request_id]
+        assert item_tokens == tokens  # greedy: speed changes the audio, not what is said
+        assert len(pcm) == int(2 * len(tokens) / speed) * SAMPLES_PER_TOKEN // 2
+        assert np.isfinite(pcm).all() and np.abs(pcm).max() > 0
 
 
 def test_empty_text_finishes_at_once_without_audio(backend: CosyVoiceBackend) -> None:

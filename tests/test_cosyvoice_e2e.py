@@ -73,6 +73,22 @@ def test_a_turn_comes_back_as_opus_of_40_ms_per_speech_token(
     assert segment["text"] == TEXT
 
 
+def test_session_speed_speaks_the_same_tokens_faster(
+        server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    async def scenario() -> Client:
+        client = await Client.connect(server.ws_url)
+        await client.send({"type": "session.update", "speed": 1.5})
+        await client.until("session.updated")
+        await speak(client, "fast", TEXT)
+        await client.close()
+        return client
+
+    client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    want_ms = int(2 * expected_tokens(tmp_path_factory.getbasetemp(), TEXT) / 1.5) * MS_PER_TOKEN / 2
+    assert not client.received.of("error")
+    assert abs(client.received.of("context.done", "fast")[0]["audio_ms"] - want_ms) <= 40
+
+
 def test_a_cancelled_turn_stops_and_the_next_one_speaks(server: ServerProcess) -> None:
     async def scenario() -> Client:
         client = await Client.connect(server.ws_url)

@@ -10,6 +10,7 @@ import torch
 
 from engine.backends.cosyvoice.flow import FlowModel, FlowRow, build_flow
 from engine.backends.cosyvoice.hift import HiFT, build_hift
+from engine.backends.cosyvoice.mel_stretch import stretch
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.t2w import (
     FlowPrompt,
@@ -18,6 +19,7 @@ from engine.backends.cosyvoice.t2w import (
     WaveChunk,
     first_end,
     grid_end,
+    min_hop_for_speed,
     schedule,
 )
 from tests.cosyvoice_parity import (
@@ -228,3 +230,39 @@ def test_bounded_history_departs_from_full_recomputation_only_where_history_was_
     assert_close_report(f"t2w_v{flow.version}.bounded_before_cut", bounded[:, :110], full[:, :110], 1e-5)
     rel = float((bounded - full).pow(2).mean().sqrt() / full.std())
     assert 0 < rel < 0.25, f"relative rms departure {rel:.3%} (docs/cosyvoice.md reports it per version)"
+
+
+@pytest.mark.parametrize("speed", [0.75, 1.6])
+def test_a_stream_at_another_speed_is_the_offline_mel_stretched_then_vocoded(models: Any, speed: float) -> None:
+    """Upstream offers speed only offline (mel resampled before HiFT); streamed, it matches that
+    to the same bounds as at speed 1: v3 exactly, v2 exactly away from the chunk joins."""
+    flow, hift, ref = models
+    prompt, tokens = prompt_of(ref), answer(ref)
+    t2w = TokenToWave(flow, hift, UPSTREAM_HOPS)
+    t2w.add_stream("a", prompt, speed=speed)
+    chunks = stream_all(t2w, "a", tokens)
+    wav = torch.cat([c.audio for c in chunks])
+    want_mel, _ = offline(flow, hift, prompt, tokens)
+    with torch.inference_mode():
+        want_wav = hift.inference(stretch(want_mel, speed)[None])[0]
+    assert wav.shape == want_wav.shape == (int(want_mel.shape[1] / speed) * SPF,)
+    if hift.cfg.causal:
+        assert_close_report(f"t2w_v3.wav_speed_{speed}", wav, want_wav, 1e-5)
+        return
+    joins = torch.tensor([c.audio.shape[0] for c in chunks[:-1]]).cumsum(0)
+    near = torch.zeros(wav.shape[0], dtype=torch.bool)
+    for j in joins.tolist():
+        near[max(0, j - 10 * SPF):j + 10 * SPF] = True
+    assert_close_report(f"t2w_v2.wav_speed_{speed}", wav[~near], want_wav[~near], 1e-5)
+    assert_close_report(f"t2w_v2.wav_speed_{speed}_near_joins", wav[near], want_wav[near],
+                        0.15 * float(want_wav.abs().max()))
+
+
+def test_at_double_speed_every_chunk_still_covers_the_frames_the_v2_vocoder_holds_back(models: Any) -> None:
+    flow, hift, ref = models
+    t2w = TokenToWave(flow, hift, T2WConfig(first_hop_tokens=4, min_hop_tokens=4))
+    t2w.add_stream("a", prompt_of(ref), speed=2.0)
+    chunks = stream_all(t2w, "a", answer(ref), step=1)
+    assert all(c.num_tokens >= min_hop_for_speed(2.0) for c in chunks[:-1])
+    assert all(c.audio.shape[0] > 0 for c in chunks[:-1])
+    assert sum(c.audio.shape[0] for c in chunks) == int(2 * answer(ref).shape[0] / 2.0) * SPF

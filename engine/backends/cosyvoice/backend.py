@@ -66,6 +66,7 @@ class CosyState:
     lm_input: LMInput
     deadline: float
     seed: int  # the LM's sampling and the stream's t2w noise; kept across preemption
+    speed: float = 1.0  # the mel is stretched before the vocoder (mel_stretch.py)
     tokens: list[int] = field(default_factory=list)
     has_slot: bool = False
     is_lm_done: bool = False
@@ -116,9 +117,6 @@ class CosyVoiceBackend(Backend):
     def prepare(self, request: SynthesisRequest) -> BackendRequest:
         model = self._loaded()
         voice = self.get_voice(request.voice)
-        if request.params.speed != 1.0:
-            raise UnsupportedOptionError(f"cosyvoice streams at its own pace; expected speed 1.0, "
-                                         f"got {request.params.speed}")
         if request.instructions and model.version != 3:
             raise UnsupportedOptionError(f"instructions need a CosyVoice 3 model; expected none, "
                                          f"got {request.instructions!r}")
@@ -133,10 +131,10 @@ class CosyVoiceBackend(Backend):
         seed = request.params.seed
         if seed is None:  # reproducible per request id, whatever shares its batches
             seed = zlib.crc32(key.encode()) ^ self.config.seed
-        state = CosyState(key, voice, lm_input, request.deadline, seed)
+        state = CosyState(key, voice, lm_input, request.deadline, seed, request.params.speed)
         if not request.text.strip():
             state.is_lm_done = True  # nothing to say: finishes empty at its first step
-        est = max(0.2, len(request.text.strip()) / self.config.chars_per_second)
+        est = max(0.2, len(request.text.strip()) / self.config.chars_per_second / state.speed)
         return BackendRequest(request=request, state=state, est_audio_s=est)
 
     def step(self, batch: list[BackendRequest]) -> list[StepResult]:
@@ -264,7 +262,7 @@ class CosyVoiceBackend(Backend):
             state.has_slot = True
             self._running[state.key] = state
             if not state.has_stream:
-                model.t2w.add_stream(state.key, state.voice.flow, seed=state.seed)
+                model.t2w.add_stream(state.key, state.voice.flow, seed=state.seed, speed=state.speed)
                 state.has_stream = True
         return errors
 

@@ -31,10 +31,15 @@ stream's own):
   upstream re-vocodes the whole mel each chunk; we re-vocode only
   `hift_context_frames` of context (its receptive field is shorter), carrying
   the sine phase, which reproduces the full computation.
+- A stream's `speed` (0.5-2.0) stretches its mel before the vocoder
+  (mel_stretch.py), continuously across chunks; its hops are then at least
+  `min_hop_for_speed` tokens, so a stretched chunk still covers the 8 frames
+  the v2 vocoder holds back.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +47,7 @@ import torch
 from engine.backends.cosyvoice.flow import FlowModel, FlowRow
 from engine.backends.cosyvoice.hift import HiFT
 from engine.backends.cosyvoice.mel import MelExtractor
+from engine.backends.cosyvoice.mel_stretch import MelStretcher
 from engine.backends.cosyvoice.t2w_vocoder import V2VocoderState, V3VocoderState, vocode_batch
 
 
@@ -133,11 +139,18 @@ def schedule(prompt_len: int, num_tokens: int, config: T2WConfig, hop: int = 25,
         offset, end = end, grid_end(prompt_len, end, hop, config.min_hop_tokens)
 
 
+def min_hop_for_speed(speed: float) -> int:
+    """Fewest tokens a chunk needs at `speed` to still give >= 8 stretched mel frames, with a frame to spare."""
+    return math.ceil(4.5 * speed) + 1
+
+
 @dataclass(slots=True)
 class _Stream:
     prompt: FlowPrompt
     vocoder: V2VocoderState | V3VocoderState
     next_end: int
+    min_hop: int
+    stretcher: MelStretcher | None = None  # speed != 1
     tokens: list[int] = field(default_factory=list)
     offset: int = 0  # tokens whose mel is emitted
     is_input_done: bool = False
@@ -157,12 +170,18 @@ class TokenToWave:
 
     # -- stream lifecycle -------------------------------------------------------------------------
 
-    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0) -> None:
+    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0, speed: float = 1.0) -> None:
         if stream_id in self._streams:
             raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
+        stretcher = MelStretcher(speed) if speed != 1.0 else None  # validates the range
         vocoder = V3VocoderState() if self.hift.cfg.causal else V2VocoderState.new(seed)
+        min_hop = self.config.min_hop_tokens
         end = first_end(prompt.tokens.shape[0], self.hop, self.config.first_hop_tokens)
-        self._streams[stream_id] = _Stream(prompt=prompt, vocoder=vocoder, next_end=end)
+        if stretcher is not None:
+            min_hop = max(min_hop, min_hop_for_speed(speed))
+            end = max(end, min_hop)
+        self._streams[stream_id] = _Stream(prompt=prompt, vocoder=vocoder, next_end=end, min_hop=min_hop,
+                                           stretcher=stretcher)
 
     def feed(self, stream_id: str, tokens: list[int] | torch.Tensor) -> None:
         stream = self._get(stream_id)
@@ -240,7 +259,9 @@ class TokenToWave:
         for (_, s, _, _, start), mel in zip(plans, mels, strict=True):
             p = s.prompt.tokens.shape[0]
             new_mels.append(mel[:, 2 * (p + s.offset - start):])
-        audios = vocode_batch(self.hift, [s.vocoder for _, s, _, _, _ in plans], new_mels,
+        voc_mels = [m if s.stretcher is None else s.stretcher.push(m, fin)
+                    for (_, s, _, fin, _), m in zip(plans, new_mels, strict=True)]
+        audios = vocode_batch(self.hift, [s.vocoder for _, s, _, _, _ in plans], voc_mels,
                               [f for _, _, _, f, _ in plans], self.config.hift_context_frames)
         out = []
         for (sid, s, end, is_final, _), audio, mel in zip(plans, audios, new_mels, strict=True):
@@ -249,6 +270,6 @@ class TokenToWave:
                 del self._streams[sid]
             else:
                 s.offset = end
-                s.next_end = grid_end(s.prompt.tokens.shape[0], end, self.hop, self.config.min_hop_tokens)
+                s.next_end = grid_end(s.prompt.tokens.shape[0], end, self.hop, s.min_hop)
         return out
 
