@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--lm-backend", choices=["torch", "vllm"],
                        help="cosyvoice: run the speech LM in torch (default) or on vLLM's async engine "
                        "(same as --engine-option lm_backend=...)")
+    serve.add_argument("--model-dir", help="cosyvoice: the official CosyVoice 2/3 model directory "
+                       "(same as --engine-option model_dir=...; VOXGATE_COSYVOICE_MODEL_DIR)")
     serve.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                        help="a backend option, repeatable (cosyvoice: model_dir=PATH; docs/cosyvoice.md)")
     serve.add_argument("--data-dir", help="where registered voices are stored")
@@ -94,6 +96,16 @@ def _engine_options(items: list[str]) -> dict[str, str] | None:
     return options or None
 
 
+def _shorthand_options(args: argparse.Namespace) -> list[str]:
+    """`--engine-option` items, with `--lm-backend` and `--model-dir` as the options they stand for."""
+    items = list(args.engine_option)
+    if args.lm_backend:
+        items.append(f"lm_backend={args.lm_backend}")
+    if args.model_dir:
+        items.append(f"model_dir={args.model_dir}")
+    return items
+
+
 def _tune_malloc(profile: str) -> None:
     """glibc malloc settings: "compact" (default) keeps RSS flat, "fast" synthesizes faster.
 
@@ -133,16 +145,18 @@ def main(argv: list[str] | None = None) -> int:
                                         scheduler_policy=args.scheduler, auth=auth,
                                         max_sessions=args.max_sessions,
                                         shutdown_grace_s=args.shutdown_grace,
-                                        engine_options=_engine_options(
-                                            args.engine_option + ([f"lm_backend={args.lm_backend}"]
-                                                                  if args.lm_backend else [])))
+                                        engine_options=_engine_options(_shorthand_options(args)))
         log.info(check_exposure(config.host, config.auth))
     except (TypeError, ValueError, OSError) as exc:
         print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
         return 2
     from gateway.app import create_app
 
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except (TypeError, ValueError) as exc:  # the engine's options (engine/options.py)
+        print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
+        return 2
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),

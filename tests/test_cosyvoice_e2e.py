@@ -28,11 +28,13 @@ MS_PER_TOKEN = 40.0  # 2 mel frames of 480 samples at 24 kHz
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     base = tmp_path_factory.getbasetemp()
-    flags = [arg for key, value in tiny_options(base).items() if key != "tokenizer"
+    options = tiny_options(base)
+    flags = [arg for key, value in options.items() if key not in ("tokenizer", "model_dir")
              for arg in ("--engine-option", f"{key}={value}")]
     env = {"VOXGATE_COSYVOICE_TOKENIZER": "bytes"}  # the environment maps onto the same options
     proc = start_server(tmp_path_factory.mktemp("cosyvoice-server"), "--engine", "cosyvoice",
-                        "--voice", "default", *flags, env=env, ready_timeout=180.0)
+                        "--model-dir", str(options["model_dir"]), "--voice", "default", *flags, env=env,
+                        ready_timeout=180.0)
     yield proc
     proc.stop()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.backend import Backend
+from engine.options import config_from_options
 
 BACKEND_NAMES = ("piper", "cosyvoice")
 
@@ -18,7 +19,7 @@ def create_backend(name: str, **options: Any) -> Backend:
     if name == "piper":
         from engine.backends.piper import PiperBackend, PiperBackendConfig
 
-        return PiperBackend(PiperBackendConfig(**options))
+        return PiperBackend(config_from_options(PiperBackendConfig, "piper", options, "VOXGATE_PIPER_"))
     if name == "cosyvoice":  # imports torch: only when asked for
         from engine.backends.cosyvoice.backend import CosyVoiceBackend
         from engine.backends.cosyvoice.config import CosyVoiceBackendConfig

@@ -8,13 +8,14 @@ environment. Values given as strings are converted to the field's type.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.backends.cosyvoice.frontend import TOKENIZER_MODES
 from engine.backends.cosyvoice.lm_driver import LM_BACKENDS
 from engine.backends.cosyvoice.textnorm import TEXT_FRONTENDS
+from engine.options import config_from_options
 
 ENV_PREFIX = "VOXGATE_COSYVOICE_"
 DEVICES = ("auto", "cpu", "cuda")
@@ -91,35 +92,4 @@ class CosyVoiceBackendConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any], environ: dict[str, str] | None = None) -> CosyVoiceBackendConfig:
         """VOXGATE_COSYVOICE_<FIELD> variables, then `options` (strings converted to the field's type)."""
-        env = os.environ if environ is None else environ
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown cosyvoice option {unknown[0]!r}; expected one of: {', '.join(sorted(known))}")
-        defaults = cls()
-        values: dict[str, Any] = {}
-        for name in known:
-            raw: Any = env.get(ENV_PREFIX + name.upper())
-            if name in options and options[name] is not None:
-                raw = options[name]
-            if raw is None:
-                continue
-            values[name] = _convert(name, raw, getattr(defaults, name))
-        return cls(**values)
-
-
-def _convert(name: str, raw: Any, default: Any) -> Any:
-    if not isinstance(raw, str):
-        return raw
-    if name in ("model_dir", "default_voice_audio"):
-        return Path(raw) if raw else None
-    try:
-        if isinstance(default, bool):
-            return raw.lower() in ("1", "true", "yes", "on")
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a {type(default).__name__}, got {raw!r}") from None
-    return raw
+        return config_from_options(cls, "cosyvoice", options, ENV_PREFIX, environ)
