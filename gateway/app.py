@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from starlette.staticfiles import StaticFiles
 
 from engine.backends import create_backend
 from engine.engine import Engine, EngineConfig
+from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
 from gateway.auth import KeyCounter, is_authorized, presented_key
 from gateway.config import GatewayConfig
@@ -81,6 +83,31 @@ async def drain(state: AppState, grace_s: float) -> None:
     end = time.monotonic() + 2.0
     while state.connections and time.monotonic() < end:
         await asyncio.sleep(0.05)
+
+
+class StartupErrors:
+    """Startup failures the operator can fix (a bad model directory, a missing voice) are
+    reported as their one-line message, not as a traceback (ASGI middleware).
+
+    Starlette answers a failed lifespan startup with `lifespan.startup.failed`
+    carrying the traceback, which uvicorn prints; this rewrites that message
+    while the exception is being handled. Anything else keeps its traceback.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def send_plain(message: dict[str, Any]) -> None:
+            exc = sys.exc_info()[1]
+            if message["type"] == "lifespan.startup.failed" and isinstance(exc, (VoxgateError, SystemExit)):
+                message = {**message, "message": f"voxgate cannot start: {exc}"}
+            await send(message)
+
+        await self.app(scope, receive, send_plain)
 
 
 class WebFiles(StaticFiles):
@@ -158,6 +185,7 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
         routes.append(Mount("/", WebFiles(directory=web_dir, html=True), name="web"))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.add_middleware(AuthMiddleware, state=state)
+    app.add_middleware(StartupErrors)
     app.state.voxgate = state
     app.state.voice_service = voice_service
     return app

@@ -50,5 +50,7 @@ def test_a_bad_engine_option_stops_the_cli_with_a_message_not_a_traceback() -> N
 
 def test_model_dir_is_the_cosyvoice_option_it_stands_for(tmp_path: Path) -> None:
     result = _serve("--engine", "cosyvoice", "--model-dir", str(tmp_path / "missing"))
-    assert result.returncode != 0
-    assert f"expected a CosyVoice model directory, got {tmp_path / 'missing'}" in result.stderr
+    assert result.returncode == 3  # uvicorn's exit code for a failed startup
+    assert f"voxgate cannot start: expected a CosyVoice model directory, got {tmp_path / 'missing'}" \
+        in result.stderr
+    assert "Traceback" not in result.stderr
