@@ -7,6 +7,8 @@ already in its cache (the cache's contents do not change the timing, so no
 prefill is run); warm-up, then the median of `--steps` steps. Modes:
 "dynamic" (eager, exact shapes), "static" (eager, bucketed shapes),
 "cuda_graphs" (the static step replayed as a CUDA graph per bucket).
+A case that fails is reported in `errors` and the others go on; `--json` is
+rewritten after every case, so a run cut short keeps what it measured.
 
 One device call (about 2 minutes on an H200):
 
@@ -29,7 +31,7 @@ import torch
 
 from engine.backends.cosyvoice.llm import LMStream, SpeechLMRunner
 from engine.backends.cosyvoice.random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
-from engine.backends.cosyvoice.sampling import RasConfig, sample_tokens
+from engine.backends.cosyvoice.sampling import RasConfig, draw_uniforms, sample_tokens
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,14 +72,17 @@ def time_decode(runner: SpeechLMRunner, streams: list[LMStream], context: int, s
 
 
 def time_sampling(runner: SpeechLMRunner, n: int, steps: int) -> float:
+    """Median ms of choosing `n` tokens by RAS, the per-stream uniforms included (as `step` does)."""
     logp = torch.randn(n, runner.spec.num_rows, device=runner.device).log_softmax(-1)
     history = torch.full((n, runner.ras.win_size), -1, dtype=torch.long, device=runner.device)
     is_greedy = torch.zeros(n, dtype=torch.bool, device=runner.device)
+    seeds = list(range(n))
     times = []
-    for _ in range(steps + 2):
+    for i in range(steps + 2):
         sync(runner.device)
         start = time.perf_counter()
-        sample_tokens(logp, history, is_greedy, runner.ras, runner.generator)
+        uniforms = draw_uniforms(seeds, [i] * n, runner.device)
+        sample_tokens(logp, history, is_greedy, runner.ras, uniforms)
         sync(runner.device)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times[2:])
@@ -109,19 +114,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lm.body.reset_rope(device)
     lm.body.lm_head.weight = torch.nn.Parameter(torch.empty(0, lm.body.config.hidden_size, device=device),
                                                 requires_grad=False)
-    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"version": args.version, "device": str(device), "dtype": args.dtype,
+                              "context": args.context, "rows": [], "sampling_ms": {}, "errors": {}}
+
+    def save() -> None:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as out:
+                json.dump(result, out, indent=1)
+
+    rows: list[dict[str, Any]] = result["rows"]
     for mode in modes:
-        runner = SpeechLMRunner(lm, max(batches), args.max_len, RasConfig(), seed=0, decode_mode=mode)
+        try:
+            runner = SpeechLMRunner(lm, max(batches), args.max_len, RasConfig(), seed=0, decode_mode=mode)
+        except Exception as exc:  # noqa: BLE001 (one mode's failure must not lose the others' numbers)
+            result["errors"][mode] = f"{type(exc).__name__}: {exc}"
+            save()
+            continue
         for n in batches:
             streams = fake_streams(runner, n, args.context)
-            ms = time_decode(runner, streams, args.context, args.steps, args.warmup)
-            rows.append({"mode": mode, "batch": n, "decode_ms": ms, "tokens_per_s": n / ms * 1000})
+            try:
+                ms = time_decode(runner, streams, args.context, args.steps, args.warmup)
+                rows.append({"mode": mode, "batch": n, "decode_ms": ms, "tokens_per_s": n / ms * 1000})
+            except Exception as exc:  # noqa: BLE001 (as above: the next batch may still run)
+                result["errors"][f"{mode} {n}"] = f"{type(exc).__name__}: {exc}"
             for s in streams:
                 runner.free(s)
+            save()
         del runner
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    sampling = {n: time_sampling(SpeechLMRunner(lm, 1, 8), n, args.steps) for n in batches}
+    sampling: dict[int, float] = result["sampling_ms"]
+    for n in batches:
+        try:
+            sampling[n] = time_sampling(SpeechLMRunner(lm, 1, 8), n, args.steps)
+        except Exception as exc:  # noqa: BLE001 (as above)
+            result["errors"][f"sampling {n}"] = f"{type(exc).__name__}: {exc}"
+        save()
     print(f"CosyVoice {args.version} LM, {'tiny' if args.smoke else 'Qwen2-0.5B'} random weights, "
           f"{args.dtype}, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"{args.context} cached positions")
@@ -130,14 +158,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("|" + "---|" * (len(modes) + 3))
     for n in batches:
         per_mode = {r["mode"]: r["decode_ms"] for r in rows if r["batch"] == n}
-        best = min(per_mode.values())
-        cells = " | ".join(f"{per_mode[m]:.2f}" for m in modes)
-        print(f"| {n} | {cells} | {sampling[n]:.2f} | {n / best * 1000:.0f} |")
-    result = {"version": args.version, "device": str(device), "dtype": args.dtype, "context": args.context,
-              "rows": rows, "sampling_ms": sampling}
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=1)
+        cells = " | ".join(f"{per_mode[m]:.2f}" if m in per_mode else "-" for m in modes)
+        best = f"{n / min(per_mode.values()) * 1000:.0f}" if per_mode else "-"
+        sampled = f"{sampling[n]:.2f}" if n in sampling else "-"
+        print(f"| {n} | {cells} | {sampled} | {best} |")
+    for case, error in result["errors"].items():
+        print(f"{case}: FAILED {error}")
     return result
 
 

@@ -15,6 +15,13 @@ text's token count (byte tokens here; every stop id is forbidden until then,
 `strict_min_length`), and random weights stop soon after.
 A short warm-up pass at each N first (CUDA-graph capture, allocator growth).
 
+Each N that fails is reported in `errors` and the next one runs; `--json` is
+rewritten after every N. No pass outlives `--budget-s` (counted from the
+start, model writing included): one running then stops with an error, and
+the N after it are skipped. Without PyAV (the GPU image has none) the
+reference clip is read with `wave` and resampled by linear interpolation,
+which is all random weights need.
+
 One device call (a few minutes on an H200):
 
     python -m bench.gpu_cosyvoice_pipeline --json /tmp/pipeline.json
@@ -27,18 +34,24 @@ CPU smoke run (tiny sizes; CI runs it so the script does not rot):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
 import tempfile
 import time
+import wave
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
+import engine.backends.cosyvoice.loader as loader_module
 import engine.backends.cosyvoice.t2w as t2w_module
+import engine.backends.cosyvoice.voice_prompts as voice_prompts_module
 from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.lm_driver import TorchLMDriver
@@ -99,13 +112,26 @@ def instrument(backend: CosyVoiceBackend, timer: StageTimer) -> None:
         "hift", getattr(t2w_module, VOCODER_NAME), lambda hift, states, *rest: len(states)))
 
 
+def num_graphs(backend: CosyVoiceBackend) -> dict[str, int]:
+    """CUDA graphs captured so far: the LM's decode buckets and the flow estimator's."""
+    assert isinstance(backend.lm, TorchLMDriver) and backend.model is not None
+    static = backend.lm.runner.static
+    estimator = backend.model.t2w.flow.decoder.estimator
+    return {"lm": len(static.graphs) if static is not None else 0, "flow": len(getattr(estimator, "graphs", {}))}
+
+
 def rank(values: list[float], q: float) -> float:
     """The nearest-rank q-quantile of sorted values."""
     return values[max(0, math.ceil(q * len(values)) - 1)]
 
 
-def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str) -> dict[str, Any]:
-    """N requests at once, stepped together to the end: TTFA, gaps and audio per request."""
+def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: float = math.inf,
+             max_steps: int = 1 << 16) -> dict[str, Any]:
+    """N requests at once, stepped together to the end: TTFA, gaps and audio per request.
+
+    Raises TimeoutError past `deadline` (time.perf_counter()) or `max_steps`
+    steps; whatever ends the pass, its requests are released.
+    """
     items = [backend.prepare(SynthesisRequest(RequestId(f"{tag}-{n}-{i}"), text, backend.voices()[0].voice_id,
                                               0.0)) for i in range(n)]
     first: dict[str, float] = {}
@@ -114,23 +140,30 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str) -> dict[str
     live = list(items)
     start = time.perf_counter()
     num_steps = 0
-    while live:
-        results = backend.step(live)
-        num_steps += 1
-        now = time.perf_counter() - start
-        for item, result in zip(list(live), results, strict=True):
-            if result.error is not None:
-                raise RuntimeError(f"request {item.request_id} failed: {result.error!r}")
-            key = item.request_id
-            if len(result.pcm):
-                if key not in first:
-                    first[key] = now
-                elif now - first[key] > audio_s[key]:  # the listener ran out before this chunk
-                    gaps[key] = max(gaps.get(key, 0.0), now - first[key] - audio_s[key])
-                audio_s[key] += len(result.pcm) / SAMPLE_RATE
-            if result.is_finished:
-                backend.release(item)
-                live.remove(item)
+    try:
+        while live:
+            if time.perf_counter() > deadline or num_steps >= max_steps:
+                raise TimeoutError(f"expected {n} streams to finish within the budget and {max_steps} steps, "
+                                   f"got {len(live)} still running after {num_steps} steps")
+            results = backend.step(live)
+            num_steps += 1
+            now = time.perf_counter() - start
+            for item, result in zip(list(live), results, strict=True):
+                if result.error is not None:
+                    raise RuntimeError(f"request {item.request_id} failed: {result.error!r}")
+                key = item.request_id
+                if len(result.pcm):
+                    if key not in first:
+                        first[key] = now
+                    elif now - first[key] > audio_s[key]:  # the listener ran out before this chunk
+                        gaps[key] = max(gaps.get(key, 0.0), now - first[key] - audio_s[key])
+                    audio_s[key] += len(result.pcm) / SAMPLE_RATE
+                if result.is_finished:
+                    backend.release(item)
+                    live.remove(item)
+    finally:
+        for item in live:  # a failed pass must not hold KV-cache slots into the next one
+            backend.release(item)
     wall = time.perf_counter() - start
     ttfa = sorted(first.values()) or [float("nan")]
     return {"streams": n, "steps": num_steps, "wall_s": wall, "silent": n - len(first),
@@ -152,12 +185,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model-dir", help="an existing model directory (default: write a random one)")
     parser.add_argument("--workdir", default=None, help="where the random model directory is written")
     parser.add_argument("--no-warmup", action="store_true")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="wall-time budget of the whole run (model writing included)")
+    parser.add_argument("--json", help="write the results here (after each N)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.streams, args.text, args.no_warmup = "cpu", "1,2", "Hi there.", True
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     streams = [int(n) for n in args.streams.split(",")]
+    has_pyav = importlib.util.find_spec("av") is not None
+    if not has_pyav:
+        without_pyav()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="voxgate-cosyvoice-"))
     model_dir = Path(args.model_dir) if args.model_dir else workdir / f"cosyvoice{args.version}-random"
     started = time.perf_counter()
@@ -177,17 +215,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     assert isinstance(backend.lm, TorchLMDriver)
     backend.lm.runner.strict_min_length = True
     print(f"model written and loaded in {time.perf_counter() - started:.1f} s")
-    rows = []
-    for n in streams:
-        if not args.no_warmup:
-            run_pass(backend, n, WARMUP_TEXT, "warmup")
-        timer = StageTimer(device)
-        instrument(backend, timer)
-        row = run_pass(backend, n, args.text, "run")
-        row["stages"] = timer.summary()
-        _uninstrument(backend)
-        rows.append(row)
     name = device.type if device.type == "cpu" else torch.cuda.get_device_name(device)
+    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"version": args.version, "device": name, "pyav": has_pyav, "rows": rows,
+                              "errors": {}, "capacity": 0}
+    deadline = started + args.budget_s
+    max_steps = 4 * config.max_len  # a pass takes at most max_len LM steps and a final chunk
+    for n in streams:
+        if time.perf_counter() > deadline:
+            result["errors"][str(n)] = f"skipped: the {args.budget_s:.0f} s budget was spent"
+            continue
+        try:
+            if not args.no_warmup:
+                run_pass(backend, n, WARMUP_TEXT, "warmup", deadline, max_steps)
+            timer = StageTimer(device)
+            instrument(backend, timer)
+            before = num_graphs(backend)
+            try:
+                row = run_pass(backend, n, args.text, "run", deadline, max_steps)
+            finally:
+                _uninstrument(backend)
+            row["stages"] = timer.summary()
+            # a capture stalls its step (TTFA, gaps): the warm-up's short text does not reach every bucket
+            row["graphs_captured"] = {k: v - before[k] for k, v in num_graphs(backend).items()}
+            rows.append(row)
+        except Exception as exc:  # noqa: BLE001 (one N's failure must not lose the others' numbers)
+            result["errors"][str(n)] = f"{type(exc).__name__}: {exc}"
+        fine = [r["streams"] for r in rows if not r["streams_with_gaps"] and r["ttfa_p95_ms"] < 300]
+        result["capacity"] = max(fine, default=0)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as out:
+                json.dump(result, out, indent=1)
     assert backend.model is not None
     hidden = backend.model.model_dir.qwen_config()["hidden_size"]
     print(f"CosyVoice {args.version} pipeline, random weights (LM hidden {hidden}), {name}, "
@@ -204,13 +262,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"| {lm.get('ms_per_call', 0):.1f} | {flow.get('ms_per_call', 0):.0f} "
               f"({flow.get('rows_per_call', 0):.1f}) | {hift.get('ms_per_call', 0):.0f} "
               f"({hift.get('rows_per_call', 0):.1f}) |")
-    fine = [r["streams"] for r in rows if not r["streams_with_gaps"] and r["ttfa_p95_ms"] < 300]
-    print(f"gap-free with TTFA p95 < 300 ms up to: {max(fine) if fine else 'none'} of {streams} streams")
-    result = {"version": args.version, "device": name, "rows": rows, "capacity": max(fine, default=0)}
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(result, out, indent=1)
+    print(f"gap-free with TTFA p95 < 300 ms up to: {result['capacity'] or 'none'} of {streams} streams")
+    for n_failed, error in result["errors"].items():
+        print(f"{n_failed} streams: FAILED {error}")
     return result
+
+
+def without_pyav() -> None:
+    """Stand-ins for the two PyAV uses a random-weight run reaches: reading the reference
+    WAV (written here, 16-bit mono) and resampling it to 24 kHz for the prompt mel."""
+    def read_wav(path: Path) -> tuple[np.ndarray, int]:
+        with wave.open(str(path), "rb") as f:
+            pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
+            return (pcm.astype(np.float32) / 32768.0), f.getframerate()
+
+    def resample(wav: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
+        x = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32).reshape(1, 1, -1))
+        size = round(x.shape[-1] * target_rate / rate)
+        return F.interpolate(x, size=size, mode="linear", align_corners=False).reshape(-1).numpy()
+
+    print("PyAV is not installed: reading the reference with `wave`, resampling by interpolation")
+    loader_module.read_audio = read_wav
+    vars(voice_prompts_module)["resample"] = resample  # imported there by name from features.py
 
 
 _ORIGINAL_VOCODE = getattr(t2w_module, VOCODER_NAME)

@@ -17,7 +17,9 @@ graph has fixed shapes and addresses, so each call is padded up to a bucket:
 `use_graphs=False` runs the same padded static path eagerly on any device, so
 CPU tests cover everything but the capture. Calls larger than the largest
 bucket fall back to the plain estimator. One lock: a graph's static buffers
-serve one call at a time.
+serve one call at a time, and on a GPU each call's work also waits for the
+previous call's (an event), since callers on other CUDA streams (threads)
+would otherwise overwrite the buffers while the GPU still reads them.
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class GraphedEstimator(nn.Module):
         self._pool: Any = None  # the graphs' shared memory pool
         self._largest: tuple[torch.Tensor, ...] | None = None  # input buffers of the largest bucket
         self._lock = threading.Lock()
+        self._done: Any = None  # torch.cuda.Event recorded after the last call's use of the buffers
 
     def bucket_for(self, rows: int, frames: int, streaming: bool) -> Bucket | None:
         if rows > self.rows[-1] or frames > self.frames[-1]:
@@ -160,6 +163,8 @@ class GraphedEstimator(nn.Module):
             out: torch.Tensor = self.estimator(*inputs, streaming)
             return out
         with self._lock, torch.inference_mode():
+            if self._done is not None:  # the last call may have been enqueued on another stream
+                torch.cuda.current_stream(x.device).wait_event(self._done)
             if self.use_graphs and bucket not in self.graphs:
                 self.capture(bucket, x)
             load_static(self._static_for(bucket, x), inputs)
@@ -170,4 +175,9 @@ class GraphedEstimator(nn.Module):
                 result = self.outputs[bucket]
             else:
                 result = self._run_static(bucket)
-            return result[:b, :, :frames].clone()
+            out = result[:b, :, :frames].clone()
+            if x.is_cuda:
+                if self._done is None:
+                    self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                self._done.record(torch.cuda.current_stream(x.device))
+            return out

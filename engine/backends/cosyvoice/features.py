@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import av
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -25,6 +24,8 @@ def resample(wav: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     wav = np.ascontiguousarray(wav, dtype=np.float32).reshape(-1)
     if rate == target_rate or wav.size == 0:
         return wav
+    import av  # here, not at the top: the frontend imports this module, and only resampling needs PyAV
+
     frame = av.AudioFrame.from_ndarray(wav[None, :], format="flt", layout="mono")
     frame.sample_rate = rate
     resampler = av.AudioResampler(format="flt", layout="mono", rate=target_rate)
