@@ -218,14 +218,22 @@ class Qwen2Attention(nn.Module):
         # A query at position p sees keys 0..p of its own row: [B, 1, T, L]
         key_pos = torch.arange(view.kv_len, device=x.device)
         mask = (key_pos[None, None, :] <= view.positions[:, :, None])[:, None]
-        out = F.scaled_dot_product_attention(
-            q,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=mask,
-            scale=1.0 / math.sqrt(self.head_dim),
-            enable_gqa=True,
-        )  # [B, H, T, Dh]
+        scale = 1.0 / math.sqrt(self.head_dim)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        if t == 1:
+            # Decode: the G query heads sharing a KV head become G query rows of that head
+            # ([B, KV, G, Dh]; head i reads KV head i // G), so attention needs no GQA
+            # expansion of K and V and a fused masked kernel applies on a GPU (with
+            # enable_gqa and a mask, CUDA falls back to the math path, which copies K and V
+            # per query head in every layer). The one mask row serves all G rows.
+            g = self.num_heads // self.num_kv_heads
+            out = F.scaled_dot_product_attention(
+                q.reshape(b, self.num_kv_heads, g, self.head_dim), keys, values, attn_mask=mask, scale=scale,
+            ).reshape(b, self.num_heads, 1, self.head_dim)  # [B, H, 1, Dh]
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )  # [B, H, T, Dh]
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         return projected
 
