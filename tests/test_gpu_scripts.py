@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +13,7 @@ import pytest
 import torch
 
 from bench import gpu_cosyvoice_lm, gpu_cosyvoice_pipeline
+from tests.conftest import REPO
 from tests.cosyvoice_tiny import tiny_model_dir
 
 
@@ -38,3 +43,17 @@ def test_pipeline_benchmark_reports_ttfa_gaps_and_stage_times(
         assert row["audio_s_mean"] > 0
         assert set(row["stages"]) == {"lm_step", "flow", "hift"}
     assert "gap-free with TTFA p95 < 300 ms up to" in capsys.readouterr().out
+
+
+def test_the_one_device_call_runs_all_three_and_returns_few_enough_files(tmp_path: Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SMOKE": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    result = subprocess.run(["bash", str(REPO / "bench" / "gpu_all.sh")], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=600, check=True)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert len(files) <= 8  # the device returns at most 8 files
+    for name in ("gpu_flow_estimator", "gpu_cosyvoice_lm", "gpu_cosyvoice_pipeline"):
+        assert f"{name}.log" in files
+        assert json.loads((tmp_path / "out" / f"{name}.json").read_text()), name
+        assert f"== {name}" in result.stdout
+    assert result.stdout.count("   exit 0 after") == 3

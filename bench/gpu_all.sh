@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The three GPU benchmarks in ONE device call, inside its 10-minute limit:
+#
+#   bash bench/gpu_all.sh            # results and logs under $OUT (default /tmp/voxgate-gpu)
+#
+# flow estimator (eager / CUDA graphs / TensorRT where installed), then the LM
+# decode steps, then the whole pipeline with whatever time is left (its
+# --budget-s stops it cleanly). Each script rewrites its JSON after every case,
+# so a run cut short still returns what it measured. Seven files come back:
+# gpu.txt, and a .json and a .log per script. Runs from the repository root with
+# the machine's own python3 and torch; nothing is installed. SMOKE=1 runs each
+# script's --smoke mode instead (tiny sizes on the CPU; tests/test_gpu_scripts.py).
+set -u
+OUT=${OUT:-/tmp/voxgate-gpu}
+TOTAL_S=${TOTAL_S:-570}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+    python3 -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)'
+    nproc
+} >"$OUT/gpu.txt" 2>&1
+
+run() {  # name, seconds, extra arguments
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most $limit s)"
+    # shellcheck disable=SC2046
+    timeout -k 10 "$limit" python3 -m "bench.$name" --json "$OUT/$name.json" "$@" \
+        $([ "${SMOKE:-0}" = 1 ] && echo --smoke) >"$OUT/$name.log" 2>&1
+    echo "   exit $? after $(($(date +%s) - start)) s"
+    tail -n 25 "$OUT/$name.log"
+}
+
+run gpu_flow_estimator 120
+run gpu_cosyvoice_lm 180
+left=$((TOTAL_S - ($(date +%s) - start)))
+run gpu_cosyvoice_pipeline $((left > 60 ? left : 60)) --budget-s $((left > 90 ? left - 30 : 60))
+echo "== done in $(($(date +%s) - start)) s"
