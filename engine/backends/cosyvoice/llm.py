@@ -264,7 +264,8 @@ class SpeechLMRunner:
         self.strict_min_length = False
         self.static: StaticDecoder | None = None
         if decode_mode != "dynamic":
-            self.static = StaticDecoder(self, decode_mode == "cuda_graphs", kv_bucket)
+            self.static = StaticDecoder(lm, self.cache, self.spec.num_rows, decode_mode == "cuda_graphs",
+                                        kv_bucket)
 
     @property
     def num_free_slots(self) -> int:

@@ -24,14 +24,21 @@ computes what the dynamic path does, and the GPU path differs only by capture.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from engine.backends.cosyvoice.qwen2 import CacheView
+from engine.backends.cosyvoice.qwen2 import CacheView, SlotKVCache
 
-if TYPE_CHECKING:
-    from engine.backends.cosyvoice.llm import SpeechLMRunner
+
+class DecodesSpeech(Protocol):
+    """What a decode step calls on the speech LM (llm.SpeechLM)."""
+
+    def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_hidden(self, embeds: torch.Tensor, view: CacheView) -> torch.Tensor: ...
+
+    def head_logp(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DECODE_MODES = ("dynamic", "static", "cuda_graphs")
@@ -47,28 +54,32 @@ def bucket_of(n: int, buckets: list[int]) -> int:
 class StaticDecoder:
     """One decode step for any subset of slots, with shapes drawn from a few buckets."""
 
-    def __init__(self, runner: SpeechLMRunner, use_graphs: bool, kv_bucket: int = 256) -> None:
-        if use_graphs and runner.device.type != "cuda":
-            raise ValueError(f"expected a CUDA device for CUDA graphs, got {runner.device}")
+    def __init__(self, lm: DecodesSpeech, cache: SlotKVCache, num_rows: int, use_graphs: bool,
+                 kv_bucket: int = 256) -> None:
+        """`lm` decodes into `cache` (whose dtype its weights share); `num_rows` log-probs per token."""
+        k0, _ = cache.layer(0)
+        self.lm, self.cache = lm, cache
+        self.device, self.dtype, self.max_len = k0.device, k0.dtype, cache.max_len
+        if use_graphs and self.device.type != "cuda":
+            raise ValueError(f"expected a CUDA device for CUDA graphs, got {self.device}")
         if kv_bucket < 1:
             raise ValueError(f"expected kv_bucket >= 1, got {kv_bucket}")
-        self.runner = runner
         self.use_graphs = use_graphs
-        max_b, max_len, dev = runner.max_batch, runner.max_len, runner.device
+        max_b, max_len, dev = cache.max_batch, cache.max_len, self.device
         self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_b] + [max_b]
         self.kv_buckets = [k for k in range(kv_bucket, max_len, kv_bucket)] + [max_len]
         self.tokens = torch.zeros(max_b, dtype=torch.long, device=dev)  # [S]
         self.positions = torch.full((max_b, 1), max_len - 1, dtype=torch.long, device=dev)  # [S, 1]
         self.rows = torch.arange(max_b, device=dev)  # [S]
-        self.out = torch.zeros(max_b, runner.spec.num_rows, device=dev)  # [S, V] float32
+        self.out = torch.zeros(max_b, num_rows, device=dev)  # [S, V] float32
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # the graphs' shared memory pool
 
     def _body(self, b: int, kv: int) -> None:
         """Rows [0, b): embed the static tokens, one forward, log-probs into `out`."""
-        lm = self.runner.lm
-        embeds = lm.token_embeds(self.tokens[:b]).to(self.runner.dtype)  # [b, 1, D]
-        view = CacheView(self.runner.cache, self.rows[:b], self.positions[:b], kv_len=kv,
+        lm = self.lm
+        embeds = lm.token_embeds(self.tokens[:b]).to(self.dtype)  # [b, 1, D]
+        view = CacheView(self.cache, self.rows[:b], self.positions[:b], kv_len=kv,
                          row_range=(0, b))
         hidden = lm.forward_hidden(embeds, view)  # [b, 1, D]
         self.out[:b] = lm.head_logp(hidden[:, -1])
@@ -77,13 +88,13 @@ class StaticDecoder:
         """Record the graph of bucket (b, kv): warm-up on a side stream, then capture."""
         if (b, kv) in self.graphs:
             return
-        self.positions.fill_(self.runner.max_len - 1)  # warm-up writes land where nothing reads
-        stream = torch.cuda.Stream(self.runner.device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        self.positions.fill_(self.max_len - 1)  # warm-up writes land where nothing reads
+        stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for _ in range(2):
                 self._body(b, kv)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool):
             self._body(b, kv)
@@ -98,12 +109,12 @@ class StaticDecoder:
     def run(self, slots: list[int], positions: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] for cache rows `slots` at `positions` -> log-probs [B, V] (float32)."""
         b, kv = self.buckets_for(slots, positions)
-        index = torch.tensor(slots, device=self.runner.device)
+        index = torch.tensor(slots, device=self.device)
         with torch.inference_mode():
             self.tokens[:b].zero_()
-            self.positions[:b].fill_(self.runner.max_len - 1)
+            self.positions[:b].fill_(self.max_len - 1)
             self.tokens[index] = tokens.to(self.tokens.device)
-            self.positions[index, 0] = torch.tensor(positions, device=self.runner.device)
+            self.positions[index, 0] = torch.tensor(positions, device=self.device)
             if self.use_graphs:
                 if (b, kv) not in self.graphs:
                     saved = self.tokens.clone(), self.positions.clone()
