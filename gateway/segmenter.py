@@ -148,6 +148,7 @@ class Segmenter:
         self._is_scan_in_code = False
         self._last_input_at: float | None = None
         self.num_emitted = 0
+        self.num_words_emitted = 0
 
     @property
     def pending_text(self) -> str:
@@ -212,18 +213,22 @@ class Segmenter:
             if text:
                 segments.append(text)
                 self.num_emitted += 1
+                self.num_words_emitted += count_words(text)
         return segments
 
     def _next_cut(self, final: bool) -> tuple[int, int] | None:
         """(end of segment, start of the rest) of the first confirmed cut, or None."""
         text = self._buffer
-        is_first = self.num_emitted == 0
+        # Early segments (until the context has spoken `first_segment_min_words` words) may
+        # end at a clause: after a short opener ("Sure!") the next clause follows at once,
+        # before the opener's half second of audio runs out.
+        is_early = self.num_words_emitted < self.config.first_segment_min_words
         cap = self.config.max_segment_chars
-        if is_first:
+        if is_early:
             cap = min(cap, self.config.first_segment_max_chars)
         limit = _cap_index(text, cap)
         stop = len(text) if limit is None else limit
-        pattern = _SENTENCE_OR_CLAUSE if is_first else _SENTENCE
+        pattern = _SENTENCE_OR_CLAUSE if is_early else _SENTENCE
         pos, in_code = self._scan_pos, self._is_scan_in_code
         while (match := pattern.search(text, pos, stop)) is not None:
             i = match.start()
@@ -237,11 +242,6 @@ class Segmenter:
                 end, resume = self._judge(text, i, final)
                 if end == _WAIT:
                     break
-                if (is_first and end >= 0 and char in _TERMINALS and not (i > 0 and is_cjk(text[i - 1]))
-                        and count_words(strip_marks(text[:end])) < self.config.first_segment_min_words):
-                    # A very short first sentence ("Sure!") would play out before the
-                    # next one exists and leave a gap: it joins what follows instead.
-                    end = _NO
                 if end >= 0 and end <= stop and _SPEAKABLE.search(text, 0, end):
                     return end, resume
                 pos = resume
@@ -312,7 +312,7 @@ class Segmenter:
         return j, j
 
     def _judge_clause(self, text: str, i: int, final: bool) -> tuple[int, int]:
-        """First segment only: a clause mark once the segment holds enough words."""
+        """Early segments only: a clause mark once the segment holds enough words."""
         char = text[i]
         if char == "—":
             end = _skip(text, i, "—")

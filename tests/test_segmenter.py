@@ -193,11 +193,15 @@ def test_idle_release_includes_text_the_cleaner_was_holding() -> None:
     assert segmenter.poll(0.1) == ["Read [the docs"]
 
 
-def test_a_very_short_first_sentence_joins_what_follows_so_it_cannot_leave_a_gap() -> None:
+def test_a_short_opener_is_spoken_at_once_and_the_next_clause_follows_before_it_runs_out() -> None:
     segmenter = Segmenter()
-    assert segmenter.push("Sure! Here is the short version, in two parts. Then", 0.0) == [
-        "Sure! Here is the short version,", "in two parts."]
-    assert segmenter.push(" more. Ok. Fine. Next", 0.0) == ["Then more.", "Ok.", "Fine."]
+    assert segmenter.push("Sure! Here is", 0.0) == ["Sure!"]
+    # Under 4 words spoken so far: the next segment may still end at a clause...
+    assert segmenter.push(" the short version, in two parts. Then", 0.0) == [
+        "Here is the short version,", "in two parts."]
+    # ...and once the context has spoken 4 words, segments are whole sentences.
+    assert segmenter.push(" more, and more. Ok. Fine. Next", 0.0) == ["Then more, and more.", "Ok.", "Fine."]
+    assert segmenter.num_words_emitted == 1 + 5 + 3 + 4 + 1 + 1
 
 
 def test_flush_releases_everything_and_empties_the_buffer() -> None:
