@@ -55,6 +55,15 @@ def test_chinese_uses_the_chinese_grammar_and_drops_blanks_between_ideographs(we
     assert " " not in spoken
 
 
+def test_text_the_grammar_fails_on_is_normalized_around_the_failing_words(wetext: WeTextNormalizer) -> None:
+    # wetext raises an AssertionError on "+1" (found by bench/bench_textnorm.py on the load corpus)
+    with pytest.raises(AssertionError):
+        wetext._en.normalize("a UTC offset of +1 hours.")
+    spoken = wetext.normalize("It is 15:45 where you are, given a UTC offset of +1 hours and 3 minutes.")
+    assert spoken == "It is fifteen forty five where you are, given a UTC offset of +1 hours and three minutes."
+    assert wetext.normalize("+1") == "+1"
+
+
 def test_text_with_inline_markup_or_nothing_to_say_is_left_alone(wetext: WeTextNormalizer) -> None:
     for text in ("Wait <|breath|> 3 seconds.", "", "   "):
         assert wetext.normalize(text) == text

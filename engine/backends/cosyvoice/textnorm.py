@@ -65,8 +65,28 @@ class WeTextNormalizer:
         if not text.strip() or _MARKUP.search(text):
             return text
         if _CJK.search(text):
-            return _BLANK_BESIDE_NON_ASCII.sub("", str(self._zh.normalize(text)))
-        return str(self._en.normalize(text))
+            return _BLANK_BESIDE_NON_ASCII.sub("", _robust(self._zh, text))
+        return _robust(self._en, text)
+
+
+# wetext's grammars fail on some inputs (an AssertionError on "offset of +1 hours"):
+# the failing text is retried clause by clause, then word by word, and what still
+# fails is kept as written. Normalization never fails a request.
+_SPLITS = (re.compile(r"((?<=[,;:])\s+|(?<=[，；：、])\s*)"), re.compile(r"(\s+)"))
+
+
+def _robust(grammar: Any, text: str, level: int = 0) -> str:
+    try:
+        return str(grammar.normalize(text))
+    except Exception:  # noqa: BLE001 (any failure of the grammar library)
+        if level == len(_SPLITS):
+            log.debug("wetext could not normalize %r; kept as written", text)
+            return text
+    pieces = _SPLITS[level].split(text)  # text, separator, text, ...
+    if len(pieces) == 1:
+        return _robust(grammar, text, level + 1)
+    return "".join(piece if i % 2 or not piece else _robust(grammar, piece, level + 1)
+                   for i, piece in enumerate(pieces))
 
 
 def load_text_normalizer(mode: str = "auto") -> TextNormalizer:
