@@ -136,10 +136,17 @@ def assert_silent_after_interrupt(page: Page) -> dict[str, Any]:
 
 
 def assert_heard_then_dropped(cut: dict[str, Any]) -> None:
-    """Some words were heard, some dropped, and together they are the answer's start, in order."""
+    """Some words were heard, some dropped, and together they are the answer's start, in order.
+
+    The answer may still have been streaming in when the cancel came, so the dropped text
+    can end inside a word ("answe"): the last word need only begin the answer's word.
+    """
     spoken, unspoken = cut["spoken_text"].split(), cut["unspoken_text"].split()
     assert spoken and unspoken
-    assert LONG_ANSWER.split()[: len(spoken) + len(unspoken)] == spoken + unspoken
+    words = spoken + unspoken
+    expected = LONG_ANSWER.split()[: len(words)]
+    assert words[:-1] == expected[:-1]
+    assert expected[-1].startswith(words[-1])
 
 
 def test_page_loads_without_console_errors_and_lists_the_servers_voices(
