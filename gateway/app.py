@@ -99,7 +99,8 @@ class StartupErrors:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
-            return await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
+            return
 
         async def send_plain(message: dict[str, Any]) -> None:
             exc = sys.exc_info()[1]

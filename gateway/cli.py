@@ -147,14 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                                         shutdown_grace_s=args.shutdown_grace,
                                         engine_options=_engine_options(_shorthand_options(args)))
         log.info(check_exposure(config.host, config.auth))
-    except (TypeError, ValueError, OSError) as exc:
-        print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
-        return 2
-    from gateway.app import create_app
+        from gateway.app import create_app
 
-    try:
-        app = create_app(config)
-    except (TypeError, ValueError) as exc:  # the engine's options (engine/options.py)
+        app = create_app(config)  # builds the backend's config from the engine options
+    except (TypeError, ValueError, OSError) as exc:
         print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
         return 2
     server = DrainingServer(uvicorn.Config(

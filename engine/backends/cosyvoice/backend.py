@@ -30,9 +30,7 @@ Registered voices compute the x-vector, prompt tokens and prompt mel once
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,9 +39,10 @@ import numpy as np
 from engine.backend import Backend, BackendRequest, StepResult
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.frontend import LMInput, Mode
-from engine.backends.cosyvoice.lm_driver import LMStart, SpeechLMDriver
+from engine.backends.cosyvoice.lm_driver import LMStart, SpeechLMDriver, stream_seed
 from engine.backends.cosyvoice.loader import LoadedModel, load_model
 from engine.backends.cosyvoice.t2w import WaveChunk
+from engine.backends.cosyvoice.textnorm import resolve_text_frontend
 from engine.backends.cosyvoice.voice_prompts import (
     CosyVoice,
     clone_voice,
@@ -128,9 +127,7 @@ class CosyVoiceBackend(Backend):
             mode = Mode.ZERO_SHOT
         lm_input = model.frontend.lm_input(request.text, voice.prompt, mode, request.instructions)
         key = str(request.request_id)
-        seed = request.params.seed
-        if seed is None:  # reproducible per request id, whatever shares its batches
-            seed = zlib.crc32(key.encode()) ^ self.config.seed
+        seed = request.params.seed if request.params.seed is not None else stream_seed(key, self.config.seed)
         state = CosyState(key, voice, lm_input, request.deadline, seed, request.params.speed)
         if not request.text.strip():
             state.is_lm_done = True  # nothing to say: finishes empty at its first step
@@ -277,10 +274,7 @@ def _features_version(config: CosyVoiceBackendConfig) -> str:
     """Names what voice features depend on: the frontend models' files, the tokenizer and
     text normalization (the transcript's ids)."""
     root = config.model_dir
-    normalizer = config.text_frontend
-    if normalizer == "auto":
-        normalizer = "wetext" if importlib.util.find_spec("wetext") is not None else "none"
-    digest = hashlib.sha256(f"{config.tokenizer}:{normalizer}".encode())
+    digest = hashlib.sha256(f"{config.tokenizer}:{resolve_text_frontend(config.text_frontend)}".encode())
     if root is not None:
         for name in ("campplus.onnx", "speech_tokenizer_v2.onnx", "speech_tokenizer_v3.onnx",
                      "cosyvoice2.yaml", "cosyvoice3.yaml", "CosyVoice-BlankEN/vocab.json",

@@ -21,6 +21,7 @@ stream continues where it was (recomputation, as vLLM preempts).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,6 +30,12 @@ from engine.backends.cosyvoice.frontend import LMInput
 from engine.backends.cosyvoice.llm import LMStream, PrefillRequest, SpeechLMRunner
 
 LM_BACKENDS = ("torch", "vllm")
+
+
+def stream_seed(key: str, base_seed: int) -> int:
+    """The sampling seed of a stream that brings none: the request key mixed with the backend's seed,
+    so a request samples the same whatever shares its batches."""
+    return zlib.crc32(key.encode()) ^ base_seed
 
 
 @dataclass(slots=True)

@@ -37,7 +37,6 @@ import logging
 import shutil
 import tempfile
 import threading
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,7 @@ from typing import Any
 import torch
 
 from engine.backends.cosyvoice.llm import NoFreeSlotError, SpeechLM
-from engine.backends.cosyvoice.lm_driver import LMOutput, LMStart
+from engine.backends.cosyvoice.lm_driver import LMOutput, LMStart, stream_seed
 from engine.backends.cosyvoice.sampling import RasConfig
 from engine.backends.cosyvoice.vllm_export import CPU_HEAD_SIZES, export_for_vllm
 from engine.backends.cosyvoice.vllm_lm import SpeechSampling, VllmLMConfig, VllmSpeechLM
@@ -76,8 +75,6 @@ class VllmDriverConfig:
                              f"{self.max_streams} and {self.max_len}")
         if not 0.0 <= self.wait_s <= 1.0:
             raise ValueError(f"expected wait_s in [0, 1] seconds, got {self.wait_s}")
-        if not 0.0 < self.gpu_memory_share <= 1.0:
-            raise ValueError(f"expected gpu_memory_share in (0, 1], got {self.gpu_memory_share}")
 
 
 @dataclass(slots=True)
@@ -220,7 +217,7 @@ class VllmLMDriver:
         num_resumed = len(r.resume_tokens)
         if num_resumed >= max_len:
             raise ValueError(f"expected fewer resumed tokens than {max_len}, got {num_resumed}")
-        seed = (zlib.crc32(r.key.encode()) ^ c.seed if r.seed is None else r.seed) & 0x7FFFFFFF
+        seed = (stream_seed(r.key, c.seed) if r.seed is None else r.seed) & 0x7FFFFFFF
         ras = c.ras
         sampling = SpeechSampling(
             max_tokens=max_len - num_resumed,

@@ -23,6 +23,7 @@ Normalization happens in the engine only: the gateway's `segment` and
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 from typing import Any, Protocol
@@ -89,21 +90,28 @@ def _robust(grammar: Any, text: str, level: int = 0) -> str:
                    for i, piece in enumerate(pieces))
 
 
-def load_text_normalizer(mode: str = "auto") -> TextNormalizer:
-    """The normalizer for `text_frontend` (see the module docstring)."""
+def resolve_text_frontend(mode: str) -> str:
+    """`text_frontend` as it will run: "auto" becomes "wetext" where it is installed, else "none"."""
     if mode not in TEXT_FRONTENDS:
         raise ValueError(f"text_frontend must be one of {TEXT_FRONTENDS}, got {mode!r}")
-    if mode == "none":
+    if mode == "auto":
+        return "wetext" if importlib.util.find_spec("wetext") is not None else "none"
+    return mode
+
+
+def load_text_normalizer(mode: str = "auto") -> TextNormalizer:
+    """The normalizer for `text_frontend` (see the module docstring)."""
+    resolved = resolve_text_frontend(mode)
+    if resolved == "none":
+        if mode == "auto":
+            log.warning("wetext is not installed: cosyvoice speaks digits and symbols as written "
+                        "(pip install wetext)")
         return PlainText()
     try:
         import wetext  # optional dependency: pip install 'voxgate[cosyvoice]'
     except ImportError as exc:
-        if mode == "wetext":
-            raise ModelLoadError(
-                "text_frontend 'wetext' expects the wetext package, got none installed "
-                "(pip install wetext, or text_frontend=none)"
-            ) from exc
-        log.warning("wetext is not installed: cosyvoice speaks digits and symbols as written "
-                    "(pip install wetext)")
-        return PlainText()
+        raise ModelLoadError(
+            "text_frontend 'wetext' expects the wetext package, got none installed "
+            "(pip install wetext, or text_frontend=none)"
+        ) from exc
     return WeTextNormalizer(wetext)
