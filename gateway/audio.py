@@ -1,11 +1,21 @@
 """Per-context audio encoding for the WebSocket: resample, cut frames, encode.
 
 One `StreamEncoder` per context (DESIGN.md, Audio). It takes the engine's mono
-float32 PCM at the voice's rate, resamples it with swresample (PyAV's
-`AudioResampler`), cuts it into whole `frame_ms` frames and encodes each one as
-an Opus packet (libopus, bundled in PyAV's wheels), PCM16 little-endian bytes,
-or G.711 mu-law bytes at 8 kHz. `encode` returns only whole frames and keeps
-the remainder; `flush` pads the last partial frame with silence.
+float32 PCM at the voice's rate and returns whole `frame_ms` frames: Opus
+packets (libopus, bundled in PyAV's wheels), PCM16 little-endian bytes, or
+G.711 mu-law bytes at 8 kHz. `encode` returns only whole frames and keeps the
+remainder; `flush` pads the last partial frame with silence.
+
+The audio path, once. The PCM is checked and cast where it enters
+(`as_mono_float32`, a no-op for the engine's float32) and wrapped in one
+`av.AudioFrame`; from there FFmpeg does the rest in one pass and nothing comes
+back to numpy. For Opus the codec context itself resamples (swresample) and
+cuts codec-sized frames: PyAV runs every frame it encodes through a filter graph
+set to the codec's rate and frame size, so a separate resampler before it
+would only convert twice. For PCM16 and mu-law one `AudioResampler` converts
+rate and sample format (float to s16, with swresample's rounding and clipping);
+PCM16 is the bytes of its output, mu-law FFmpeg's G.711 encoder run on that
+output, and whole frames are cut from those bytes.
 
 Opus lookahead. libopus delays its output by a fixed lookahead (6.5 ms in the
 default application: 312 samples at 48 kHz, the OpusHead "pre-skip"). We do
@@ -13,11 +23,13 @@ not shift the input; instead the stream behaves like an Ogg Opus stream:
 a decoder drops the first `pre_skip` samples (at the output rate) and the
 decoded audio then lines up sample for sample with the input. So that the tail
 of the input is not cut off, `flush` emits as many frames as needed to cover
-`input + pre_skip` samples: the frame count is `ceil((n + pre_skip) / F)`,
-which is `ceil(n / F)` unless the last frame's silence padding is shorter than
-the lookahead, in which case one more (silent-tailed) frame follows.
-`opus_head` gives the 19-byte OpusHead (WebCodecs `description`) carrying that
-pre-skip. PCM16 and mu-law have no delay: `ceil(n / F)` frames exactly.
+`input + pre_skip` samples: FFmpeg's libopus wrapper counts the lookahead as
+samples still owed (its `initial_padding`) and drains with silent frames until
+they are out, so the frame count is `ceil((n + pre_skip) / F)`: `ceil(n / F)`
+unless the last frame's silence padding is shorter than the lookahead, in which
+case one more (silent-tailed) frame follows. `opus_head` gives the 19-byte
+OpusHead (WebCodecs `description`) carrying that pre-skip (RFC 7845, 5.1).
+PCM16 and mu-law have no delay: `ceil(n / F)` frames exactly.
 """
 
 from __future__ import annotations
@@ -27,13 +39,19 @@ from dataclasses import dataclass
 import av
 import numpy as np
 
-CODECS = ("opus", "pcm16", "mulaw")
-SAMPLE_RATES = (48000, 24000, 16000, 8000)
-FRAME_MS = (20, 40, 60)
-MULAW_SAMPLE_RATE = 8000  # G.711 is defined at 8 kHz only
-MIN_OPUS_BITRATE, MAX_OPUS_BITRATE = 6000, 510000
-DEFAULT_OPUS_BITRATE = {48000: 32000, 24000: 24000, 16000: 20000, 8000: 12000}
-DEFAULT_OPUS_COMPLEXITY = 5  # libopus 0-10; 5 halves the CPU of 10 for speech at a small cost
+from gateway.formats import (
+    CODECS,
+    DEFAULT_OPUS_BITRATE,
+    DEFAULT_OPUS_COMPLEXITY,
+    FRAME_MS,
+    MAX_OPUS_BITRATE,
+    MIN_OPUS_BITRATE,
+    MULAW_SAMPLE_RATE,
+    SAMPLE_RATES,
+)
+
+#: what a partial last frame is padded with: digital silence in each codec's bytes
+_SILENCE = {"pcm16": b"\x00\x00", "mulaw": b"\xff"}  # G.711 mu-law codes zero as 0xFF
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,12 +79,23 @@ def float_to_pcm16(pcm: np.ndarray) -> np.ndarray:
 
 
 def as_mono_float32(pcm: np.ndarray) -> np.ndarray:
-    """Validate mono PCM ([num_samples], int16 or float) and return it as float32."""
+    """Validate mono PCM ([num_samples], int16 or float) and return it as float32.
+
+    The one cast on the gateway's audio path: the engine's float32 passes
+    through without a copy.
+    """
     if not isinstance(pcm, np.ndarray):
         raise TypeError(f"expected a numpy array of PCM, got {type(pcm).__name__}")
     if pcm.ndim != 1:
         raise ValueError(f"expected mono PCM of shape [num_samples], got shape {pcm.shape}")
     return np.ascontiguousarray(pcm_to_float(pcm))
+
+
+def to_frame(samples: np.ndarray, sample_rate: int) -> av.AudioFrame:
+    """PCM as `as_mono_float32` returns it ([num_samples] float32) in one "flt" AudioFrame."""
+    frame = av.AudioFrame.from_ndarray(samples[None, :], format="flt", layout="mono")
+    frame.sample_rate = sample_rate
+    return frame
 
 
 class StreamEncoder:
@@ -98,16 +127,11 @@ class StreamEncoder:
         self.bitrate: int | None = None
         self.pre_skip = 0
         self.opus_head: bytes | None = None
-        self._resampler = (
-            av.AudioResampler(format="flt", layout="mono", rate=sample_rate_out)
-            if sample_rate_in != sample_rate_out
-            else None
-        )
-        self._pending = np.zeros(0, dtype=np.float32)  # [num_samples] at the output rate
-        self._num_samples_out = 0  # resampled input samples seen, before padding
         self._num_frames = 0
         self._is_flushed = False
         self._context: av.AudioCodecContext | None = None
+        self._resampler: av.AudioResampler | None = None
+        self._pending = b""  # PCM16 or mu-law bytes short of a whole frame
         if codec == "opus":
             self.bitrate = bitrate if bitrate is not None else DEFAULT_OPUS_BITRATE[sample_rate_out]
             self._context = _open_opus(sample_rate_out, frame_ms, self.bitrate, complexity)
@@ -115,8 +139,10 @@ class StreamEncoder:
             # OpusHead bytes 10-11: pre-skip in 48 kHz samples (RFC 7845, 5.1).
             pre_skip_48k = int.from_bytes(self.opus_head[10:12], "little")
             self.pre_skip = pre_skip_48k * sample_rate_out // 48000
-        elif codec == "mulaw":
-            self._context = _open_pcm_encoder("pcm_mulaw", sample_rate_out)
+        else:
+            self._resampler = av.AudioResampler(format="s16", layout="mono", rate=sample_rate_out)
+            if codec == "mulaw":
+                self._context = _open_pcm_encoder("pcm_mulaw", sample_rate_out)
 
     @property
     def num_frames(self) -> int:
@@ -127,65 +153,40 @@ class StreamEncoder:
         """Take mono PCM at `sample_rate_in`; return the whole frames now complete."""
         if self._is_flushed:
             raise RuntimeError("expected encode() before flush(), got encode() after flush()")
-        samples = self._resample(as_mono_float32(pcm))
-        self._num_samples_out += len(samples)
-        if len(self._pending):
-            samples = np.concatenate((self._pending, samples))
-        num_whole = len(samples) // self.frame_samples
-        cut = num_whole * self.frame_samples
-        self._pending = samples[cut:].copy()
-        if num_whole == 0:
+        samples = as_mono_float32(pcm)
+        if len(samples) == 0:
             return []
-        return self._encode_frames(samples[:cut].reshape(num_whole, self.frame_samples))
+        return self._encode(to_frame(samples, self.sample_rate_in))
 
     def flush(self) -> list[EncodedFrame]:
-        """Drain the resampler, pad the last frame with silence, return the rest."""
+        """Drain the resampler and codec, pad the last frame with silence, return the rest."""
         if self._is_flushed:
             return []
         self._is_flushed = True
-        if self._resampler is not None:
-            tail = frames_to_array(self._resampler.resample(None))
-            self._num_samples_out += len(tail)
-            self._pending = np.concatenate((self._pending, tail))
-        if self._num_samples_out == 0:
-            return []
-        needed = self._num_samples_out + self.pre_skip  # see module doc, "Opus lookahead"
-        num_total = -(-needed // self.frame_samples)
-        num_left = num_total - self._num_frames
-        block = np.zeros(num_left * self.frame_samples, dtype=np.float32)
-        block[: len(self._pending)] = self._pending
-        self._pending = np.zeros(0, dtype=np.float32)
-        return self._encode_frames(block.reshape(num_left, self.frame_samples))
+        return self._encode(None)
 
-    def _resample(self, pcm: np.ndarray) -> np.ndarray:
-        if self._resampler is None or len(pcm) == 0:
-            return pcm
-        frame = av.AudioFrame.from_ndarray(pcm[None, :], format="flt", layout="mono")
-        frame.sample_rate = self.sample_rate_in
-        return frames_to_array(self._resampler.resample(frame))
-
-    def _encode_frames(self, block: np.ndarray) -> list[EncodedFrame]:
-        # block: [num_frames, frame_samples] float32 at the output rate
-        num_frames = block.shape[0]
-        self._num_frames += num_frames
+    def _encode(self, frame: av.AudioFrame | None) -> list[EncodedFrame]:
         duration = float(self.frame_ms)
-        size = self.frame_samples
-        if self.codec == "pcm16":
-            data = float_to_pcm16(block).tobytes()
-            step = 2 * size
-            return [EncodedFrame(data[i : i + step], duration) for i in range(0, len(data), step)]
-        assert self._context is not None
-        if self.codec == "mulaw":
-            data = _encode_all(self._context, block.reshape(-1), self.sample_rate, "s16")
-            return [EncodedFrame(data[i : i + size], duration) for i in range(0, len(data), size)]
-        out: list[EncodedFrame] = []
-        for row in block:
-            frame = av.AudioFrame.from_ndarray(row[None, :], format="flt", layout="mono")
-            frame.sample_rate = self.sample_rate
+        if self._resampler is None:  # Opus: resample, cut and encode in the codec context
+            assert self._context is not None
             # libopus emits exactly one packet per full frame (no internal queue).
-            out.extend(
-                EncodedFrame(bytes(packet), duration) for packet in self._context.encode(frame)
-            )
+            out = [EncodedFrame(bytes(packet), duration) for packet in self._context.encode(frame)]
+            self._num_frames += len(out)
+            return out
+        data = self._pending
+        for piece in self._resampler.resample(frame):  # s16 mono at the output rate
+            if self._context is None:
+                data += bytes(piece.planes[0])[: 2 * piece.samples]
+            else:
+                data += b"".join(bytes(packet) for packet in self._context.encode(piece))
+        silence = _SILENCE[self.codec]  # one sample of it
+        size = len(silence) * self.frame_samples  # bytes per frame
+        if frame is None and len(data) % size:  # flush: pad the last partial frame
+            data += silence * ((size - len(data) % size) // len(silence))
+        cut = len(data) - len(data) % size
+        self._pending = data[cut:]
+        out = [EncodedFrame(data[i : i + size], duration) for i in range(0, cut, size)]
+        self._num_frames += len(out)
         return out
 
 
@@ -250,14 +251,6 @@ def _open_pcm_encoder(name: str, rate: int) -> av.AudioCodecContext:
     context.format = "s16"
     context.open()
     return context
-
-
-def _encode_all(context: av.AudioCodecContext, pcm: np.ndarray, rate: int, fmt: str) -> bytes:
-    """Encode a whole block in one call with a variable-frame-size codec."""
-    samples = float_to_pcm16(pcm) if fmt == "s16" else pcm
-    frame = av.AudioFrame.from_ndarray(samples[None, :], format=fmt, layout="mono")
-    frame.sample_rate = rate
-    return b"".join(bytes(packet) for packet in context.encode(frame))
 
 
 def frames_to_array(frames: list[av.AudioFrame]) -> np.ndarray:

@@ -22,6 +22,11 @@ Streamed WAV: the length is unknown when the header goes out, so the RIFF and
 `data` sizes are 0xFFFFFFFF, as OpenAI's streamed WAV does; FFmpeg and browsers
 read to the end of the body. The header is the plain 44-byte one (the muxer
 runs with `bitexact`, which leaves out the LIST/INFO encoder tag).
+
+The PCM is wrapped in one `av.AudioFrame` at the engine's rate and handed
+straight to the stream's encoder, whose codec context resamples it, converts
+the sample format and cuts codec-sized frames in one pass (the raw `pcm` body,
+having no codec, takes the same pass through one `AudioResampler` to s16).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 import av
 import numpy as np
 
-from gateway.audio import as_mono_float32, float_to_pcm16, frames_to_array
+from gateway.audio import as_mono_float32, to_frame
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,11 +115,6 @@ class ContainerStreamEncoder:
         self.sample_rate = spec.sample_rate
         self.sample_rate_in = sample_rate_in
         self._is_finished = False
-        self._resampler = (
-            av.AudioResampler(format="flt", layout="mono", rate=spec.sample_rate)
-            if sample_rate_in != spec.sample_rate
-            else None
-        )
         self._sink = _Sink()
         self._container: av.container.OutputContainer | None = None
         self._stream: av.AudioStream | None = None
@@ -128,6 +128,9 @@ class ContainerStreamEncoder:
             if spec.bitrate is not None:
                 stream.codec_context.bit_rate = spec.bitrate
             self._container, self._stream = container, stream
+        # a raw body has no codec to convert for it
+        self._resampler = (None if spec.muxer else
+                           av.AudioResampler(format="s16", layout="mono", rate=spec.sample_rate))
 
     def encode(self, pcm: np.ndarray) -> bytes:
         """Take mono PCM at `sample_rate_in`; return the body bytes ready now."""
@@ -136,39 +139,29 @@ class ContainerStreamEncoder:
         samples = as_mono_float32(pcm)
         if len(samples) == 0:
             return b""
-        if self._resampler is None:
-            return self._write(samples)
-        frame = av.AudioFrame.from_ndarray(samples[None, :], format="flt", layout="mono")
-        frame.sample_rate = self.sample_rate_in
-        return self._write(frames_to_array(self._resampler.resample(frame)))
+        return self._write(to_frame(samples, self.sample_rate_in))
 
     def finish(self) -> bytes:
         """Drain the resampler, codec and muxer; return the last bytes of the body."""
         if self._is_finished:
             return b""
         self._is_finished = True
-        body = b""
-        if self._resampler is not None:
-            body = self._write(frames_to_array(self._resampler.resample(None)))
-        if self._container is None or self._stream is None:
+        body = self._write(None)
+        if self._container is None:
             return body
-        for packet in self._stream.encode(None):
-            self._container.mux(packet)
         # With no audio at all the header is not written yet; a header-only body
         # is still a valid (empty) file.
         self._container.start_encoding()
         self._container.close()
         return body + self._sink.drain()
 
-    def _write(self, samples: np.ndarray) -> bytes:
-        # samples: [num_samples] float32 at self.sample_rate
-        if self._container is None or self._stream is None:
-            return float_to_pcm16(samples).tobytes()
-        if len(samples) == 0:
-            return b""
-        frame = av.AudioFrame.from_ndarray(samples[None, :], format="flt", layout="mono")
-        frame.sample_rate = self.sample_rate
-        # PyAV converts the sample format and cuts codec-sized frames (mp3 1152, aac 1024).
+    def _write(self, frame: av.AudioFrame | None) -> bytes:
+        """Encode one frame at `sample_rate_in` (None: drain); the bytes the body has now."""
+        if self._resampler is not None:
+            # each piece: s16 mono at self.sample_rate
+            return b"".join(bytes(piece.planes[0])[: 2 * piece.samples]
+                            for piece in self._resampler.resample(frame))
+        assert self._container is not None and self._stream is not None
         for packet in self._stream.encode(frame):
             self._container.mux(packet)
         return self._sink.drain()
