@@ -8,12 +8,14 @@ ready. The scheduler calls `prepare`, `step` and `release` from one worker
 thread, never from the event loop, so a backend needs no locking of its own.
 
 Registered voices (docs/voices.md) use four optional methods, also called in
-that worker thread: `make_voice_features` computes a reference voice's prompt
-features once, at registration; the gateway stores them and hands them back to
-`add_voice` on every start-up, so nothing is recomputed. `retire_voice` takes a
-deleted voice out of `voices()` while sessions that hold it may still speak
-with it; `remove_voice` forgets it. A backend that cannot register voices
-keeps the defaults and the gateway answers `unsupported_option`.
+that worker thread (the engine's voice verbs run them there):
+`make_voice_features` computes a reference voice's prompt features once, at
+registration; the gateway stores them and hands them back to `add_voice` on
+every start-up, so nothing is recomputed. `retire_voice` takes a deleted voice
+out of `voices()` while sessions that hold it may still speak with it;
+`remove_voice` forgets it. A backend that can register voices says so with
+`can_register_voices = True`; one that cannot keeps the defaults and the
+gateway answers `unsupported_option`.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class Backend(ABC):
     #: items a step can run side by side at the cost of one (e.g. one per core):
     #: the scheduler never sends fewer than this when that many are waiting
     parallelism: int = 1
+    #: Implements `add_voice`, `retire_voice` and `remove_voice` (registered voices).
+    can_register_voices: bool = False
     #: Registration refuses reference audio without its transcript (cosyvoice's prompt text).
     needs_transcript: bool = False
     #: Names the format of `make_voice_features`' output: stored features made under

@@ -13,6 +13,23 @@ import numpy as np
 
 RequestId = NewType("RequestId", str)
 
+#: The speaking rates every backend honours (1.0 is the voice's own pace).
+MIN_SPEED, MAX_SPEED = 0.5, 2.0
+#: Seconds of speech per character of text at speed 1.0: a rough guess (English,
+#: piper's joe speaks ~15 characters a second), used to predict when audio that
+#: is not made yet will run out.
+EST_S_PER_CHAR = 0.065
+
+
+def estimate_audio_s(text: str, speed: float = 1.0) -> float:
+    """How long `text` will take to speak at `speed`, before any audio exists.
+
+    The gateway's one guess (deadlines of later segments, a context's predicted
+    end); a backend's own estimate, once it has prepared the request, is
+    `BackendRequest.est_audio_s`.
+    """
+    return EST_S_PER_CHAR * len(text) / speed
+
 
 @dataclass(slots=True, frozen=True)
 class WordTiming:
@@ -50,8 +67,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0.5 <= self.speed <= 2.0:
-            raise ValueError(f"speed must be within 0.5-2.0, got {self.speed}")
+        if not MIN_SPEED <= self.speed <= MAX_SPEED:
+            raise ValueError(f"speed must be within {MIN_SPEED}-{MAX_SPEED}, got {self.speed}")
 
 
 @dataclass(slots=True)

@@ -145,6 +145,7 @@ class PiperBackend(Backend):
     """Piper voices through onnxruntime; one step finishes every segment of its batch."""
 
     name = "piper"
+    can_register_voices = True
 
     def __init__(self, config: PiperBackendConfig | None = None) -> None:
         self.config = config or PiperBackendConfig()

@@ -75,6 +75,7 @@ class CosyState:
 
 class CosyVoiceBackend(Backend):
     name = "cosyvoice"
+    can_register_voices = True
     sample_rate = 24000
     needs_transcript = True
 
