@@ -1,6 +1,6 @@
 """The exception tree shared by every voxgate layer.
 
-VoxgateError
+VoxgateError                          `code`: the wire code a client sees
  +-- EngineError                 raised by the engine and its backends
  |    +-- UnknownVoiceError      the voice id names no loaded or registered voice
  |    +-- UnsupportedOptionError the backend cannot honour an option (e.g. instructions)
@@ -9,9 +9,18 @@ VoxgateError
  |    +-- BackendFailure         a backend step raised; ends the affected requests only
  |    +-- ModelLoadError         a model directory or file is missing or malformed
  +-- ProtocolError               (gateway.errors) a client message broke PROTOCOL.md
+ +-- RegistryError               (gateway.registry) the voice store fails; `status` 503
+ |    +-- VoiceExistsError       the voice id is taken; 409
+ |    +-- CorruptRecordError     a stored record fails its checksum; 409
+ +-- VoiceUploadError            (gateway.voice_upload) a refused registration; its own
+                                 `code` and HTTP `status` per refusal (docs/voices.md)
 
 Each error that reaches a client carries its wire `code` (PROTOCOL.md "Error
-codes"); the gateway maps exceptions to messages in one place.
+codes", docs/voices.md "Errors"); the gateway's errors that answer HTTP
+requests also carry their HTTP `status`. The gateway maps exceptions to
+messages in one place (gateway/errors.py: `error_message` for the socket,
+`http_error` for HTTP). The engine knows no HTTP, so its errors carry codes
+only.
 """
 
 from __future__ import annotations

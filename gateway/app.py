@@ -22,8 +22,10 @@ from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
 from gateway.auth import KeyCounter, is_authorized, presented_key
 from gateway.config import GatewayConfig
+from gateway.errors import http_error
 from gateway.metrics import Metrics
 from gateway.speech import speech_endpoint
+from gateway.voice_catalog import VoiceCatalog
 from gateway.voices import VoiceConfig, VoiceService, voice_routes
 from gateway.ws import stream_endpoint
 
@@ -40,6 +42,7 @@ class AppState:
     engine: Engine
     metrics: Metrics
     connections: set[Any] = field(default_factory=set)
+    catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
     key_counter: KeyCounter = field(default_factory=KeyCounter)
     is_shutting_down: bool = False
 
@@ -60,9 +63,9 @@ class AuthMiddleware:
             key = presented_key(request.headers, dict(request.query_params))
             if not is_authorized(self.state.config.auth, key):
                 self.state.metrics.observe("error:unauthorized", 1)
-                response = JSONResponse({"error": {"code": "unauthorized", "message":
-                                        "a valid API key is required: Authorization: Bearer <key>"}},
-                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                response = http_error(401, "unauthorized", "a valid API key is required: "
+                                      "Authorization: Bearer <key>",
+                                      headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -142,7 +145,7 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     state: AppState = request.app.state.voxgate
     ready = state.engine.is_ready and state.engine.is_healthy and not state.is_shutting_down
-    return JSONResponse({"ready": ready, "engine": state.engine.backend.name},
+    return JSONResponse({"ready": ready, "engine": state.engine.backend_name},
                         status_code=200 if ready else 503)
 
 
@@ -157,7 +160,7 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
     config = config or GatewayConfig.from_env()
     engine = engine or build_engine(config)
     state = AppState(config, engine, Metrics(engine))
-    voice_service = VoiceService(VoiceConfig.from_gateway(config), engine, state)
+    voice_service = VoiceService(VoiceConfig.from_gateway(config), engine, state.catalog)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.options import config_from_options
 from gateway.auth import AuthConfig
 from gateway.messages import Limits
+
+#: fields with a structure of their own, set by the CLI (or, for limits, field by field)
+_STRUCTURED = ("limits", "auth", "engine_options")
 
 
 def _default_data_dir() -> Path:
@@ -51,30 +55,15 @@ class GatewayConfig:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> GatewayConfig:
-        """VOXGATE_<FIELD> variables (e.g. VOXGATE_PORT=9000), then explicit overrides."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        simple = {f.name: f for f in fields(cls) if f.name not in ("limits", "engine_options", "auth")}
-        for name in simple:
-            raw = env.get("VOXGATE_" + name.upper())
-            if raw is None:
-                continue
-            current = getattr(cls(), name)
-            if isinstance(current, bool):
-                values[name] = raw.lower() in ("1", "true", "yes", "on")
-            elif isinstance(current, int):
-                values[name] = int(raw)
-            elif isinstance(current, float):
-                values[name] = float(raw)
-            elif isinstance(current, Path) or name in ("web_dir", "voice_assets"):
-                values[name] = Path(raw)
-            else:
-                values[name] = raw
-        limits = Limits()
-        for f in fields(Limits):
-            raw = env.get("VOXGATE_LIMIT_" + f.name.upper())
-            if raw is not None:
-                setattr(limits, f.name, type(getattr(limits, f.name))(raw))
-        values["limits"] = Limits(**{f.name: getattr(limits, f.name) for f in fields(Limits)})
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        """VOXGATE_<FIELD> variables (e.g. VOXGATE_PORT=9000), VOXGATE_LIMIT_<FIELD> for
+        `limits`, then explicit overrides (None: not given).
+
+        Strings convert as backend options do (engine/options.py): one conversion,
+        one "expected X, got Y" message for a bad value.
+        """
+        env = dict(os.environ if environ is None else environ)
+        for name in _STRUCTURED:  # never read whole from one variable
+            env.pop("VOXGATE_" + name.upper(), None)
+        limits = config_from_options(Limits, "limit", {}, env_prefix="VOXGATE_LIMIT_", environ=env)
+        options = {"limits": limits, **{k: v for k, v in overrides.items() if v is not None}}
+        return config_from_options(cls, "gateway", options, env_prefix="VOXGATE_", environ=env)

@@ -1,8 +1,9 @@
 """One spoken turn: its text, its segments, its audio accounting.
 
 A context owns a segmenter, the segments it released (each one engine
-request), the audio chunks received and not yet framed, and the counters that
-`cancelled` and `context.done` report. It knows no socket and no clock.
+request), the audio chunks received and not yet framed, and its `Playout`
+(encoder, outbox, the audio counters that `cancelled` and `context.done`
+report). It knows no socket and no clock.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.types import AudioChunk, RequestId, WordTiming
-from gateway.audio import StreamEncoder
+from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
 from gateway.messages import SessionOptions
+from gateway.playout import Playout
 from gateway.segmenter import Segmenter
 
 
@@ -46,21 +47,13 @@ class Context:
     context_id: str
     key: str
     segmenter: Segmenter
-    encoder: StreamEncoder
+    playout: Playout
     options: SessionOptions
     created_at: float
     state: ContextState = ContextState.OPEN
     segments: list[Segment] = field(default_factory=list)
     num_text_chars: int = 0
-    seq: int = 0
-    audio_ms_queued: float = 0.0   # whole frames framed (sent or waiting for pacing)
-    audio_ms_sent: float = 0.0     # whole frames sent (what the client has)
-    pcm_ms_framed: float = 0.0     # PCM handed to the encoder, sample-exact
     played_ms: float | None = None  # last `playback` report
-    play_started_at: float | None = None
-    first_audio_at: float | None = None
-    is_audio_flushed: bool = False
-    outbox: deque[tuple[float, dict[str, object]]] = field(default_factory=deque)
 
     @property
     def is_closed(self) -> bool:
@@ -75,10 +68,44 @@ class Context:
     def pending_requests(self) -> list[RequestId]:
         return [s.request_id for s in self.segments if s.is_submitted and not s.is_synthesized]
 
-    def is_drained(self) -> bool:
-        """Every segment synthesized and framed, and no more text can come."""
+    @property
+    def audio_ms_sent(self) -> float:
+        """Whole frames sent: the audio the client has."""
+        return self.playout.audio_ms_sent
+
+    def is_spoken(self) -> bool:
+        """No more text can come and every segment's audio went to the playout."""
         return (self.state is ContextState.FLUSHED and not self.segmenter.pending_text.strip()
-                and all(s.is_sent for s in self.segments) and not self.outbox)
+                and all(s.is_sent for s in self.segments))
+
+    def is_drained(self) -> bool:
+        """Every segment synthesized and framed, and every message released."""
+        return self.is_spoken() and self.playout.is_finished and self.playout.is_empty
+
+    def audio_s(self, num_segments: int | None = None) -> float:
+        """Seconds of audio of the first `num_segments` segments (all by default).
+
+        Actual once a segment is synthesized (framed audio plus chunks still
+        waiting to be framed), estimated from its text before.
+        """
+        total = 0.0
+        for s in self.segments[:num_segments]:
+            if s.is_synthesized:
+                total += (s.audio_ms + sum(c.duration_ms for c in s.chunks)) / 1000.0
+            else:
+                total += estimate_audio_s(s.text, self.options.speed)
+        return total
+
+    def predicted_end(self, now: float) -> float:
+        """When this context's audio will have played (its playback clock, or `now` before it starts)."""
+        start = self.playout.play_started_at
+        return (now if start is None else start) + self.audio_s()
+
+    def heard_ms(self, played_ms: float | None) -> float:
+        """What the listener heard: `played_ms` when given, else its last `playback`
+        report, and never more than the audio sent."""
+        heard = self.played_ms if played_ms is None else played_ms
+        return self.audio_ms_sent if heard is None else min(heard, self.audio_ms_sent)
 
     def split_heard(self, heard_ms: float) -> tuple[str, str]:
         """(spoken_text, unspoken_text) for a cut at `heard_ms` of this context's audio.

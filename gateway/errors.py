@@ -1,16 +1,26 @@
-"""Protocol errors: each carries its PROTOCOL.md wire `code`.
+"""Protocol errors, and the one shape of each kind of error a client sees.
 
-The tree hangs under engine.errors.VoxgateError (see its docstring). One place,
-`error_message`, turns any exception into the `error` event a client sees, so
-tracebacks and paths never leak: unexpected exceptions become `internal` with
-a generic message and are logged instead.
+The tree hangs under engine.errors.VoxgateError (see its docstring). Two
+constructors, side by side, make what a client reads, so tracebacks and paths
+never leak: `error_message` turns any exception into the socket's `error`
+event (unexpected exceptions become `internal` with a generic message and are
+logged instead), and `http_error` builds every HTTP error response.
+
+The HTTP body is OpenAI's error object, `{"error": {"code", "message",
+"type"}}`, which OpenAI's client libraries parse, with `code` and `message`
+also at the top level, where the voices API has always put them
+(docs/voices.md, "Errors").
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import VoxgateError
+
+if TYPE_CHECKING:
+    from starlette.responses import JSONResponse
 
 # Named WebSocket close codes (RFC 6455 and the 4000-4999 private range).
 CLOSE_NORMAL = 1000
@@ -55,3 +65,15 @@ def error_message(exc: BaseException, context_id: str | None = None) -> dict[str
                 "context_id": context_id, "fatal": False}
     return {"type": "error", "code": "internal", "message": "internal error; the server logged it",
             "context_id": context_id, "fatal": False}
+
+
+def http_error(status: int, code: str, message: str, *,
+               headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The HTTP error response (the one body shape: see the module doc)."""
+    # imported here: the sans-I/O protocol core imports this module, not the web framework
+    from starlette.responses import JSONResponse
+
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    body = {"error": {"code": code, "message": message, "type": kind},
+            "code": code, "message": message}
+    return JSONResponse(body, status_code=status, headers=dict(headers) if headers else None)

@@ -1,8 +1,11 @@
-"""Wire messages: parsing and validating client frames, encoding server frames.
+"""Wire messages: parsing and validating client frames, building and encoding server frames.
 
 PROTOCOL.md, "Client -> server" and "Server -> client". Client frames are JSON
 text or msgpack binary carrying the same objects; every failure here raises a
-ProtocolError whose message says what was expected and what came.
+ProtocolError whose message says what was expected and what came. Every
+server event is built by one constructor below (`session_ready`, `segment`,
+`audio`, `cancelled`...), so its fields are spelled in one place; `error`
+events come from `gateway.errors.error_message`, the one exception mapping.
 """
 
 from __future__ import annotations
@@ -10,19 +13,27 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import msgpack
 
+from engine.types import WordTiming
 from gateway.errors import ProtocolError
+from gateway.formats import (
+    CODECS,
+    FRAME_MS,
+    MAX_OPUS_BITRATE,
+    MAX_SPEED,
+    MIN_OPUS_BITRATE,
+    MIN_SPEED,
+    SAMPLE_RATES,
+)
 
 PROTOCOL_VERSION = 1
 CONTEXT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
-CODECS = ("opus", "pcm16", "mulaw")
-SAMPLE_RATES = (48000, 24000, 16000, 8000)
-FRAME_MS = (20, 40, 60)
 ENCODINGS = ("json", "msgpack")
 AUDIO_AS = ("binary", "base64")
 PACINGS = ("asap", "realtime")
@@ -109,8 +120,11 @@ def _choice(value: Any, choices: tuple[Any, ...], name: str) -> Any:
 
 
 def apply_update(options: SessionOptions, fields: dict[str, Any],
-                 voice_ids: set[str]) -> SessionOptions:
-    """Validate a `session.update` (or query parameters) against the current options."""
+                 voice_ids: Collection[str]) -> SessionOptions:
+    """Validate a `session.update` (or query parameters) against the current options.
+
+    `voice_ids` are the voices a session may choose now (the voice catalog's listing).
+    """
     changes: dict[str, Any] = {}
     for key, value in fields.items():
         if key == "type":
@@ -124,8 +138,9 @@ def apply_update(options: SessionOptions, fields: dict[str, Any],
             _expect(value, (str, type(None)), key)
         elif key == "speed":
             _expect(value, (int, float), "speed")
-            if not 0.5 <= float(value) <= 2.0:
-                raise ProtocolError("unsupported_option", f"speed must be within 0.5-2.0, got {value}")
+            if not MIN_SPEED <= float(value) <= MAX_SPEED:
+                raise ProtocolError("unsupported_option",
+                                    f"speed must be within {MIN_SPEED}-{MAX_SPEED}, got {value}")
             value = float(value)
         elif key == "codec":
             _choice(_expect(value, str, "codec"), CODECS, "codec")
@@ -133,8 +148,9 @@ def apply_update(options: SessionOptions, fields: dict[str, Any],
             _choice(_expect(value, int, "sample_rate"), SAMPLE_RATES, "sample_rate")
         elif key == "bitrate":
             _expect(value, (int, type(None)), "bitrate")
-            if value is not None and not 6000 <= value <= 510000:
-                raise ProtocolError("unsupported_option", f"bitrate must be within 6000-510000, got {value}")
+            if value is not None and not MIN_OPUS_BITRATE <= value <= MAX_OPUS_BITRATE:
+                raise ProtocolError("unsupported_option", "bitrate must be within "
+                                    f"{MIN_OPUS_BITRATE}-{MAX_OPUS_BITRATE}, got {value}")
         elif key == "frame_ms":
             _choice(_expect(value, int, "frame_ms"), FRAME_MS, "frame_ms")
         elif key == "encoding":
@@ -214,6 +230,20 @@ def context_id_of(message: dict[str, Any], *, required: bool) -> str | None:
     return value
 
 
+def text_fields(message: dict[str, Any]) -> tuple[str, str, bool]:
+    """A `text` message's (context_id, text, flush), each checked."""
+    context_id = context_id_of(message, required=True)
+    assert context_id is not None
+    text = message.get("text")
+    if not isinstance(text, str):
+        raise ProtocolError("bad_message", f"text must be a string, got {type(text).__name__}",
+                            context_id=context_id)
+    flush = message.get("flush", False)
+    if not isinstance(flush, bool):
+        raise ProtocolError("bad_message", f"flush must be a boolean, got {type(flush).__name__}")
+    return context_id, text, flush
+
+
 def optional_ms(message: dict[str, Any], name: str) -> float | None:
     value = message.get(name)
     if value is None:
@@ -224,7 +254,52 @@ def optional_ms(message: dict[str, Any], name: str) -> float | None:
     return float(value)
 
 
-# -- server messages --------------------------------------------------------
+# -- server messages: one constructor per event ------------------------------
+
+def session_ready(session_id: str, options: SessionOptions, limits: Limits) -> dict[str, Any]:
+    return {"type": "session.ready", "session_id": session_id, "protocol": PROTOCOL_VERSION,
+            "options": options.to_wire(), "limits": limits.to_wire()}
+
+
+def session_updated(options: SessionOptions) -> dict[str, Any]:
+    return {"type": "session.updated", "options": options.to_wire()}
+
+
+def segment(context_id: str, segment_id: int, text: str, pts_ms: float, duration_ms: float | None,
+            words: list[WordTiming] | None) -> dict[str, Any]:
+    """Sent just before a segment's first audio; `duration_ms` when known (one-chunk segments)."""
+    return {"type": "segment", "context_id": context_id, "segment_id": segment_id, "text": text,
+            "pts_ms": round(pts_ms, 1),
+            "duration_ms": None if duration_ms is None else round(duration_ms, 1),
+            "words": None if words is None else [
+                {"word": w.word, "start_ms": round(w.start_ms, 1), "end_ms": round(w.end_ms, 1)}
+                for w in words]}
+
+
+def audio(context_id: str, seq: int, pts_ms: float, duration_ms: float, codec: str,
+          payloads: list[bytes]) -> dict[str, Any]:
+    """Opus packets travel as a list (`packets`); PCM16 and mu-law frames joined (`data`)."""
+    message: dict[str, Any] = {"type": "audio", "context_id": context_id, "seq": seq,
+                               "pts_ms": round(pts_ms, 3), "duration_ms": duration_ms, "codec": codec}
+    if codec == "opus":
+        message["packets"] = payloads
+    else:
+        message["data"] = b"".join(payloads)
+    return message
+
+
+def context_done(context_id: str, audio_ms: float, num_segments: int) -> dict[str, Any]:
+    return {"type": "context.done", "context_id": context_id, "audio_ms": round(audio_ms, 1),
+            "segments": num_segments}
+
+
+def cancelled(context_id: str | None, *, audio_ms_sent: float | None, played_ms: float | None,
+              spoken_text: str | None, unspoken_text: str | None) -> dict[str, Any]:
+    """`audio_ms_sent` and the texts are None when a context was already closed (nothing stopped)."""
+    return {"type": "cancelled", "context_id": context_id,
+            "audio_ms_sent": None if audio_ms_sent is None else round(audio_ms_sent, 1),
+            "played_ms": played_ms, "spoken_text": spoken_text, "unspoken_text": unspoken_text}
+
 
 def encode_event(message: dict[str, Any], encoding: str) -> str | bytes:
     """An event frame in the session's encoding."""

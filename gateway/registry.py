@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.errors import VoxgateError
+
 SCHEMA_VERSION = 1
 DB_NAME = "voices.sqlite3"
 T = TypeVar("T")
@@ -66,16 +68,25 @@ CREATE TABLE voice_features (
 """
 
 
-class RegistryError(Exception):
+class RegistryError(VoxgateError):
     """The store cannot be opened or used (unreadable file, newer schema)."""
+
+    code = "registry_unavailable"
+    status = 503
 
 
 class VoiceExistsError(RegistryError):
     """A voice with that id is registered already."""
 
+    code = "voice_exists"
+    status = 409
+
 
 class CorruptRecordError(RegistryError):
     """A stored record fails its checksum; it is reported, never served."""
+
+    code = "corrupt_voice"
+    status = 409
 
 
 def _digest(*parts: str | bytes | float | None) -> str:

@@ -8,7 +8,12 @@ request, close). Tests drive it synchronously.
 Rules implemented here are PROTOCOL.md's "Rules the server keeps": contexts
 play one after another in creation order; a closed context id answers
 `context_closed` once; after `cancelled` no audio of that context follows;
-`seq` has no gaps and `pts_ms` grows by `duration_ms`.
+`seq` has no gaps and `pts_ms` grows by `duration_ms` (each context's
+`Playout`, gateway/playout.py, keeps the last two and paces its audio).
+
+Voices are held in the shared `VoiceCatalog`: the session's current voice
+and each open context's, released on change, at a context's end and on
+disconnect, so that a deleted voice stays speakable for whoever holds it.
 """
 
 from __future__ import annotations
@@ -17,16 +22,16 @@ import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import EngineBusyError, VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
+from gateway import messages
+from gateway.actions import Action, Cancel, Close, Observe, Send, Submit
 from gateway.audio import make_encoder
 from gateway.context import Context, ContextState, Segment
 from gateway.errors import ProtocolError, error_message
 from gateway.messages import (
-    PROTOCOL_VERSION,
     Limits,
     SessionOptions,
     TokenBucket,
@@ -34,65 +39,38 @@ from gateway.messages import (
     context_id_of,
     decode_frame,
     optional_ms,
+    text_fields,
 )
+from gateway.playout import Playout
 from gateway.segmenter import Segmenter, SegmenterConfig
+from gateway.voice_catalog import VoiceCatalog
 
 log = logging.getLogger("voxgate.gateway")
 
-#: Seconds of speech per character, to guess when a segment's audio will run out.
-EST_S_PER_CHAR = 0.065
-REALTIME_LEAD_MS = 1500.0
-FRAMES_PER_MESSAGE = 5
 MAX_REMEMBERED_CLOSED = 4096
+#: Backpressure, mechanism 1 of 3 (docs/architecture.md, "The backpressure story"):
+#: segments per socket with the engine or waiting to be framed.
 MAX_SEGMENTS_AHEAD = 4
 MAX_RECENT_DONE = 8
 
-
-@dataclass(slots=True, frozen=True)
-class Send:
-    message: dict[str, Any]
-    is_audio: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class Submit:
-    request: SynthesisRequest
-
-
-@dataclass(slots=True, frozen=True)
-class Cancel:
-    request_id: RequestId
-
-
-@dataclass(slots=True, frozen=True)
-class Close:
-    code: int
-    reason: str = ""
-
-
-@dataclass(slots=True, frozen=True)
-class Observe:
-    """A measurement for metrics (name, value)."""
-
-    name: str
-    value: float
-
-
-Action = Send | Submit | Cancel | Close | Observe
+__all__ = ["Action", "Cancel", "Close", "Observe", "Send", "Session", "Submit"]
 
 
 class Session:
     """One WebSocket connection's protocol state."""
 
-    def __init__(self, session_id: str, *, voice_ids: set[str], sample_rate: int,
+    def __init__(self, session_id: str, *, catalog: VoiceCatalog, sample_rate: int,
                  options: SessionOptions | None = None, limits: Limits | None = None,
                  admit: Callable[[str], None] = lambda key: None,
                  release: Callable[[str], None] = lambda key: None) -> None:
+        """Holds `options.voice` in `catalog` until `disconnect`; the caller validated it."""
         self.session_id = session_id
-        self.voice_ids = voice_ids
+        self.catalog = catalog
         self.engine_sample_rate = sample_rate
         self.options = options or SessionOptions()
         self.limits = limits or Limits()
+        catalog.hold(self.options.voice)
+        self._is_holding_voice = True
         self._admit = admit
         self._release = release
         self.contexts: dict[str, Context] = {}     # open, in creation order
@@ -110,9 +88,7 @@ class Session:
     # -- entry points -------------------------------------------------------
     def start(self, now: float) -> list[Action]:
         self.last_activity = now
-        return [Send({"type": "session.ready", "session_id": self.session_id,
-                      "protocol": PROTOCOL_VERSION, "options": self.options.to_wire(),
-                      "limits": self.limits.to_wire()})]
+        return [Send(messages.session_ready(self.session_id, self.options, self.limits))]
 
     def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
         """One client frame. Bad input yields an `error`; the session goes on."""
@@ -163,19 +139,22 @@ class Session:
         return actions + self._pump(now)
 
     def disconnect(self) -> list[Action]:
-        """The socket is gone: free every context's engine work and capacity."""
+        """The socket is gone: free every context's engine work, capacity and voice (idempotent)."""
         actions: list[Action] = []
         for context in list(self.contexts.values()):
             actions += [a for a in self._end_context(context, ContextState.CANCELLED)
                         if isinstance(a, Cancel)]
+        if self._is_holding_voice:
+            self._is_holding_voice = False
+            self.catalog.release(self.options.voice)
         return actions
 
     def next_wakeup(self) -> float | None:
         times = [t for c in self.contexts.values()
                  if c.state is ContextState.OPEN and (t := c.segmenter.next_deadline()) is not None]
         active = self._active_context()
-        if active is not None and active.outbox and self.options.pacing == "realtime":
-            times.append(self._release_time(active, active.outbox[0][0]))
+        if active is not None and (due := active.playout.next_release()) is not None:
+            times.append(due)
         return min(times) if times else None
 
     # -- client messages -----------------------------------------------------
@@ -192,23 +171,14 @@ class Session:
         if kind == "playback":
             return self._on_playback(message)
         if kind == "session.update":
-            self.options = apply_update(self.options, message, self.voice_ids)
-            return [Send({"type": "session.updated", "options": self.options.to_wire()})]
+            return self._on_update(message)
         if kind == "close":
             return self._on_close(now)
         raise ProtocolError("bad_message", f"unknown message type {kind[:40]!r}; expected one of "
                             "session.update, text, flush, cancel, playback, close")
 
     def _on_text(self, message: dict[str, Any], now: float) -> list[Action]:
-        context_id = context_id_of(message, required=True)
-        assert context_id is not None
-        text = message.get("text")
-        if not isinstance(text, str):
-            raise ProtocolError("bad_message", f"text must be a string, got {type(text).__name__}",
-                                context_id=context_id)
-        flush = message.get("flush", False)
-        if not isinstance(flush, bool):
-            raise ProtocolError("bad_message", f"flush must be a boolean, got {type(flush).__name__}")
+        context_id, text, flush = text_fields(message)
         context = self._open_context(context_id, now)
         if context is None:
             return self._closed_answer(context_id)
@@ -250,16 +220,14 @@ class Session:
             # All audio was sent, but the listener may still be playing it (asap
             # pacing runs far ahead): split the text at what was heard.
             done = self._recent_done.pop(context_id)
-            heard = played_ms if played_ms is not None else done.played_ms
-            heard = done.audio_ms_sent if heard is None else min(heard, done.audio_ms_sent)
-            spoken, unspoken = done.split_heard(heard)
-            return [Send({"type": "cancelled", "context_id": context_id,
-                          "audio_ms_sent": round(done.audio_ms_sent, 1), "played_ms": played_ms,
-                          "spoken_text": spoken, "unspoken_text": unspoken}), Observe("cancel", 1)]
+            spoken, unspoken = done.split_heard(done.heard_ms(played_ms))
+            return [Send(messages.cancelled(context_id, audio_ms_sent=done.audio_ms_sent,
+                                            played_ms=played_ms, spoken_text=spoken,
+                                            unspoken_text=unspoken)), Observe("cancel", 1)]
         elif context_id in self._closed:
             # Already cancelled (or long finished): answer idempotently, nothing to stop.
-            return [Send({"type": "cancelled", "context_id": context_id, "audio_ms_sent": None,
-                          "played_ms": played_ms, "spoken_text": None, "unspoken_text": None})]
+            return [Send(messages.cancelled(context_id, audio_ms_sent=None, played_ms=played_ms,
+                                            spoken_text=None, unspoken_text=None))]
         else:
             raise ProtocolError("bad_context_id", f"no open context {context_id!r}", context_id=context_id)
         actions: list[Action] = []
@@ -267,26 +235,32 @@ class Session:
         unspoken_all: list[str] = []
         sent_total = 0.0
         for context in targets:
-            heard = played_ms if played_ms is not None and context_id is not None else context.played_ms
-            if heard is None or heard > context.audio_ms_sent:
-                heard = context.audio_ms_sent
-            spoken, unspoken = context.split_heard(heard)
+            # a played_ms reported with a cancel of all contexts applies to none of them alone
+            spoken, unspoken = context.split_heard(context.heard_ms(played_ms if context_id else None))
             sent_total += context.audio_ms_sent
             spoken_all.append(spoken)
             unspoken_all.append(unspoken)
             actions += self._end_context(context, ContextState.CANCELLED)
             actions.append(Observe("cancel", 1))
             if context_id is not None:
-                actions.append(Send({"type": "cancelled", "context_id": context.context_id,
-                                     "audio_ms_sent": round(context.audio_ms_sent, 1),
-                                     "played_ms": played_ms if played_ms is not None else context.played_ms,
-                                     "spoken_text": spoken, "unspoken_text": unspoken}))
+                actions.append(Send(messages.cancelled(
+                    context.context_id, audio_ms_sent=context.audio_ms_sent,
+                    played_ms=played_ms if played_ms is not None else context.played_ms,
+                    spoken_text=spoken, unspoken_text=unspoken)))
         if context_id is None:
-            actions.append(Send({"type": "cancelled", "context_id": None,
-                                 "audio_ms_sent": round(sent_total, 1), "played_ms": played_ms,
-                                 "spoken_text": " ".join(s for s in spoken_all if s),
-                                 "unspoken_text": " ".join(u for u in unspoken_all if u)}))
+            actions.append(Send(messages.cancelled(
+                None, audio_ms_sent=sent_total, played_ms=played_ms,
+                spoken_text=" ".join(s for s in spoken_all if s),
+                unspoken_text=" ".join(u for u in unspoken_all if u))))
         return actions + self._pump(now)
+
+    def _on_update(self, message: dict[str, Any]) -> list[Action]:
+        options = apply_update(self.options, message, self.catalog.listed)
+        if options.voice != self.options.voice and self._is_holding_voice:
+            self.catalog.hold(options.voice)
+            self.catalog.release(self.options.voice)
+        self.options = options
+        return [Send(messages.session_updated(options))]
 
     def _on_playback(self, message: dict[str, Any]) -> list[Action]:
         context_id = context_id_of(message, required=True)
@@ -320,11 +294,14 @@ class Session:
             self._admit(key)
         except EngineBusyError as exc:
             raise ProtocolError("busy", str(exc), context_id=context_id) from None
-        config = SegmenterConfig(max_buffer_delay_ms=self.options.max_buffer_delay_ms)
-        encoder = make_encoder(self.options.codec, self.options.sample_rate, self.options.frame_ms,
-                               self.options.bitrate, self.engine_sample_rate)
-        context = Context(context_id, key, Segmenter(config), encoder, self.options, now)
+        options = self.options
+        config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
+        encoder = make_encoder(options.codec, options.sample_rate, options.frame_ms,
+                               options.bitrate, self.engine_sample_rate)
+        playout = Playout(context_id, encoder, is_realtime=options.pacing == "realtime")
+        context = Context(context_id, key, Segmenter(config), playout, options, now)
         self.contexts[context_id] = context
+        self.catalog.hold(options.voice)
         return context
 
     def _closed_answer(self, context_id: str) -> list[Action]:
@@ -350,9 +327,10 @@ class Session:
         return self._submit_ready(now)
 
     def _submit_ready(self, now: float) -> list[Action]:
-        # At most MAX_SEGMENTS_AHEAD segments per socket are with the engine or
-        # waiting to be framed: audio a client cannot play yet is not made yet,
-        # so a client that stops reading cannot make the server hold hours of PCM.
+        # Backpressure, mechanism 1 of 3 (docs/architecture.md): at most
+        # MAX_SEGMENTS_AHEAD segments per socket are with the engine or waiting
+        # to be framed: audio a client cannot play yet is not made yet, so a
+        # client that stops reading cannot make the server hold hours of PCM.
         in_flight = sum(1 for c in self.contexts.values() for s in c.segments
                         if s.is_submitted and not s.is_sent)
         actions: list[Action] = []
@@ -382,28 +360,14 @@ class Session:
         queued before it) plus the durations of its earlier segments (actual
         once synthesized, estimated from their text before).
         """
-        start = context.play_started_at
+        start = context.playout.play_started_at
         if start is None:
             start = now
             for other in self.contexts.values():
                 if other is context:
                     break
-                start = max(start, self._predicted_end(other, now))
-        return start + self._audio_s(context.segments[:index], context.options.speed)
-
-    def _predicted_end(self, context: Context, now: float) -> float:
-        start = context.play_started_at if context.play_started_at is not None else now
-        return start + self._audio_s(context.segments, context.options.speed)
-
-    @staticmethod
-    def _audio_s(segments: list[Segment], speed: float) -> float:
-        total = 0.0
-        for s in segments:
-            if s.is_synthesized:  # framed audio plus chunks still waiting to be framed
-                total += (s.audio_ms + sum(c.duration_ms for c in s.chunks)) / 1000.0
-            else:
-                total += EST_S_PER_CHAR * len(s.text) / speed
-        return total
+                start = max(start, other.predicted_end(now))
+        return start + context.audio_s(index)
 
     def _end_context(self, context: Context, state: ContextState) -> list[Action]:
         actions: list[Action] = [Cancel(r) for r in context.pending_requests()]
@@ -411,12 +375,12 @@ class Session:
             self._by_request.pop(request_id, None)
         for segment in context.segments:
             segment.chunks.clear()
-        context.outbox.clear()
+        context.playout.clear()
         context.segmenter.clear()
         context.state = state
         if state is ContextState.DONE:
-            if context.play_started_at is not None:
-                self._playback_end = context.play_started_at + context.audio_ms_sent / 1000.0
+            if context.playout.play_started_at is not None:
+                self._playback_end = context.playout.play_started_at + context.audio_ms_sent / 1000.0
             self._recent_done[context.context_id] = context
             while len(self._recent_done) > MAX_RECENT_DONE:
                 self._recent_done.popitem(last=False)
@@ -425,6 +389,7 @@ class Session:
         while len(self._closed) > MAX_REMEMBERED_CLOSED:
             self._closed.popitem(last=False)
         self._release(context.key)
+        self.catalog.release(context.options.voice)
         return actions
 
     # -- audio -------------------------------------------------------------------
@@ -437,19 +402,20 @@ class Session:
         while (context := self._active_context()) is not None:
             self._frame_ready_audio(context, now, actions)
             actions += self._submit_ready(now)
-            self._release_outbox(context, now, actions)
+            for message in context.playout.release(now, self._playback_end):
+                actions += [Send(message, is_audio=True), Observe("audio_ms", message["duration_ms"])]
             if not context.is_drained():
                 break
-            actions.append(Send({"type": "context.done", "context_id": context.context_id,
-                                 "audio_ms": round(context.audio_ms_sent, 1),
-                                 "segments": len(context.segments)}))
+            actions.append(Send(messages.context_done(context.context_id, context.audio_ms_sent,
+                                                      len(context.segments))))
             actions += self._end_context(context, ContextState.DONE)
         if not self.contexts and self.is_closing:
             actions.append(Close(1000, "session closed by client"))
         return actions
 
     def _frame_ready_audio(self, context: Context, now: float, actions: list[Action]) -> None:
-        encoder = context.encoder
+        """Hand the playout the received audio that may play next: segments in order."""
+        playout = context.playout
         for segment in context.segments:
             if segment.is_sent:
                 continue
@@ -457,67 +423,17 @@ class Session:
                 chunk = segment.chunks.popleft()
                 if not segment.is_started:
                     segment.is_started = True
-                    segment.pts_ms = context.pcm_ms_framed
+                    segment.pts_ms = playout.pcm_ms_framed
                     duration = chunk.duration_ms if chunk.is_last else None
-                    actions.append(Send({"type": "segment", "context_id": context.context_id,
-                                         "segment_id": segment.segment_id, "text": segment.text,
-                                         "pts_ms": round(segment.pts_ms, 1),
-                                         "duration_ms": None if duration is None else round(duration, 1),
-                                         "words": _words_wire(chunk)}))
+                    actions.append(Send(messages.segment(context.context_id, segment.segment_id,
+                                                         segment.text, segment.pts_ms, duration,
+                                                         chunk.words)))
                     if segment.segment_id == 0:
                         actions.append(Observe("ttfa", now - segment.released_at))
                 segment.audio_ms += chunk.duration_ms
-                context.pcm_ms_framed += chunk.duration_ms
-                self._queue_frames(context, encoder.encode(chunk.pcm))
+                playout.push(chunk.pcm)
             if not segment.is_synthesized:
                 return  # later segments wait: audio stays in playback order
             segment.is_sent = True
-        if (context.state is ContextState.FLUSHED and not context.segmenter.pending_text.strip()
-                and all(s.is_sent for s in context.segments) and not context.is_audio_flushed):
-            context.is_audio_flushed = True
-            self._queue_frames(context, encoder.flush())
-
-    def _queue_frames(self, context: Context, frames: list[Any]) -> None:
-        options = context.options
-        for start in range(0, len(frames), FRAMES_PER_MESSAGE):
-            group = frames[start:start + FRAMES_PER_MESSAGE]
-            duration = sum(f.duration_ms for f in group)
-            message: dict[str, Any] = {"type": "audio", "context_id": context.context_id,
-                                       "seq": context.seq, "pts_ms": round(context.audio_ms_queued, 3),
-                                       "duration_ms": duration, "codec": options.codec}
-            if options.codec == "opus":
-                message["packets"] = [f.data for f in group]
-            else:
-                message["data"] = b"".join(f.data for f in group)
-            context.seq += 1
-            context.outbox.append((context.audio_ms_queued, message))
-            context.audio_ms_queued += duration
-
-    def _release_time(self, context: Context, pts_ms: float) -> float:
-        start = context.play_started_at
-        if start is None:
-            return 0.0
-        return start + (pts_ms - REALTIME_LEAD_MS) / 1000.0
-
-    def _release_outbox(self, context: Context, now: float, actions: list[Action]) -> None:
-        options = context.options
-        while context.outbox:
-            pts_ms, message = context.outbox[0]
-            if options.pacing == "realtime" and self._release_time(context, pts_ms) > now:
-                break
-            context.outbox.popleft()
-            if context.play_started_at is None:
-                # Contexts play one after another: this one starts when the last ends.
-                context.play_started_at = max(now, self._playback_end)
-                context.first_audio_at = now
-            duration_ms = float(message["duration_ms"])  # type: ignore[arg-type]
-            context.audio_ms_sent += duration_ms
-            actions.append(Send(message, is_audio=True))
-            actions.append(Observe("audio_ms", duration_ms))
-
-
-def _words_wire(chunk: AudioChunk) -> list[dict[str, Any]] | None:
-    if chunk.words is None:
-        return None
-    return [{"word": w.word, "start_ms": round(w.start_ms, 1), "end_ms": round(w.end_ms, 1)}
-            for w in chunk.words]
+        if context.is_spoken():
+            playout.finish()

@@ -20,6 +20,8 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 
+from engine.errors import VoxgateError
+
 FIELDS = ("audio", "text", "name", "language", "id", "base_voice")
 VOICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 LANGUAGE_RE = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{2,8})*")
@@ -28,8 +30,10 @@ MAX_NAME_CHARS = 100
 MIN_PEAK = 1e-3
 
 
-class VoiceUploadError(Exception):
+class VoiceUploadError(VoxgateError):
     """A registration the gateway refuses: HTTP status, error code, message for the client."""
+
+    status: int = 400
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)

@@ -2,15 +2,16 @@
 
 `VoiceService` owns the registered voices of one process: at start-up it loads
 them from the store (features as stored, nothing recomputed unless the
-backend's features version changed) and registers the assets folder; at run
-time it registers and deletes voices for `/v1/voices`. Each voice change runs
-in the engine's worker thread (backends need no locks) under one asyncio lock,
-so concurrent registrations and deletes never interleave.
+engine's features version changed) and registers the assets folder; at run
+time it registers and deletes voices for `/v1/voices`. It reaches the engine
+only through its voice verbs (run on the engine's worker, keeping its listing
+current) and sessions only through the shared `VoiceCatalog`. Voice changes
+run under one asyncio lock, so registrations and deletes never interleave.
 
-Deleting a voice retires it at once: it leaves the list, new sessions and
-HTTP requests get `unknown_voice`, but a socket that holds it (its current
-voice, or an open context's) keeps speaking with it. A sweep forgets retired
-voices once no socket holds them.
+Deleting a voice retires it at once: unlisted, new sessions and requests get
+`unknown_voice`, but whoever holds it in the catalog (a socket's voice, an
+open context's, an HTTP request's) keeps speaking with it. When the last
+holder lets go, the catalog calls back and the voice leaves the engine.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from engine.backend import Backend
 from engine.engine import Engine
-from engine.errors import EngineError, UnknownVoiceError, UnsupportedOptionError
+from engine.errors import UnknownVoiceError, UnsupportedOptionError, VoxgateError
 from engine.types import VoiceInfo
+from gateway.errors import http_error
 from gateway.registry import (
     CorruptRecordError,
     RegistryError,
@@ -41,6 +42,7 @@ from gateway.registry import (
     VoiceRegistry,
     source_digest,
 )
+from gateway.voice_catalog import VoiceCatalog
 from gateway.voice_upload import (
     VOICE_ID_RE,
     ReferenceAudio,
@@ -63,14 +65,11 @@ class VoiceConfig:
     assets_dir: Path | None = None  # None: <data_dir>/assets, when it exists
     default_voice: str = "joe"  # speaks for registered voices on backends that cannot clone
     limits: UploadLimits = field(default_factory=UploadLimits)
-    sweep_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
         if self.assets_dir is not None:
             self.assets_dir = Path(self.assets_dir)
-        if self.sweep_interval_s <= 0:
-            raise ValueError(f"sweep_interval_s must be > 0, got {self.sweep_interval_s}")
 
     @classmethod
     def from_gateway(cls, config: Any, environ: dict[str, str] | None = None) -> VoiceConfig:
@@ -80,49 +79,38 @@ class VoiceConfig:
                    default_voice=config.voice)
 
 
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"code": code, "message": message}, status_code=status)
-
-
 def _store_failed() -> VoiceUploadError:
     return VoiceUploadError(503, "registry_unavailable", "the voice store could not be written; "
                             "the server logged why; try again later")
 
 
-def _can_register(backend: Backend) -> bool:
-    return type(backend).add_voice is not Backend.add_voice
-
-
 class VoiceService:
-    """Registered voices of this process: store, engine and sessions kept in step."""
+    """Registered voices of this process: store, engine and catalog kept in step."""
 
-    def __init__(self, config: VoiceConfig, engine: Engine, app_state: Any = None) -> None:
+    def __init__(self, config: VoiceConfig, engine: Engine, catalog: VoiceCatalog | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.app_state = app_state
+        self.catalog = catalog if catalog is not None else VoiceCatalog()
+        self.catalog.on_unheld = self._on_unheld
         self.registry = VoiceRegistry(config.data_dir)
         self.registered: dict[str, dict[str, Any]] = {}  # id -> record summary (no audio)
         self._digests: dict[str, str] = {}  # id -> source digest (assets re-register on change)
         self.unavailable: dict[str, tuple[str, str]] = {}  # id -> (code, message)
-        self.retired: set[str] = set()
         self.installed: set[str] = set()
         self.num_features_computed = 0
         self._lock = asyncio.Lock()
-        self._sweeper: asyncio.Task[None] | None = None
-
-    @property
-    def backend(self) -> Backend:
-        return self.engine.backend
+        self._removals: set[asyncio.Task[None]] = set()  # retired voices whose last holder left
 
     # -- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
         """Open the store, load its voices into the engine, register the assets folder."""
         self.installed = {v.voice_id for v in self.engine.voices}
-        if not _can_register(self.backend):
+        if not self.engine.can_register_voices:
             # Nothing to serve from the store, so none is created (tests with scripted engines).
             log.info("the %s backend cannot register voices; the voice registry is off",
-                     self.backend.name)
+                     self.engine.backend_name)
+            self.catalog.set_listed(self.installed)
             return
         try:
             await self.registry.open()
@@ -135,23 +123,20 @@ class VoiceService:
         for record in records:
             await self._load(record)
         await self._register_assets()
-        self.engine.refresh_voices()
-        self._sweeper = asyncio.create_task(self._sweep_loop(), name="voxgate-voice-sweep")
+        self.catalog.set_listed(v.voice_id for v in self.engine.voices)
         log.info("voice registry %s: %d registered, %d unavailable", self.registry.path,
                  len(self.registered), len(self.unavailable))
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        if self._removals:
+            await asyncio.gather(*self._removals, return_exceptions=True)
         await self.registry.close()
 
     async def _load(self, record: VoiceRecord) -> None:
-        backend = self.backend
+        engine = self.engine
         try:
-            stored = await self.registry.get_features(record.voice_id, backend.name,
-                                                      backend.voice_features_version)
+            stored = await self.registry.get_features(record.voice_id, engine.backend_name,
+                                                      engine.voice_features_version)
         except CorruptRecordError as exc:
             log.warning("%s; recomputing them from the stored audio", exc)
             stored = None
@@ -159,13 +144,13 @@ class VoiceService:
             if stored is None:
                 reference = await asyncio.to_thread(decode_reference, record.audio, self.config.limits)
                 features = await self._features(reference, record.transcript)
-                await self.registry.put_features(record.voice_id, backend.name,
-                                                 backend.voice_features_version, features)
+                await self.registry.put_features(record.voice_id, engine.backend_name,
+                                                 engine.voice_features_version, features)
             else:
                 features = stored.features
             await self._add_to_engine(record, features)
-        except (VoiceUploadError, EngineError, ValueError) as exc:
-            message = getattr(exc, "message", None) or str(exc)
+        except (VoxgateError, ValueError) as exc:
+            message = exc.message if isinstance(exc, VoiceUploadError) else str(exc)
             log.error("registered voice %r not served: %s", record.voice_id, message)
             self.unavailable[record.voice_id] = ("voice_unavailable", message)
             return
@@ -174,8 +159,8 @@ class VoiceService:
 
     async def _features(self, reference: ReferenceAudio, transcript: str) -> bytes | None:
         try:
-            features = await self.engine.run_in_worker(
-                self.backend.make_voice_features, reference.pcm, reference.sample_rate, transcript)
+            features = await self.engine.make_voice_features(reference.pcm, reference.sample_rate,
+                                                             transcript)
         except ValueError as exc:
             raise VoiceUploadError(422, "unusable_audio", f"the engine cannot use this reference: {exc}") from None
         except Exception as exc:  # a backend failure must not become a 500
@@ -188,7 +173,7 @@ class VoiceService:
     async def _add_to_engine(self, record: VoiceRecord, features: bytes | None) -> VoiceInfo:
         meta = {"name": record.name, "language": record.language,
                 "base_voice": record.base_voice or self.config.default_voice}
-        return await self.engine.run_in_worker(self.backend.add_voice, record.voice_id, features, meta)
+        return await self.engine.add_voice(record.voice_id, features, meta)
 
     # -- registering ----------------------------------------------------------
 
@@ -205,10 +190,11 @@ class VoiceService:
     async def register(self, upload: VoiceUpload, *, source: str = "upload",
                        replace_existing: bool = False) -> dict[str, Any]:
         """Check, compute features once, store, and make speakable; raises VoiceUploadError."""
-        if not _can_register(self.backend):
+        engine = self.engine
+        if not engine.can_register_voices:
             raise VoiceUploadError(400, "unsupported_option",
-                                   f"the {self.backend.name} engine cannot register voices")
-        check_fields(upload, self.config.limits, needs_transcript=self.backend.needs_transcript)
+                                   f"the {engine.backend_name} engine cannot register voices")
+        check_fields(upload, self.config.limits, needs_transcript=engine.needs_transcript)
         voice_id = upload.voice_id or "voice-" + uuid.uuid4().hex[:10]
         self._check_free(voice_id, replace_existing)
         base_voice = self._base_voice(upload.base_voice)
@@ -224,25 +210,23 @@ class VoiceService:
             self._check_free(voice_id, replace_existing)
             try:
                 info = await self._add_to_engine(record, features)
-            except (EngineError, ValueError) as exc:
+            except (VoxgateError, ValueError) as exc:
                 code = exc.code if isinstance(exc, (UnknownVoiceError, UnsupportedOptionError)) else "bad_voice"
                 raise VoiceUploadError(400, code, str(exc)) from None
             try:
-                await self.registry.insert(record, (self.backend.name, self.backend.voice_features_version,
+                await self.registry.insert(record, (engine.backend_name, engine.voice_features_version,
                                                     features), replace_existing=replace_existing)
             except VoiceExistsError as exc:  # another process took the id meanwhile
-                await self.engine.run_in_worker(self.backend.remove_voice, voice_id)
-                raise VoiceUploadError(409, "voice_exists", str(exc)) from None
+                await engine.remove_voice(voice_id)
+                raise VoiceUploadError(exc.status, exc.code, str(exc)) from None
             except (sqlite3.Error, OSError):  # disk full, read-only, locked too long
                 log.exception("storing voice %r failed", voice_id)
-                await self.engine.run_in_worker(self.backend.remove_voice, voice_id)
+                await engine.remove_voice(voice_id)
                 raise _store_failed() from None
-            self.retired.discard(voice_id)
             self.unavailable.pop(voice_id, None)
             self.registered[voice_id] = record.summary()
             self._digests[voice_id] = record.source_digest
-            self.engine.refresh_voices()
-            self._update_sessions(add=voice_id)
+            self.catalog.add(voice_id)  # open sockets may switch to it now
         log.info("registered voice %r (%s, %.1f s, %s)", voice_id, source, record.duration_s,
                  "no features" if features is None else f"{len(features)} feature bytes")
         return self.describe_registered(info, self.registered[voice_id])
@@ -287,16 +271,15 @@ class VoiceService:
     # -- deleting -------------------------------------------------------------
 
     async def delete(self, voice_id: str) -> None:
-        """Forget a registered voice; sockets holding it keep it until they let go."""
+        """Forget a registered voice; whoever holds it keeps it until they let go."""
         async with self._lock:
             if voice_id in self.registered:
                 await self._delete_stored(voice_id)
                 del self.registered[voice_id]
                 self._digests.pop(voice_id, None)
-                await self.engine.run_in_worker(self.backend.retire_voice, voice_id)
-                self.retired.add(voice_id)
-                self.engine.refresh_voices()
-                self._update_sessions(remove=voice_id)
+                await self.engine.retire_voice(voice_id)
+                if self.catalog.retire(voice_id):  # nobody holds it: gone at once
+                    await self._remove(voice_id)
             elif voice_id in self.unavailable:
                 await self._delete_stored(voice_id)
                 del self.unavailable[voice_id]
@@ -306,7 +289,6 @@ class VoiceService:
             else:
                 raise VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r} is registered")
         log.info("deleted voice %r", voice_id)
-        await self.sweep()
 
     async def _delete_stored(self, voice_id: str) -> None:
         try:
@@ -315,46 +297,23 @@ class VoiceService:
             log.exception("deleting voice %r failed", voice_id)
             raise _store_failed() from None
 
-    def _sessions(self) -> list[Any]:
-        connections = getattr(self.app_state, "connections", None) or ()
-        return [s for s in (getattr(c, "session", None) for c in list(connections)) if s is not None]
+    async def _remove(self, voice_id: str) -> None:
+        with contextlib.suppress(UnknownVoiceError):
+            await self.engine.remove_voice(voice_id)
+        log.info("released deleted voice %r", voice_id)
 
-    def _update_sessions(self, *, add: str | None = None, remove: str | None = None) -> None:
-        """Open sockets may switch to a new voice, and no longer to a deleted one."""
-        for session in self._sessions():
-            voice_ids = getattr(session, "voice_ids", None)
-            if isinstance(voice_ids, set):
-                if add is not None:
-                    voice_ids.add(add)
-                if remove is not None:
-                    voice_ids.discard(remove)
+    def _on_unheld(self, voice_id: str) -> None:
+        """The catalog's call: the last holder of a retired voice let go (on the event loop)."""
+        task = asyncio.get_running_loop().create_task(self._remove_unheld(voice_id))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
-    def _held_voices(self) -> set[str]:
-        held: set[str] = set()
-        for session in self._sessions():
-            options = getattr(session, "options", None)
-            held.add(getattr(options, "voice", ""))
-            for context in list(getattr(session, "contexts", {}).values()):
-                held.add(getattr(getattr(context, "options", None), "voice", ""))
-        return held
-
-    async def sweep(self) -> None:
-        """Forget retired voices that no socket holds any more."""
+    async def _remove_unheld(self, voice_id: str) -> None:
         async with self._lock:
-            for voice_id in sorted(self.retired - self._held_voices()):
-                self.retired.discard(voice_id)
-                with contextlib.suppress(UnknownVoiceError):
-                    await self.engine.run_in_worker(self.backend.remove_voice, voice_id)
-                log.info("released deleted voice %r", voice_id)
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
-            if self.retired:
-                try:
-                    await self.sweep()
-                except Exception:  # the sweep retries; it must not die
-                    log.exception("voice sweep failed")
+            # registered again, or (through a new context of a holder) held again meanwhile: keep it
+            if self.catalog.is_retired(voice_id) and self.catalog.num_holders(voice_id) == 0:
+                self.catalog.forget(voice_id)
+                await self._remove(voice_id)
 
     # -- describing -----------------------------------------------------------
 
@@ -387,7 +346,7 @@ class VoiceService:
         try:
             record = await self.registry.get(voice_id)
         except CorruptRecordError as exc:
-            raise VoiceUploadError(409, "corrupt_voice", str(exc)) from None
+            raise VoiceUploadError(exc.status, exc.code, str(exc)) from None
         if record is None:
             raise VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r}")
         return self.describe_registered(info, record.summary())
@@ -407,10 +366,9 @@ async def list_voices(request: Request) -> Response:
 async def create_voice(request: Request) -> Response:
     service = _service(request)
     try:
-        upload = await read_upload(request, service.config.limits)
-        body = await service.register(upload)
+        body = await service.register(await read_upload(request, service.config.limits))
     except VoiceUploadError as exc:
-        return _error(exc.status, exc.code, exc.message)
+        return http_error(exc.status, exc.code, exc.message)
     return JSONResponse(body, status_code=201)
 
 
@@ -418,7 +376,7 @@ async def get_voice(request: Request) -> Response:
     try:
         return JSONResponse(await _service(request).describe(request.path_params["voice_id"]))
     except VoiceUploadError as exc:
-        return _error(exc.status, exc.code, exc.message)
+        return http_error(exc.status, exc.code, exc.message)
 
 
 async def delete_voice(request: Request) -> Response:
@@ -426,7 +384,7 @@ async def delete_voice(request: Request) -> Response:
     try:
         await _service(request).delete(voice_id)
     except VoiceUploadError as exc:
-        return _error(exc.status, exc.code, exc.message)
+        return http_error(exc.status, exc.code, exc.message)
     return JSONResponse({"id": voice_id, "deleted": True})
 
 

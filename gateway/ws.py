@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Collection
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -23,6 +24,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.engine import Engine
 from engine.errors import VoxgateError
 from engine.types import RequestId, SynthesisRequest
+from gateway.actions import Action, Cancel, Close, Observe, Send, Submit
 from gateway.auth import is_authorized, is_origin_allowed, presented_key
 from gateway.errors import (
     CLOSE_FORBIDDEN,
@@ -36,7 +38,8 @@ from gateway.errors import (
     error_message,
 )
 from gateway.messages import SessionOptions, apply_update, encode_audio, encode_event, encode_json
-from gateway.session import Action, Cancel, Close, Observe, Send, Session, Submit
+from gateway.session import Session
+from gateway.voice_catalog import VoiceCatalog
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -46,7 +49,7 @@ _QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame
 
 
 def options_from_query(query: dict[str, str], base: SessionOptions,
-                       voice_ids: set[str]) -> SessionOptions:
+                       voice_ids: Collection[str]) -> SessionOptions:
     """Initial options from the handshake's query string (all values arrive as text)."""
     fields: dict[str, Any] = {}
     for key in _QUERY_OPTIONS:
@@ -138,8 +141,10 @@ class Connection:
     async def _consume(self, request: SynthesisRequest) -> None:
         try:
             async for chunk in self.engine.submit(request):
-                # Backpressure: while the client has not read what is queued, stop
-                # taking audio; the engine then stops stepping this request.
+                # Backpressure, mechanism 3 of 3 (docs/architecture.md): while the
+                # client has not read what is queued, stop taking audio; the
+                # engine's queue for this request fills (mechanism 2) and it stops
+                # stepping the request.
                 if not await self._wait_for_room():
                     return
                 self._execute(self.session.receive_audio(chunk, time.monotonic()))
@@ -158,7 +163,10 @@ class Connection:
         return self.session.limits.max_send_buffer_bytes // 4
 
     async def _wait_for_room(self) -> bool:
-        """Wait until the outbox drains below its soft limit; False once the socket is closing."""
+        """Wait until the outbox drains below its soft limit; False once the socket is closing.
+
+        Backpressure, mechanism 3 of 3 (docs/architecture.md, "The backpressure story").
+        """
         timeout = self.session.limits.slow_consumer_timeout_s
         while self._outbox_bytes > self._soft_limit and self._closing is None:
             self._room.clear()
@@ -298,27 +306,31 @@ async def stream_endpoint(websocket: WebSocket) -> None:
                       "already", CLOSE_TRY_AGAIN_LATER)
         return
     try:
-        voice_ids = {v.voice_id for v in engine.voices}
+        catalog: VoiceCatalog = state.catalog
         base = SessionOptions(voice=config.voice)
         try:
-            options = options_from_query(query, base, voice_ids)
+            options = options_from_query(query, base, catalog.listed)
         except ProtocolError as exc:
             exc.fatal = True
             await websocket.accept()
             await websocket.send_text(encode_json(error_message(exc)))
             await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
             return
-        await websocket.accept()
-        session = Session(uuid.uuid4().hex[:16], voice_ids=voice_ids, sample_rate=engine.sample_rate,
+        # Made before the first await, so the voice just validated is held at once.
+        session = Session(uuid.uuid4().hex[:16], catalog=catalog, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits,
                           admit=engine.admit, release=engine.release_context)
-        connection = Connection(websocket, session, engine, state)
-        state.connections.add(connection)
-        state.metrics.sessions.inc()
         try:
-            await connection.run()
+            await websocket.accept()
+            connection = Connection(websocket, session, engine, state)
+            state.connections.add(connection)
+            state.metrics.sessions.inc()
+            try:
+                await connection.run()
+            finally:
+                state.connections.discard(connection)
+                state.metrics.sessions.dec()
         finally:
-            state.connections.discard(connection)
-            state.metrics.sessions.dec()
+            session.disconnect()  # a no-op after run(): it lets go of the voice if run never did
     finally:
         state.key_counter.release(key_slot)

@@ -151,6 +151,7 @@ def test_concurrent_async_inserts_and_deletes_all_land(tmp_path: Path) -> None:
 class CloningBackend(ScriptedBackend):
     """A scripted backend that takes features from the reference (as cosyvoice will)."""
 
+    can_register_voices = True
     needs_transcript = True
 
     def __init__(self, version: str = "model-a") -> None:

@@ -11,13 +11,14 @@ from engine.errors import BackendFailure, EngineBusyError
 from engine.types import AudioChunk, WordTiming
 from gateway.messages import Limits, SessionOptions
 from gateway.session import Cancel, Close, Send, Session, Submit
+from gateway.voice_catalog import VoiceCatalog
 
 RATE = 22050
 
 
 def make_session(**kwargs) -> Session:  # type: ignore[no-untyped-def]
     options = kwargs.pop("options", SessionOptions(codec="pcm16", sample_rate=24000))
-    session = Session("s1", voice_ids={"joe"}, sample_rate=RATE, options=options, **kwargs)
+    session = Session("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, options=options, **kwargs)
     session.start(0.0)
     return session
 
@@ -41,7 +42,7 @@ def chunk(request_id, seconds: float, words: list[WordTiming] | None = None) -> 
 
 
 def test_session_ready_announces_options_and_limits() -> None:
-    session = Session("abc", voice_ids={"joe"}, sample_rate=RATE, limits=Limits(max_open_contexts=3))
+    session = Session("abc", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, limits=Limits(max_open_contexts=3))
     ready = sent(session.start(0.0))[0]
     assert ready["type"] == "session.ready" and ready["protocol"] == 1
     assert ready["limits"]["max_open_contexts"] == 3
