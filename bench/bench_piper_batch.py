@@ -62,7 +62,8 @@ def run_step(
 def measure(backend: PiperBackend, mode: str, texts: list[str], waste: float | None) -> np.ndarray:
     """[wall s, cpu s] of one step in `mode`."""
     if mode == "solo":
-        return np.sum([run_step(backend, [t])[:2] for t in texts], axis=0)
+        total: np.ndarray = np.sum([run_step(backend, [t])[:2] for t in texts], axis=0)
+        return total
     return np.array(run_step(backend, texts, None if mode == "one-call" else waste)[:2])
 
 

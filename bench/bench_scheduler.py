@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -44,13 +45,13 @@ def start(policy: str, port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError(f"{policy} server did not become ready")
 
 
-def load(port: int, sessions: int, duration: float, seed: int, out: Path) -> dict:
+def load(port: int, sessions: int, duration: float, seed: int, out: Path) -> dict[str, Any]:
     subprocess.run(
         [sys.executable, "-m", "loadtest", "run", "--url", f"http://127.0.0.1:{port}",
          "--sessions", str(sessions), "--duration", str(duration), "--seed", str(seed),
          "--quiet", "--json", str(out)], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
-    summary: dict = report["targets"]["voxgate"]["result"]["summary"]
+    summary: dict[str, Any] = report["targets"]["voxgate"]["result"]["summary"]
     return summary
 
 
@@ -67,11 +68,11 @@ def main() -> None:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for policy in ports:  # warm-up turn on each
-                load(ports[policy], 2, 8.0, args.seed, Path(tmp) / f"warm-{policy}.json")
+            for policy, port in ports.items():  # warm-up turn on each
+                load(port, 2, 8.0, args.seed, Path(tmp) / f"warm-{policy}.json")
             for level in levels:
-                for policy in ports:
-                    summary = load(ports[policy], level, args.duration, args.seed,
+                for policy, port in ports.items():
+                    summary = load(port, level, args.duration, args.seed,
                                    Path(tmp) / f"{policy}-{level}.json")
                     rows.append((policy, level, summary))
     finally:

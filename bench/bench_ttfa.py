@@ -103,7 +103,10 @@ def main() -> None:
             proc.terminate()
             proc.wait()
     direct = anchor(args.turns)
-    ms = lambda xs: f"{1000 * statistics.median(xs):7.1f}"  # noqa: E731
+
+    def ms(xs: list[float]) -> str:
+        return f"{1000 * statistics.median(xs):7.1f}"
+
     print(f"{'measure':<52} {'median ms':>9}  {'min':>7} {'max':>7}  n")
     print(f"{'voxgate: first sentence complete -> first audio frame':<52} {ms(ttfa)}  "
           f"{1000 * min(ttfa):7.1f} {1000 * max(ttfa):7.1f}  {len(ttfa)}")

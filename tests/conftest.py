@@ -52,7 +52,7 @@ class ServerProcess:
     def metric(self, name: str) -> float:
         """The value of an unlabelled metric from /metrics."""
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{}"):
+            if line.startswith((name + " ", name + "{}")):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
@@ -74,15 +74,14 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     log_path = tmp_path / f"server-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("VOXGATE_DATA_DIR", str(tmp_path / "data"))
-    log_file = open(log_path, "wb")
     if app_factory is None:
         command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
     else:
         command = [sys.executable, "-m", "uvicorn", app_factory, "--factory", "--host", "127.0.0.1",
                    "--port", str(port)]
-    process = subprocess.Popen([*command, *args], cwd=REPO, env=full_env, stdout=log_file,
-                               stderr=subprocess.STDOUT)
-    log_file.close()
+    with open(log_path, "wb") as log_file:  # the child keeps its own handle
+        process = subprocess.Popen([*command, *args], cwd=REPO, env=full_env, stdout=log_file,
+                                   stderr=subprocess.STDOUT)
     server = ServerProcess(process, port, log_path)
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:

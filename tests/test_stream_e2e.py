@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import msgpack
@@ -70,7 +71,7 @@ def test_audio_frames_have_gapless_seq_and_contiguous_pts(server: ServerProcess)
 
     frames = run(scenario()).received.audio_of("c")
     assert [f["seq"] for f in frames] == list(range(len(frames)))
-    for before, after in zip(frames, frames[1:]):
+    for before, after in itertools.pairwise(frames):
         assert after["pts_ms"] == pytest.approx(before["pts_ms"] + before["duration_ms"], abs=1e-3)
     assert all(f["codec"] == "opus" for f in frames)
 
