@@ -14,6 +14,12 @@ play one after another in creation order; a closed context id answers
 Voices are held in the shared `VoiceCatalog`: the session's current voice
 and each open context's, released on change, at a context's end and on
 disconnect, so that a deleted voice stays speakable for whoever holds it.
+
+At about 440 lines this module is past the ~400 the style asks for, on
+purpose: it is the protocol's one state machine, and PROTOCOL.md's rules read
+best in one place. What is not protocol lives beside it: the media half in
+playout.py, the actions in actions.py, the wire messages in messages.py, a
+turn's bookkeeping in context.py.
 """
 
 from __future__ import annotations
