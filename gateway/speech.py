@@ -66,12 +66,12 @@ async def speech_endpoint(request: Request) -> Response:
     fmt = body.get("response_format") or "mp3"
     if fmt not in available_formats():
         return http_error(400, "unsupported_option",
-                      f"response_format must be one of {', '.join(available_formats())}; got {fmt!r}")
+                          f"response_format must be one of {', '.join(available_formats())}; got {fmt!r}")
     speed = body.get("speed", 1.0)
     if (isinstance(speed, bool) or not isinstance(speed, (int, float))
             or not OPENAI_MIN_SPEED <= speed <= OPENAI_MAX_SPEED):
         return http_error(400, "unsupported_option", "speed must be a number within "
-                      f"{OPENAI_MIN_SPEED}-{OPENAI_MAX_SPEED}, got {speed!r}")
+                          f"{OPENAI_MIN_SPEED}-{OPENAI_MAX_SPEED}, got {speed!r}")
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
         return http_error(400, "unsupported_option", f"stream_format must be audio or sse, got {stream_format!r}")
