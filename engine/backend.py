@@ -2,10 +2,12 @@
 
 A backend is stepped, never called per request: each `step` advances a batch
 of requests (from any number of sessions) by one unit of the backend's work
-and returns what each produced. For piper a unit is a whole segment; for
-cosyvoice it is one LM decode step plus whatever token-to-wave chunks became
-ready. The scheduler calls `prepare`, `step` and `release` from one worker
-thread, never from the event loop, so a backend needs no locking of its own.
+and returns what each produced. For piper a unit is one decoder window (the
+first step of a segment also runs its front part); for cosyvoice it is one LM
+decode step plus whatever token-to-wave chunks became ready. The engine calls
+`prepare`, `step` and `release` from one worker thread, never from the event
+loop, so a backend needs no locking of its own: a request cancelled while a
+step runs is released on that thread before the next step, never during it.
 
 Registered voices (docs/voices.md) use four optional methods, also called in
 that worker thread (the engine's voice verbs run them there):
@@ -37,11 +39,15 @@ class BackendRequest:
     `state` is the backend's own (phonemes, KV cache slot, hop state...).
     `est_audio_s` is the backend's estimate of the audio the request will
     produce, used by the scheduler's deadline and admission policy.
+    `due` is when the request's next piece of audio must exist: the engine
+    sets it before each schedule from the request's playback clock (None:
+    `request.deadline`, the due time of its first audio). Backends leave it.
     """
 
     request: SynthesisRequest
     state: Any = None
     est_audio_s: float = 0.0
+    due: float | None = None
 
     @property
     def request_id(self) -> RequestId:

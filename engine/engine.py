@@ -3,15 +3,27 @@
 Public face (DESIGN.md): `submit(SynthesisRequest) -> AsyncIterator[AudioChunk]`,
 `cancel(request_id)`, `voices`, `sample_rate`, `start()`, `stop()`, admission
 (`admit`/`release_context`) and `stats` for metrics. Each loop iteration is
-prepare (new requests), schedule (EDF batch), run (one backend step in the
-worker thread), route (chunks to each request's bounded queue). A request is
-never stepped while its output queue is full, so a slow reader holds back only
-its own work.
+prepare (new requests, most urgent first), schedule (EDF over each request's
+next piece), run (one backend step in the worker thread), route (chunks to
+each request's bounded queue).
+
+Each request has a playback clock (`_Clock`): it starts when its first audio
+is due (`request.deadline`, or when the audio before it in its context runs
+out, whichever is earlier) and never runs past what its consumer has taken.
+The lead, audio made but not yet heard, gives the next piece's deadline; a
+request whose lead reaches `look_ahead_s` only uses idle time
+(docs/architecture.md, "The backpressure story").
+
+Thread contract: `prepare`, `step` and `release` run only on the worker
+thread. `cancel` (event loop) marks the request and takes it out of the
+scheduler; the worker releases it before its next step, so a step never sees
+state freed under it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +41,8 @@ from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 log = logging.getLogger("voxgate.engine")
 
 _QUEUE_DEPTH = 16
+#: Upper bounds (seconds) of the engine step-time histogram's buckets.
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 T = TypeVar("T")
 
 
@@ -37,10 +51,21 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_pending: int = 4096
     warmup_text: str = "Warming up the voice."
+    #: seconds of audio a request may have made beyond what its listener has heard
+    #: before it yields the box to requests closer to running dry (then it runs
+    #: only in idle time)
+    look_ahead_s: float = 1.5
+    #: requests prepared per loop iteration, most urgent first: a new turn's
+    #: segment waits behind at most this many other prepares and one step
+    max_prepare_per_step: int = 4
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if not 0.05 <= self.look_ahead_s <= 60.0:
+            raise ValueError(f"look_ahead_s must be within 0.05-60, got {self.look_ahead_s}")
+        if self.max_prepare_per_step < 1:
+            raise ValueError(f"max_prepare_per_step must be >= 1, got {self.max_prepare_per_step}")
 
 
 @dataclass(slots=True)
@@ -56,16 +81,61 @@ class EngineStats:
     busy_seconds: float = 0.0
     last_step_seconds: float = 0.0
     last_batch_size: int = 0
+    # Step durations as cumulative-ready bucket counts (STEP_BUCKETS; the last is +Inf),
+    # so /metrics exports a histogram and a remote gateway can sum its replicas'.
+    step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
 
 
 class _Handle:
-    __slots__ = ("is_cancelled", "is_done", "queue", "request")
+    """One submitted request: its output queue and its playback clock.
 
-    def __init__(self, request: SynthesisRequest) -> None:
+    The clock: audio `made_s` (routed), `taken_s` (read by the consumer), and
+    the start of playback (`start`). Before the consumer has taken anything,
+    the start is the request's deadline, or the predicted end of the request
+    before it in its context if that is earlier; once audio is taken it is
+    frozen no earlier than that moment. Heard audio is the time since the start,
+    never more than what was taken (a reader that stops reading stops its clock).
+    """
+
+    __slots__ = ("est_s", "is_cancelled", "is_done", "is_finished", "made_s", "prev", "queue",
+                 "request", "started_at", "taken_s")
+
+    def __init__(self, request: SynthesisRequest, prev: _Handle | None) -> None:
         self.request = request
         self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue(_QUEUE_DEPTH)
         self.is_cancelled = False
         self.is_done = False
+        self.is_finished = False  # its last audio was made
+        self.prev = prev  # the request before it in its context, until its clock is frozen
+        self.est_s = 0.0  # the backend's estimate of its audio, once prepared
+        self.made_s = 0.0
+        self.taken_s = 0.0
+        self.started_at: float | None = None  # frozen start, once audio was taken
+
+    def start(self) -> float:
+        if self.started_at is not None:
+            return self.started_at
+        start = self.request.deadline
+        prev = self.prev
+        if prev is not None and not prev.is_cancelled:
+            length = prev.made_s if prev.is_finished else max(prev.made_s, prev.est_s)
+            start = min(start, prev.start() + length)
+        return start
+
+    def took(self, chunk: AudioChunk, now: float) -> None:
+        if self.started_at is None:
+            self.started_at = max(self.start(), now)
+            self.prev = None  # the chain is no longer needed: let finished requests go
+        self.taken_s += chunk.duration_ms / 1000.0
+
+    def lead(self, now: float) -> float:
+        """Seconds until this request's listener runs out of audio (from now)."""
+        start = self.start()
+        heard = min(max(now - start, 0.0), self.taken_s)
+        return max(start - now, 0.0) + self.made_s - heard
 
 
 class Engine:
@@ -82,6 +152,8 @@ class Engine:
         self.stats = EngineStats()
         self._handles: dict[RequestId, _Handle] = {}
         self._incoming: list[_Handle] = []
+        self._last_of_context: dict[str, _Handle] = {}  # the newest request of each context
+        self._to_release: list[BackendRequest] = []  # released on the worker before the next step
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-engine")
         self._task: asyncio.Task[None] | None = None
@@ -141,7 +213,14 @@ class Engine:
             self._task = None
         for handle in list(self._handles.values()):
             self._fail(handle, EngineStoppedError("the engine stopped"))
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        for handle in self._incoming:
+            self._fail(handle, EngineStoppedError("the engine stopped"))
+        self._incoming = []
+        for item in list(self.scheduler.items()):
+            self._retire(item.request_id)
+        releases, self._to_release = self._to_release, []
+        self._executor.submit(self._release_all, releases)
+        self._executor.shutdown(wait=True, cancel_futures=False)
 
     # -- admission --------------------------------------------------------
     def admit(self, context_key: str) -> None:
@@ -164,7 +243,10 @@ class Engine:
             raise EngineError(f"request id {request.request_id!r} is already in use")
         if len(self._handles) >= self.config.max_pending:
             raise EngineBusyError(f"the engine holds {self.config.max_pending} requests already")
-        handle = _Handle(request)
+        key = request.context_key
+        handle = _Handle(request, self._last_of_context.get(key) if key else None)
+        if key:
+            self._last_of_context[key] = handle
         self._handles[request.request_id] = handle
         self._incoming.append(handle)
         self.stats.num_submitted += 1
@@ -175,11 +257,12 @@ class Engine:
         try:
             while True:
                 item = await handle.queue.get()
-                self._wake.set()  # room in the queue may make the request runnable again
+                self._wake.set()  # what was taken may make the request runnable again
                 if item is None:  # cancelled: end quietly
                     return
                 if isinstance(item, BaseException):
                     raise item
+                handle.took(item, time.monotonic())
                 yield item
                 if item.is_last:
                     return
@@ -188,43 +271,60 @@ class Engine:
                 self.cancel(handle.request.request_id)
 
     def cancel(self, request_id: RequestId) -> None:
-        """Forget a request: it is never stepped again and its results are dropped."""
+        """Forget a request: it is never stepped again and its results are dropped.
+
+        Runs on the event loop while a step may be running: the request is only
+        marked and taken out of the scheduler here; the worker releases it
+        before its next step (the thread contract, module docstring).
+        """
         handle = self._handles.pop(request_id, None)
         if handle is None or handle.is_done:
             return
         handle.is_cancelled = True
         handle.is_done = True
+        self._forget_context(handle)
         self.stats.num_cancelled += 1
+        self._retire(request_id)
+        self._post(handle, None)
+        self._wake.set()
+
+    def _retire(self, request_id: RequestId) -> None:
+        """Take a request out of the scheduler; the worker releases it before its next step."""
         item = self.scheduler.remove(request_id)
         if item is not None:
-            self.backend.release(item)
-        self._post(handle, None)
+            self._to_release.append(item)
+
+    def _forget_context(self, handle: _Handle) -> None:
+        key = handle.request.context_key
+        if key and self._last_of_context.get(key) is handle:
+            del self._last_of_context[key]
 
     # -- the loop ---------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if self._incoming:
-                fresh, self._incoming = self._incoming, []
-                fresh = [h for h in fresh if not h.is_cancelled]
+            now = time.monotonic()
+            fresh = self._take_incoming(now)
+            if fresh:
                 prepared = await loop.run_in_executor(self._executor, self._prepare_all, fresh)
                 for handle, outcome in zip(fresh, prepared):
-                    if handle.is_cancelled:
-                        if isinstance(outcome, BackendRequest):
-                            self.backend.release(outcome)
-                    elif isinstance(outcome, BackendRequest):
-                        self.scheduler.add(outcome)
-                    else:
-                        self._fail(handle, outcome)
-            batch = self.scheduler.schedule(time.monotonic(), self._is_runnable)
+                    self._admit_prepared(handle, outcome)
+            now = time.monotonic()
+            self._set_dues(now)
+            batch = self.scheduler.schedule(now, self._is_runnable, self._is_ahead)
             if not batch:
+                if self._to_release:
+                    releases, self._to_release = self._to_release, []
+                    await loop.run_in_executor(self._executor, self._release_all, releases)
+                    continue
                 self._wake.clear()
-                if not self._incoming:
-                    await self._wake.wait()
+                if not self._incoming:  # else: prepare the next few first
+                    await self._sleep(self._next_wake_s(time.monotonic()))
                 continue
+            releases, self._to_release = self._to_release, []
             started = time.monotonic()
             try:
-                results = await loop.run_in_executor(self._executor, self.backend.step, batch)
+                results = await loop.run_in_executor(self._executor, self._work, releases, batch)
                 if len(results) != len(batch):
                     raise BackendFailure(f"backend returned {len(results)} results for {len(batch)} items")
                 self.num_failed_steps_in_row = 0
@@ -241,6 +341,78 @@ class Engine:
                     results = await loop.run_in_executor(self._executor, self._step_isolated, batch)
             elapsed = time.monotonic() - started
             self._route(batch, results, elapsed)
+
+    async def _sleep(self, timeout: float | None) -> None:
+        """Wait for new work, a read, a cancel, or until a clock makes a request runnable."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _work(self, releases: list[BackendRequest], batch: list[BackendRequest]) -> list[StepResult]:
+        """Worker thread: free what was cancelled since the last step, then step."""
+        self._release_all(releases)
+        return self.backend.step(batch)
+
+    def _release_all(self, items: list[BackendRequest]) -> None:
+        for item in items:
+            try:
+                self.backend.release(item)
+            except Exception:  # a faulty release must not stop the loop
+                log.exception("backend release failed for %s", item.request_id)
+
+    # -- playback clocks ----------------------------------------------------
+    def _take_incoming(self, now: float) -> list[_Handle]:
+        """The new requests to prepare now: due within the look-ahead, most urgent first."""
+        live = [h for h in self._incoming if not h.is_cancelled]
+        live.sort(key=lambda h: h.lead(now))
+        horizon = self.config.look_ahead_s
+        urgent = [h for h in live if h.lead(now) < horizon]
+        # Work beyond the look-ahead is prepared only when nothing urgent waits.
+        fresh = (urgent or live)[: self.config.max_prepare_per_step]
+        taken = set(map(id, fresh))
+        self._incoming = [h for h in live if id(h) not in taken]
+        return fresh
+
+    def _admit_prepared(self, handle: _Handle, outcome: BackendRequest | BaseException) -> None:
+        if handle.is_cancelled:
+            if isinstance(outcome, BackendRequest):
+                self._to_release.append(outcome)
+        elif isinstance(outcome, BackendRequest):
+            try:
+                self.scheduler.add(outcome)
+            except OverflowError as exc:
+                self._to_release.append(outcome)
+                self._fail(handle, EngineBusyError(str(exc)))
+                return
+            handle.est_s = outcome.est_audio_s
+        else:
+            self._fail(handle, outcome)
+
+    def _set_dues(self, now: float) -> None:
+        """Each request's next piece is due when its listener would run out of audio."""
+        for item in self.scheduler.items():
+            handle = self._handles.get(item.request_id)
+            if handle is not None:
+                item.due = now + handle.lead(now)
+
+    def _is_ahead(self, item: BackendRequest) -> bool:
+        handle = self._handles.get(item.request_id)
+        return handle is not None and handle.lead(time.monotonic()) >= self.config.look_ahead_s
+
+    def _next_wake_s(self, now: float) -> float | None:
+        """Seconds until some request's lead falls under the look-ahead (None: only events wake)."""
+        horizon = self.config.look_ahead_s
+        waits = []
+        for item in self.scheduler.items():
+            handle = self._handles.get(item.request_id)
+            if handle is None or handle.queue.full():
+                continue
+            unread = handle.made_s - handle.taken_s
+            if unread >= horizon:
+                continue  # its reader must take audio first: the read wakes the loop
+            waits.append(handle.lead(now) - horizon)
+        return max(min(waits), 0.005) if waits else None
 
     def _step_isolated(self, batch: list[BackendRequest]) -> list[StepResult]:
         results: list[StepResult] = []
@@ -273,17 +445,18 @@ class Engine:
             if handle is None or handle.is_cancelled:
                 continue
             if result.error is not None:
-                self.scheduler.remove(item.request_id)
-                self.backend.release(item)
+                self._retire(item.request_id)
                 self._fail(handle, result.error)
                 continue
             chunk = AudioChunk(item.request_id, np.asarray(result.pcm, dtype=np.float32),
                                self.sample_rate, result.is_finished, result.words)
+            handle.made_s += chunk.duration_ms / 1000.0
             if result.is_finished:
-                self.scheduler.remove(item.request_id)
-                self.backend.release(item)
+                self._retire(item.request_id)
                 handle.is_done = True
+                handle.is_finished = True
                 self._handles.pop(item.request_id, None)
+                self._forget_context(handle)
                 self.stats.num_finished += 1
             if len(chunk.pcm) or chunk.is_last:
                 handle.queue.put_nowait(chunk)
@@ -297,6 +470,7 @@ class Engine:
     def _fail(self, handle: _Handle, exc: BaseException) -> None:
         handle.is_done = True
         self._handles.pop(handle.request.request_id, None)
+        self._forget_context(handle)
         self.stats.num_failed += 1
         if not isinstance(exc, EngineError):
             log.error("request %s failed: %r", handle.request.request_id, exc)

@@ -1,11 +1,17 @@
 """Scheduling policy: which requests run in the next backend step.
 
 Plain Python with the clock passed in, so a test drives it step by step.
-Earliest deadline first (DESIGN.md, Engine): the first segment of a turn is
-due "now", a later one when its context's audio runs out. The batch grows
-while the step it makes still ends before the most urgent deadline (a batch
-that would make the urgent request late is cut back); it never shrinks below
-one, so the most urgent request always runs.
+Earliest deadline first (DESIGN.md, Engine) over pieces of audio: each
+request's `due` is when its next piece must exist (the engine sets it from
+the request's playback clock; a turn's first piece is due "now"). The batch
+grows while the step it makes still ends before the most urgent deadline (a
+batch that would make the urgent request late is cut back); it never shrinks
+below one, so the most urgent request always runs.
+
+Bounded look-ahead: a request already further ahead of its listener than the
+engine's look-ahead (`is_ahead`) runs only when no other request is
+runnable, and then alone, so idle time is used but a new turn's first piece
+waits behind at most one short step of such work.
 
 Admission control counts open contexts against a capacity estimated from the
 measured step costs (`StepCostModel`): a context that cannot be served without
@@ -109,6 +115,11 @@ class StepCostModel:
         return max_batch_size * self.audio_s_per_item / self.step_seconds(max_batch_size)
 
 
+def due_of(item: BackendRequest) -> float:
+    """When the request's next piece of audio must exist (its first: `request.deadline`)."""
+    return item.request.deadline if item.due is None else item.due
+
+
 @dataclass(slots=True)
 class _Entry:
     item: BackendRequest
@@ -160,20 +171,28 @@ class Scheduler:
         return (e.item for e in self._entries.values())
 
     def schedule(
-        self, now: float, is_runnable: Callable[[BackendRequest], bool] = lambda _: True
+        self, now: float, is_runnable: Callable[[BackendRequest], bool] = lambda _: True,
+        is_ahead: Callable[[BackendRequest], bool] = lambda _: False,
     ) -> list[BackendRequest]:
         """The next batch: earliest deadline first, sized so the urgent one is on time."""
-        ready = [e for e in self._entries.values() if is_runnable(e.item)]
+        runnable = [e for e in self._entries.values() if is_runnable(e.item)]
+        ready = [e for e in runnable if not is_ahead(e.item)]
         if not ready:
-            return []
+            if not runnable:
+                return []
+            # Only look-ahead work is left: the most urgent of it, alone (one short step).
+            ahead = min(runnable, key=lambda e: (due_of(e.item), e.seq))
+            self.stats.num_steps += 1
+            self.stats.last_batch_size = 1
+            return [ahead.item]
         if self.config.policy == "fifo":
             oldest = min(ready, key=lambda e: e.seq)
             self.stats.num_steps += 1
             self.stats.last_batch_size = 1
             return [oldest.item]
         # Ties (e.g. many first segments due "now") go to the older request: no starvation.
-        ready.sort(key=lambda e: (e.item.request.deadline, e.seq))
-        urgent_deadline = ready[0].item.request.deadline
+        ready.sort(key=lambda e: (due_of(e.item), e.seq))
+        urgent_deadline = due_of(ready[0].item)
         limit = min(self.config.max_batch_size, len(ready))
         # Items up to the backend's parallelism ride along for free (another core).
         size = max(1, min(self.config.parallelism, limit))
@@ -182,7 +201,7 @@ class Scheduler:
             # Grow while the urgent request still makes its deadline, or while the
             # candidate is itself due before the step could end (then serving it
             # now, batched, beats making it wait a whole further step).
-            is_due = ready[size].item.request.deadline <= step_end
+            is_due = due_of(ready[size].item) <= step_end
             fits = step_end <= urgent_deadline and (
                 self.cost.step_seconds(size + 1) <= self.config.max_background_step_s)
             if is_due or fits:
@@ -196,7 +215,7 @@ class Scheduler:
 
     def record_step(self, batch: list[BackendRequest], seconds: float, audio_s: float, now: float) -> None:
         self.cost.observe(len(batch), seconds, audio_s)
-        self.stats.num_deadline_misses += sum(1 for b in batch if b.request.deadline + seconds < now - 1e-3)
+        self.stats.num_deadline_misses += sum(1 for b in batch if due_of(b) + seconds < now - 1e-3)
 
     # -- admission ------------------------------------------------------
     @property

@@ -34,6 +34,8 @@ class ScriptedBackend(Backend):
         self.step_delay_s = step_delay_s
         self.batches: list[list[str]] = []
         self.released: list[str] = []
+        self.release_threads: set[str] = set()  # where release ran (the worker only)
+        self.step_threads: set[str] = set()
         self.step_started = threading.Event()
         self.gate: threading.Event | None = None
 
@@ -50,6 +52,7 @@ class ScriptedBackend(Backend):
                               est_audio_s=self.chunks_per_request * self.chunk_s)
 
     def step(self, batch: list[BackendRequest]) -> list[StepResult]:
+        self.step_threads.add(threading.current_thread().name)
         self.step_started.set()
         if self.gate is not None:
             self.gate.wait(10)
@@ -69,5 +72,8 @@ class ScriptedBackend(Backend):
         return results
 
     def release(self, item: BackendRequest) -> None:
+        # Frees the state a running step walks: released on the event loop during
+        # a step, the step would fail on it (the race the engine's contract rules out).
+        self.release_threads.add(threading.current_thread().name)
         self.released.append(str(item.request_id))
         item.state = None

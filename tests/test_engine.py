@@ -75,6 +75,38 @@ def test_cancel_during_a_step_drops_its_result_and_frees_it_before_the_next_step
     assert engine.stats.num_cancelled == 1
 
 
+def test_a_cancel_during_a_batched_step_fails_no_step_and_reruns_nothing() -> None:
+    async def scenario() -> tuple[list, ScriptedBackend, Engine]:
+        backend = ScriptedBackend(max_batch_size=4, chunks_per_request=3)
+        backend.gate = threading.Event()
+        engine = await started(backend, max_batch_size=4)
+        backend.batches.clear()
+        victim = engine.submit(request("victim"))
+        survivor = engine.submit(request("survivor"))
+        victim_task = asyncio.create_task(victim.__anext__())
+        survivor_task = asyncio.create_task(_collect(survivor))
+        await asyncio.get_running_loop().run_in_executor(None, backend.step_started.wait, 5)
+        engine.cancel(RequestId("victim"))     # while the step walks both states
+        backend.gate.set()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(victim_task, 5)
+        got = await asyncio.wait_for(survivor_task, 5)
+        await engine.stop()
+        return got, backend, engine
+
+    got, backend, engine = run(scenario())
+    assert backend.batches[0] == ["victim", "survivor"], "both were in the step that was cancelled into"
+    assert [len(b) for b in backend.batches] == [2, 1, 1], "a step was re-run item by item"
+    assert engine.stats.num_failed == 0 and engine.num_failed_steps_in_row == 0
+    assert got and got[-1].is_last and sum(len(c.pcm) for c in got) == 3 * 1600
+    assert backend.released.count("victim") == 1
+    assert backend.release_threads <= backend.step_threads, "release ran off the worker thread"
+
+
+async def _collect(stream) -> list:  # type: ignore[no-untyped-def]
+    return [chunk async for chunk in stream]
+
+
 def test_a_failing_request_ends_alone_and_the_others_are_served() -> None:
     async def scenario() -> list:
         backend = ScriptedBackend(max_batch_size=4)
