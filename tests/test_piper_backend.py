@@ -25,8 +25,9 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def backend() -> PiperBackend:
-    # One onnxruntime call per step, however ragged: the batched path under test.
-    piper = PiperBackend(PiperBackendConfig(num_threads=1, max_padding_waste=None))
+    # Whole segments, one onnxruntime call per step however ragged: the batched path under
+    # test (decoder windows: tests/test_piper_windows.py).
+    piper = PiperBackend(PiperBackendConfig(num_threads=1, max_padding_waste=None, windowed=False))
     piper.load()
     return piper
 

@@ -1,6 +1,16 @@
-"""The piper backend: Piper VITS voices on onnxruntime, batched across sessions.
+"""The piper backend: Piper VITS voices on onnxruntime, streamed in decoder windows.
 
-A step synthesizes whole segments. Items that share a voice and synthesis
+Each voice's graph is split at its decoder (piper_windows): a segment's first
+step runs its front part (text encoder, durations, flow) once and decodes a
+small first window of the latent; each later step decodes the next, larger
+window. So the engine's unit of work is a window, a cancel stops a segment
+within one window, and a new turn's first audio waits behind one short step.
+Durations, word timings and the segment's length are known after the front
+part and travel with the first window; one fixed gain per voice is applied
+to every window, and windows with their context equal the whole decode.
+
+A voice that cannot be split (`windowed=False`, or an unknown graph) is
+synthesized whole, one segment per item per step, as follows. Items that share a voice and synthesis
 scales (and, by default, are of equal length: `max_padding_waste`) run in
 ONE onnxruntime call: phoneme ids padded to the longest item, `input_lengths`
 per item. The model masks the padding, but its vocoder still
@@ -45,13 +55,14 @@ from engine.backends.piper_voices import (
     discover_voices,
     load_voice,
 )
+from engine.backends.piper_windows import WindowPlan, decode_window
 from engine.errors import (
     BackendFailure,
     EngineError,
     UnknownVoiceError,
     UnsupportedOptionError,
 )
-from engine.types import SynthesisRequest, VoiceInfo
+from engine.types import SynthesisRequest, VoiceInfo, WordTiming
 
 logger = logging.getLogger("voxgate.engine")
 
@@ -89,6 +100,15 @@ class PiperBackendConfig:
     # every core make 17.5x real time; the same calls side by side on 1-core
     # sessions make 10x, so the default runs them one after another.
     num_parallel_calls: int = 1
+    # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
+    # a segment's first window is small (first audio soon), the second medium, the rest
+    # `window_frames`; `context_frames` each side make each window equal the whole decode
+    # (16 is exact on joe; measurements in docs/benchmarks.md, "piper windows").
+    windowed: bool = True
+    first_window_frames: int = 16
+    second_window_frames: int = 48
+    window_frames: int = 128
+    context_frames: int = 16
 
     def __post_init__(self) -> None:
         if self.num_parallel_calls < 1:
@@ -101,15 +121,22 @@ class PiperBackendConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
+        self.window_plan  # noqa: B018 - validates the window sizes
         if self.max_padding_waste is not None and self.max_padding_waste < 0:
             raise ValueError(
                 f"max_padding_waste must be >= 0 or None, got {self.max_padding_waste}"
             )
 
 
+    @property
+    def window_plan(self) -> WindowPlan:
+        return WindowPlan(self.first_window_frames, self.second_window_frames,
+                          self.window_frames, self.context_frames)
+
+
 @dataclass(slots=True)
 class PiperState:
-    """What `prepare` computed for one segment."""
+    """What `prepare` computed for one segment, and where its windows stand."""
 
     voice: LoadedVoice
     phonemes: list[str]
@@ -118,6 +145,10 @@ class PiperState:
     words: list[str]
     word_spans: list[tuple[int, int]]  # per word: its range in `phonemes`
     scales: tuple[float, float, float]  # noise_scale, length_scale, noise_w
+    latent: np.ndarray | None = None  # [1, C, T] after the front part, until the last window
+    num_frames: int = 0
+    cursor: int = 0  # frames decoded so far
+    num_windows: int = 0
 
 
 def pack_by_length(lengths: list[int], max_waste: float | None) -> list[list[int]]:
@@ -167,6 +198,7 @@ class PiperBackend(Backend):
         self._retired: dict[str, tuple[VoiceInfo, str]] = {}
         self.sample_rate = 22050
         self.parallelism = self.config.num_parallel_calls
+        self._plan = self.config.window_plan
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
                       if self.config.num_parallel_calls > 1 else None)
 
@@ -285,6 +317,7 @@ class PiperBackend(Backend):
     def step(self, batch: list[BackendRequest]) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(batch)
         groups: dict[tuple[str, tuple[float, float, float]], list[int]] = {}
+        windowed: list[int] = []
         for index, item in enumerate(batch):
             state = item.state
             if not isinstance(state, PiperState):
@@ -294,10 +327,12 @@ class PiperBackend(Backend):
                 )
             elif not state.phonemes:
                 results[index] = self._silent_result(state)  # nothing speakable
+            elif self.config.windowed and state.voice.is_split:
+                windowed.append(index)
             else:
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
-        calls: list[list[int]] = []
+        calls: list[list[int]] = [[index] for index in windowed]
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]
             if self.config.one_call_per_item:
@@ -307,14 +342,61 @@ class PiperBackend(Backend):
                           for call in pack_by_length(lengths, self.config.max_padding_waste)]
         # onnxruntime releases the GIL: separate calls of one step run on separate cores.
         states_per_call = [[batch[i].state for i in indices] for indices in calls]
+        num_windowed = len(windowed)
         if len(calls) > 1 and self._pool is not None:
-            outputs = list(self._pool.map(self._run_group, states_per_call))
+            outputs = list(self._pool.map(
+                lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
         else:  # one after another, each on every core
-            outputs = [self._run_group(states, is_solo=True) for states in states_per_call]
+            outputs = [self._run_call(states, k < num_windowed, True)
+                       for k, states in enumerate(states_per_call)]
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
         return [r if r is not None else StepResult(is_finished=True) for r in results]
+
+    def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
+        if is_window:
+            return [self._run_window(states[0], is_solo)]
+        return self._run_group(states, is_solo=is_solo)
+
+    def _run_window(self, state: PiperState, is_solo: bool) -> StepResult:
+        """One window of a split voice; the segment's first also runs its front part."""
+        voice = state.voice
+        hop = voice.config.hop_length
+        sids = None
+        if voice.config.num_speakers > 1:
+            sids = np.full(1, voice.config.default_speaker_id, dtype=np.int64)
+        try:
+            words = None
+            if state.latent is None:
+                ids = np.array([state.ids], dtype=np.int64)  # [1, L]
+                lengths = np.array([len(state.ids)], dtype=np.int64)  # [1]
+                scales = np.array(state.scales, dtype=np.float32)  # [3]
+                latent, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo)
+                frames = np.rint(durations[0, : len(state.ids)]).astype(np.int64)  # [L]
+                state.num_frames = int(frames.sum())
+                if state.num_frames > latent.shape[2]:
+                    raise BackendFailure(
+                        f"expected at most {latent.shape[2]} frames from durations, got {state.num_frames}")
+                state.latent = latent[:, :, : state.num_frames]  # [1, C, T]
+                words = self._timings(state, frames)
+                if state.num_frames == 0:
+                    state.latent = None
+                    return StepResult(words=words, is_finished=True)
+            start = state.cursor
+            end = self._plan.window_end(start, state.num_windows, state.num_frames)
+            raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), state.latent,
+                                start, end, self.config.context_frames, hop)
+            pcm = np.clip(raw * voice.gain, -1.0, 1.0).astype(np.float32)
+            state.cursor, state.num_windows = end, state.num_windows + 1
+            is_finished = end >= state.num_frames
+            if is_finished:
+                state.latent = None  # the latent is the big part of the state: free it at once
+            return StepResult(pcm=pcm, words=words, is_finished=is_finished)
+        except Exception as exc:  # onnxruntime raises its own types
+            logger.exception("piper window failed")
+            error = exc if isinstance(exc, BackendFailure) else BackendFailure(f"piper synthesis failed: {exc}")
+            return StepResult(is_finished=True, error=error)
 
     # -- internals ------------------------------------------------------------
 
@@ -357,6 +439,17 @@ class PiperBackend(Backend):
             for row, state in enumerate(states)
         ]
 
+    def _timings(self, state: PiperState, frames: np.ndarray) -> list[WordTiming]:
+        """Word timings from the frames per phoneme id ([L_i]); they tile the segment's audio."""
+        hop = state.voice.config.hop_length
+        id_ends = np.cumsum(frames) * hop  # [L_i] end sample of each id
+        phoneme_ends = np.array(
+            [id_ends[end - 1] if end > 0 else 0 for _, end in state.phoneme_id_spans],
+            dtype=np.int64,
+        )  # [P]
+        num_samples = int(frames.sum()) * hop
+        return word_timings(state.words, state.word_spans, phoneme_ends, num_samples, self.sample_rate)
+
     def _finish(self, state: PiperState, audio: np.ndarray, durations: np.ndarray) -> StepResult:
         """Trim one item to its true length, apply the voice gain, time its words.
 
@@ -371,14 +464,7 @@ class PiperBackend(Backend):
                     f"expected at most {audio.shape[0]} samples from durations, got {num_samples}"
                 )
             pcm = np.clip(audio[:num_samples] * state.voice.gain, -1.0, 1.0).astype(np.float32)
-            id_ends = np.cumsum(frames) * hop  # [L_i] end sample of each id
-            phoneme_ends = np.array(
-                [id_ends[end - 1] if end > 0 else 0 for _, end in state.phoneme_id_spans],
-                dtype=np.int64,
-            )  # [P]
-            words = word_timings(
-                state.words, state.word_spans, phoneme_ends, num_samples, self.sample_rate
-            )
+            words = self._timings(state, frames)
             return StepResult(pcm=pcm, words=words, is_finished=True)
         except Exception as exc:
             logger.exception("piper postprocessing failed")

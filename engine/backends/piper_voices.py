@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.backends.piper_windows import DECODER_ENTRY, split_voice
 from engine.errors import ModelLoadError
 from engine.types import VoiceInfo
 
@@ -92,6 +93,12 @@ class LoadedVoice:
     session: Any  # onnxruntime.InferenceSession, `num_threads` cores: calls run side by side
     frontend: Any  # piper.voice.PiperVoice (used for phonemize only)
     solo_session: Any = None  # every core, for a step with a single call (lowest latency)
+    # Split voices (piper_windows): `session`/`solo_session` run the front part and
+    # these the decoder; None for a voice synthesized whole.
+    decoder: Any = None
+    solo_decoder: Any = None
+    latent_name: str = ""
+    decoder_needs_sid: bool = False
     gain: float = 1.0
     sec_per_phoneme: float = 0.06
     sec_overhead: float = 0.0
@@ -153,6 +160,9 @@ class LoadedVoice:
         Returns audio [B, T] float32 (raw, padded to the longest item) and
         durations [B, L] in frames of `hop_length` samples (0 past each length).
         """
+        if self.is_split:
+            latent, durations = self.run_front(ids, lengths, scales, sids, is_solo=is_solo)
+            return self.run_decoder(latent, sids, is_solo=is_solo), durations
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
         if sids is not None:
             feeds["sid"] = sids
@@ -160,6 +170,31 @@ class LoadedVoice:
         audio, durations = session.run(None, feeds)
         # audio: [B, 1, 1, T] (some exports [B, 1, T]); durations: [B, 1, L]
         return audio.reshape(audio.shape[0], -1), durations.reshape(durations.shape[0], -1)
+
+    @property
+    def is_split(self) -> bool:
+        return self.decoder is not None
+
+    def run_front(
+        self, ids: np.ndarray, lengths: np.ndarray, scales: np.ndarray, sids: np.ndarray | None,
+        *, is_solo: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A split voice's front part: latent [B, C, T] (masked past each length), durations [B, L]."""
+        feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
+        if sids is not None:
+            feeds["sid"] = sids
+        session = self.solo_session if is_solo and self.solo_session is not None else self.session
+        latent, durations = session.run(None, feeds)
+        return latent, durations.reshape(durations.shape[0], -1)
+
+    def run_decoder(self, latent: np.ndarray, sids: np.ndarray | None, *, is_solo: bool = False) -> np.ndarray:
+        """A split voice's decoder over latent [B, C, T]: audio [B, T * hop_length] (raw)."""
+        feeds: dict[str, np.ndarray] = {self.latent_name: np.ascontiguousarray(latent)}
+        if self.decoder_needs_sid:
+            feeds["sid"] = sids if sids is not None else np.zeros(latent.shape[0], dtype=np.int64)
+        session = self.solo_decoder if is_solo and self.solo_decoder is not None else self.decoder
+        (audio,) = session.run(None, feeds)
+        return np.asarray(audio).reshape(audio.shape[0], -1)
 
 
 def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -> LoadedVoice:
@@ -190,7 +225,7 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
             f"got {len(model.graph.output)}"
         )
 
-    def open_session(threads: int) -> Any:
+    def open_session(threads: int, graph: bytes) -> Any:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -202,13 +237,18 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         # The event loop shares these cores: idle inference threads must sleep, not spin.
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return onnxruntime.InferenceSession(
-            model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
+            graph, sess_options=options, providers=["CPUExecutionProvider"]
         )
 
-    session = open_session(num_threads)
+    split = split_voice(model)
+    if split is None:
+        logger.warning("piper voice %r: its graph has no %s to split at; it synthesizes whole "
+                       "segments (no decoder windows)", files.voice_id, DECODER_ENTRY)
+    front = model.SerializeToString() if split is None else split.front
+    session = open_session(num_threads, front)
     cores = os.cpu_count() or 1
     # A lone call (light load: the first segment of a turn) may use every core.
-    solo_session = open_session(cores) if cores > num_threads else None
+    solo_session = open_session(cores, front) if cores > num_threads else None
     name = config_dict.get("dataset") or files.voice_id
     info = VoiceInfo(
         voice_id=files.voice_id,
@@ -220,6 +260,11 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     )
     voice = LoadedVoice(files, info, session, PiperVoice(session=session, config=piper_config),
                         solo_session=solo_session)
+    if split is not None:
+        voice.decoder = open_session(num_threads, split.decoder)
+        voice.solo_decoder = open_session(cores, split.decoder) if cores > num_threads else None
+        voice.latent_name = split.latent_name
+        voice.decoder_needs_sid = "sid" in split.decoder_inputs
     _calibrate(voice, target_peak)
     return voice
 

@@ -1,0 +1,137 @@
+"""Piper in decoder windows: equal to the whole decode, click-free joins, fallback, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendRequest, StepResult
+from engine.backends import piper_windows
+from engine.backends.piper import PiperBackend, PiperBackendConfig
+from engine.engine import Engine, EngineConfig
+from engine.types import RequestId, SamplingParams, SynthesisRequest, WordTiming
+
+LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away into the woods, "
+        "where nobody can find it until the morning comes again.")
+SHORT = "Yes, okay."
+
+
+def request(text: str, voice: str = "joe", speed: float = 1.0) -> SynthesisRequest:
+    params = SamplingParams(speed=speed, noise_scale=0.0, noise_w_scale=0.0)  # VITS samples otherwise
+    return SynthesisRequest(RequestId(text[:8]), text, voice, deadline=0.0, params=params)
+
+
+@pytest.fixture(scope="module")
+def backends() -> dict[str, PiperBackend]:
+    made = {}
+    for name, config in {
+        "whole": PiperBackendConfig(num_threads=1, windowed=False),
+        "windows": PiperBackendConfig(num_threads=1),
+        "full_context": PiperBackendConfig(num_threads=1, context_frames=100_000),
+    }.items():
+        made[name] = PiperBackend(config)
+        made[name].load()
+    return made
+
+
+def stream(backend: PiperBackend, req: SynthesisRequest) -> tuple[list[StepResult], list[WordTiming] | None]:
+    item = backend.prepare(req)
+    results: list[StepResult] = []
+    words = None
+    while not (results and results[-1].is_finished):
+        (result,) = backend.step([item])
+        assert result.error is None
+        results.append(result)
+        words = words or result.words
+    return results, words
+
+
+@pytest.mark.parametrize("text", [LONG, SHORT])
+def test_windowed_decode_equals_the_whole_decode_for_every_bundled_voice(
+        backends: dict[str, PiperBackend], text: str) -> None:
+    for voice in backends["whole"].voices():
+        (whole,), whole_words = stream(backends["whole"], request(text, voice.voice_id))
+        windows, words = stream(backends["windows"], request(text, voice.voice_id))
+        pcm = np.concatenate([w.pcm for w in windows])
+        assert len(pcm) == len(whole.pcm)
+        assert np.abs(pcm - whole.pcm).max() < 1e-3
+        assert words == whole_words, "word timings changed"
+        if text is LONG:
+            assert len(windows) >= 3, "a long segment came in one piece"
+            assert windows[0].words is not None and all(w.words is None for w in windows[1:])
+            assert len(windows[0].pcm) < len(windows[1].pcm), "the first window is not the small one"
+
+
+def test_windows_with_full_context_equal_the_whole_decode_exactly(backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    windows, _ = stream(backends["full_context"], request(LONG))
+    assert len(windows) >= 3
+    assert np.array_equal(np.concatenate([w.pcm for w in windows]), whole.pcm)
+
+
+def test_window_joins_are_click_free(backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    windows, _ = stream(backends["windows"], request(LONG))
+    pcm = np.concatenate([w.pcm for w in windows])
+    joins = np.cumsum([len(w.pcm) for w in windows])[:-1]
+    steps = np.abs(np.diff(pcm))  # [N - 1] sample-to-sample differences
+    whole_steps = np.abs(np.diff(whole.pcm))
+    typical = np.percentile(whole_steps, 99.9)
+    for join in joins:
+        # The step across the join is the whole decode's step there, and no louder than speech is.
+        assert abs(steps[join - 1] - whole_steps[join - 1]) < 1e-3
+        assert steps[join - 1] <= typical + 1e-3
+
+
+def test_speed_and_loudness_are_the_whole_decodes(backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG, speed=1.5))
+    windows, _ = stream(backends["windows"], request(LONG, speed=1.5))
+    pcm = np.concatenate([w.pcm for w in windows])
+    assert len(pcm) == len(whole.pcm)
+    assert np.abs(pcm).max() == pytest.approx(np.abs(whole.pcm).max(), abs=1e-3)
+    assert backends["windows"].get_voice("joe").gain == backends["whole"].get_voice("joe").gain
+
+
+def test_a_graph_without_the_decoder_cut_falls_back_to_whole_segments_with_a_log_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(piper_windows, "DECODER_ENTRY", "/dec/not_in_this_graph/Conv")
+    piper = PiperBackend(PiperBackendConfig(num_threads=1))
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
+        piper.load()
+    assert any("no decoder windows" in r.getMessage() for r in caplog.records)
+    assert not piper.get_voice("joe").is_split
+    (result,) = piper.step([piper.prepare(request(LONG))])
+    assert result.error is None and result.is_finished and len(result.pcm) > 0
+
+
+def test_a_cancel_stops_a_segment_within_one_window() -> None:
+    async def scenario() -> tuple[list[list[str]], int]:
+        piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        steps: list[list[str]] = []
+        step = piper.step
+
+        def counting_step(batch: list[BackendRequest]) -> list[StepResult]:
+            steps.append([str(item.request_id) for item in batch])
+            return step(batch)
+
+        piper.step = counting_step  # type: ignore[method-assign]
+        engine = Engine(piper, EngineConfig(warmup_text=""))
+        await engine.start()
+        got = 0
+        async for _chunk in engine.submit(SynthesisRequest(RequestId("long"), LONG * 3, "joe",
+                                                           deadline=time.monotonic())):
+            got += 1
+            if got == 1:
+                engine.cancel(RequestId("long"))
+                at_cancel = len(steps)
+        await asyncio.sleep(0.3)
+        await engine.stop()
+        return steps, at_cancel
+
+    steps, at_cancel = asyncio.run(asyncio.wait_for(scenario(), 120))
+    after = [batch for batch in steps[at_cancel:] if "long" in batch]
+    assert len(after) <= 1, "the segment kept being decoded after its cancel"
