@@ -21,6 +21,7 @@ from engine.engine import Engine, EngineConfig
 from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
 from gateway.auth import KeyCounter, is_authorized, presented_key
+from gateway.compat import compat_routes
 from gateway.config import GatewayConfig
 from gateway.errors import http_error
 from gateway.metrics import Metrics
@@ -183,6 +184,7 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
         *voice_routes(),
         Route("/v1/audio/speech", speech_endpoint, methods=["POST"]),
         WebSocketRoute("/v1/stream", stream_endpoint),
+        *compat_routes(),  # ElevenLabs-, Cartesia- and Deepgram-compatible sockets (docs/compat.md)
     ]
     web_dir = config.web_dir or WEB_DIR
     if web_dir.is_dir():

@@ -199,14 +199,19 @@ class Connection:
     def _send(self, action: Send) -> None:
         if self._closing is not None:
             return
-        options = self.session.options
-        frame = encode_audio(action.message, options) if action.is_audio else encode_event(
-            action.message, options.encoding)
+        frame = self._encode(action)
         self._outbox.append(frame)
         self._outbox_bytes += len(frame)
         self._wake_writer.set()
         if self._outbox_bytes > self.session.limits.max_send_buffer_bytes:
             self._slow_consumer(f"over {self.session.limits.max_send_buffer_bytes} bytes queued")
+
+    def _encode(self, action: Send) -> str | bytes:
+        """One frame for a Send (the compatible sockets, gateway/compat, shape their own)."""
+        options = self.session.options
+        if action.is_audio:
+            return encode_audio(action.message, options)
+        return encode_event(action.message, options.encoding)
 
     def _slow_consumer(self, why: str) -> None:
         """PROTOCOL.md: a client that stops reading may not grow server memory."""

@@ -1,0 +1,302 @@
+"""The shared core of the vendor-compatible sockets: a `Session` that speaks another wire.
+
+`CompatSession` *is* the native sans-I/O session (gateway/session.py): every
+rule of the native protocol (segmenting, deadlines, admission, barge-in that
+cancels engine requests, limits, backpressure) runs unchanged. A vendor
+adapter (elevenlabs.py, cartesia.py, deepgram.py) only translates: its
+`handle` turns one client frame into native messages, fed through the
+session's own `receive_frame`, and the native events the session returns
+come back through `_translate` as the vendor's frames (`VendorSend`, already
+encoded). `CompatConnection` is the native I/O loop (gateway/ws.py) with that
+one difference in how a frame is encoded.
+
+A vendor context maps onto native contexts one after another. A native
+context takes no text once flushed, while the vendors' `flush` only forces
+out what is buffered and lets the context go on; so each flush closes the
+current native context and the next text opens a new one (ids `v1`, `v2`...,
+never the client's string, which may be anything). The native rule that
+contexts play in creation order keeps a vendor context's audio in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.actions import Action, Send
+from gateway.compat.alignment import Tracked
+from gateway.compat.formats import OutputFormat, Transcoder, native_format
+from gateway.context import Context
+from gateway.errors import ProtocolError
+from gateway.messages import Limits, SessionOptions
+from gateway.session import Session
+from gateway.voice_catalog import VoiceCatalog
+from gateway.ws import Connection
+
+
+@dataclass(slots=True, frozen=True)
+class VendorSend(Send):
+    """A frame already in the vendor's shape (`frame`); `message` is kept for tests."""
+
+    frame: str | bytes = b""
+
+
+def vendor_json(message: dict[str, Any]) -> VendorSend:
+    return VendorSend(message, frame=json.dumps(message, ensure_ascii=False, separators=(",", ":")))
+
+
+@dataclass(slots=True)
+class VendorContext:
+    """One client context and the native contexts that speak it."""
+
+    vendor_id: str
+    output: OutputFormat
+    transcoder: Transcoder | None
+    current: str | None = None                     # the native context taking text
+    live: list[str] = field(default_factory=list)  # native contexts not done, in order
+    is_input_closed: bool = False                  # done once `live` is
+    audio_ms: float = 0.0                          # native audio passed on so far
+    num_segments: int = 0
+    tracked: deque[Tracked] = field(default_factory=deque)
+    sub_start_ms: dict[str, float] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)  # the adapter's own fields
+
+
+class CompatSession(Session):
+    """The native session behind a vendor wire (see the module doc); adapters subclass it."""
+
+    protocol = "compat"
+
+    def __init__(self, session_id: str, *, catalog: VoiceCatalog, sample_rate: int,
+                 options: SessionOptions, limits: Limits, output: OutputFormat,
+                 admit: Callable[[str], None], release: Callable[[str], None],
+                 is_authorized: bool = True) -> None:
+        codec, rate, _ = native_format(output)
+        options.codec, options.sample_rate, options.encoding = codec, rate, "json"
+        super().__init__(session_id, catalog=catalog, sample_rate=sample_rate, options=options,
+                         limits=limits, admit=admit, release=release)
+        self.output = output
+        self.is_authorized = is_authorized
+        self.vendor_contexts: dict[str, VendorContext] = {}
+        self._by_native: dict[str, VendorContext] = {}
+        # the session's Context objects, kept past their end: a segment that starts in
+        # the same step as its context ends is tracked after the session let go of it
+        self._native_contexts: dict[str, Context] = {}
+        self._native_ids = itertools.count(1)
+
+    # -- what adapters implement ------------------------------------------------
+    def handle(self, message: dict[str, Any], now: float) -> list[Action]:
+        raise NotImplementedError
+
+    def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
+        raise NotImplementedError
+
+    def done_frames(self, vctx: VendorContext) -> list[Action]:
+        raise NotImplementedError
+
+    def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
+        raise NotImplementedError
+
+    def start_frames(self) -> list[Action]:
+        return []
+
+    # -- the Connection's entry points, in the vendor's shapes ------------------
+    def start(self, now: float) -> list[Action]:
+        super().start(now)  # session.ready: no vendor has it
+        return self.start_frames()
+
+    def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
+        self.last_activity = now
+        try:
+            return self.handle(self._parse(raw), now)
+        except ProtocolError as exc:
+            return [self.error_frame(exc.code, exc.message, exc.context_id, exc.fatal)]
+
+    def receive_audio(self, chunk: Any, now: float) -> list[Action]:
+        return self._translate(super().receive_audio(chunk, now))
+
+    def receive_engine_error(self, request_id: Any, exc: BaseException, now: float) -> list[Action]:
+        return self._translate(super().receive_engine_error(request_id, exc, now))
+
+    def tick(self, now: float) -> list[Action]:
+        return self._translate(super().tick(now))
+
+    def encode_native(self, action: Send) -> str:
+        """A native event the I/O loop made itself (the idle-timeout error) in vendor shape."""
+        message = action.message
+        if message.get("type") == "error":
+            frame = self.error_frame(str(message.get("code")), str(message.get("message")),
+                                     None, bool(message.get("fatal")))
+            assert isinstance(frame, VendorSend) and isinstance(frame.frame, str)
+            return frame.frame
+        return json.dumps(message, separators=(",", ":"))
+
+    # -- verbs for adapters -----------------------------------------------------
+    def _parse(self, raw: str | bytes) -> dict[str, Any]:
+        size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
+        if size > self.limits.max_message_bytes:
+            raise ProtocolError("message_too_large", f"message is {size} bytes; the limit is "
+                                f"{self.limits.max_message_bytes}")
+        try:
+            message = json.loads(raw)
+        except ValueError as exc:
+            raise ProtocolError("bad_message", f"frame is not valid JSON: {exc}") from None
+        if not isinstance(message, dict):
+            raise ProtocolError("bad_message", f"a message must be a JSON object, got "
+                                f"{type(message).__name__}")
+        return message
+
+    def native(self, message: dict[str, Any], now: float) -> list[Action]:
+        """Feed one native message to the session; its answers come back translated."""
+        return self._translate(super().receive_frame(json.dumps(message), now))
+
+    def open_vendor(self, vendor_id: str, output: OutputFormat | None = None) -> VendorContext:
+        vctx = self.vendor_contexts.get(vendor_id)
+        if vctx is None:
+            output = output or self.output
+            _, _, needs_transcoder = native_format(output)
+            vctx = VendorContext(vendor_id, output, Transcoder(output) if needs_transcoder else None)
+            self.vendor_contexts[vendor_id] = vctx
+        return vctx
+
+    def push_text(self, vctx: VendorContext, text: str, now: float, *, flush: bool = False,
+                  options: dict[str, Any] | None = None) -> list[Action]:
+        """Text for a vendor context (`flush`: speak all of it now; more text may follow)."""
+        actions: list[Action] = []
+        if vctx.current is None:
+            if options:
+                actions += self.update_options(options, now)
+            native_id = f"v{next(self._native_ids)}"
+            self._by_native[native_id] = vctx
+            actions += self.native({"type": "text", "context_id": native_id, "text": text,
+                                    "flush": flush}, now)
+            if native_id in self.contexts:
+                self._native_contexts[native_id] = self.contexts[native_id]
+                vctx.live.append(native_id)
+                vctx.current = None if flush else native_id
+            else:  # refused (busy, too many contexts): the error went out above
+                self._by_native.pop(native_id, None)
+            return actions
+        actions += self.native({"type": "text", "context_id": vctx.current, "text": text,
+                                "flush": flush}, now)
+        if flush:
+            vctx.current = None
+        return actions
+
+    def flush_vendor(self, vctx: VendorContext, now: float) -> list[Action]:
+        if vctx.current is None:
+            return []
+        native_id, vctx.current = vctx.current, None
+        return self.native({"type": "flush", "context_id": native_id}, now)
+
+    def end_vendor(self, vctx: VendorContext, now: float) -> list[Action]:
+        """No more text: speak what is left, then the adapter's done frames."""
+        actions = self.flush_vendor(vctx, now)
+        vctx.is_input_closed = True
+        if not vctx.live and vctx.vendor_id in self.vendor_contexts:
+            actions += self._finish_vendor(vctx)
+        return actions
+
+    def cancel_vendor(self, vctx: VendorContext, now: float) -> list[Action]:
+        """Barge-in: the native cancel of each of its contexts (engine work freed at once)."""
+        actions: list[Action] = []
+        for native_id in vctx.live:
+            actions += self.native({"type": "cancel", "context_id": native_id}, now)
+            self._by_native.pop(native_id, None)
+            self._native_contexts.pop(native_id, None)
+        vctx.live.clear()
+        vctx.current = None
+        self.vendor_contexts.pop(vctx.vendor_id, None)
+        return actions
+
+    def update_options(self, fields: dict[str, Any], now: float) -> list[Action]:
+        changes = {k: v for k, v in fields.items() if getattr(self.options, k) != v}
+        return self.native({"type": "session.update", **changes}, now) if changes else []
+
+    # -- native events -> vendor frames -----------------------------------------
+    def _translate(self, actions: list[Action]) -> list[Action]:
+        out: list[Action] = []
+        for action in actions:
+            if not isinstance(action, Send) or isinstance(action, VendorSend):
+                out.append(action)
+                continue
+            message = action.message
+            kind = message.get("type")
+            if kind == "segment":
+                self._track(message)
+            elif kind == "audio":
+                out += self._on_audio(message)
+            elif kind == "context.done":
+                out += self._on_done(str(message["context_id"]))
+            elif kind == "error":
+                native_id = message.get("context_id")
+                vctx = self._by_native.get(native_id) if isinstance(native_id, str) else None
+                out.append(self.error_frame(str(message["code"]), str(message["message"]),
+                                            vctx.vendor_id if vctx else None, bool(message["fatal"])))
+            # session.ready / session.updated / cancelled: the adapter answers for itself
+        return out
+
+    def _track(self, message: dict[str, Any]) -> None:
+        native_id = str(message["context_id"])
+        vctx = self._by_native.get(native_id)
+        context = self._native_contexts.get(native_id)
+        if vctx is None or context is None:
+            return
+        start = vctx.sub_start_ms.setdefault(native_id, vctx.audio_ms)
+        segment = context.segments[int(message["segment_id"])]
+        vctx.tracked.append(Tracked(segment, start + float(message["pts_ms"]),
+                                    is_first=vctx.num_segments == 0))
+        vctx.num_segments += 1
+
+    def _ready(self, vctx: VendorContext, everything: bool = False) -> list[Tracked]:
+        """Segments whose audio is all framed, so their timings are final."""
+        ready: list[Tracked] = []
+        while vctx.tracked and (everything or vctx.tracked[0].segment.is_sent):
+            ready.append(vctx.tracked.popleft())
+        return ready
+
+    def _on_audio(self, message: dict[str, Any]) -> list[Action]:
+        vctx = self._by_native.get(str(message["context_id"]))
+        if vctx is None:
+            return []
+        vctx.audio_ms += float(message["duration_ms"])
+        data: bytes = message["data"]
+        if vctx.transcoder is not None:
+            data = vctx.transcoder.encode(data)
+        aligned = self._ready(vctx)
+        return self.audio_frames(vctx, data, aligned) if data or aligned else []
+
+    def _on_done(self, native_id: str) -> list[Action]:
+        vctx = self._by_native.pop(native_id, None)
+        self._native_contexts.pop(native_id, None)
+        if vctx is None:
+            return []
+        if native_id in vctx.live:
+            vctx.live.remove(native_id)
+        if vctx.current == native_id:  # ended by the session itself (an idle turn)
+            vctx.current = None
+        if vctx.live or not vctx.is_input_closed:
+            return []
+        return self._finish_vendor(vctx)
+
+    def _finish_vendor(self, vctx: VendorContext) -> list[Action]:
+        self.vendor_contexts.pop(vctx.vendor_id, None)
+        tail = vctx.transcoder.finish() if vctx.transcoder is not None else b""
+        aligned = self._ready(vctx, everything=True)
+        actions = self.audio_frames(vctx, tail, aligned) if tail or aligned else []
+        return actions + self.done_frames(vctx)
+
+
+class CompatConnection(Connection):
+    """The native I/O loop; frames come already shaped by the session's adapter."""
+
+    def _encode(self, action: Send) -> str | bytes:
+        if isinstance(action, VendorSend):
+            return action.frame
+        session = self.session
+        assert isinstance(session, CompatSession)
+        return session.encode_native(action)

@@ -1,0 +1,147 @@
+"""Deepgram-compatible socket: `/v1/speak`.
+
+Translation only (gateway/compat/core.py); docs/compat.md lists what differs
+from the vendor. The text between two `Flush` messages is one vendor context:
+`Speak` adds text to it, `Flush` ends its input (`Flushed` follows its last
+audio), `Clear` is a barge-in (every context's engine work is cancelled at
+once, then `Cleared`), `Close` cancels what is left and closes with 1000. The
+audio is binary frames in `encoding` (linear16, mulaw, alaw) at `sample_rate`.
+`model` names the voice; one the server does not have speaks with the
+server's default voice, with a `Warning`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from gateway.actions import Action, Close
+from gateway.compat.alignment import Tracked
+from gateway.compat.core import CompatSession, VendorContext, VendorSend, vendor_json
+from gateway.compat.endpoint import refuse, serve
+from gateway.compat.formats import OutputFormat
+from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, ProtocolError
+from gateway.messages import SessionOptions
+
+ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
+DEFAULT_SAMPLE_RATE = 24000
+
+
+def parse_output(query: dict[str, str]) -> OutputFormat:
+    encoding = query.get("encoding", "linear16")
+    if encoding not in ENCODINGS:
+        raise ProtocolError("unsupported_option", f"encoding {encoding[:40]!r} is not offered; expected "
+                            "linear16, mulaw or alaw", fatal=True)
+    default = 8000 if encoding != "linear16" else DEFAULT_SAMPLE_RATE
+    try:
+        rate = int(query.get("sample_rate", default))
+        return OutputFormat(ENCODINGS[encoding], rate)
+    except ValueError as exc:
+        raise ProtocolError("unsupported_option", f"sample_rate: {exc}", fatal=True) from None
+
+
+class DeepgramSession(CompatSession):
+    protocol = "deepgram"
+    warning: str | None = None  # said once at the start (an unknown model)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._turns = 0            # vendor contexts opened: the text between two Flush messages
+        self._num_flushed = 0
+        self._current: VendorContext | None = None
+
+    def start_frames(self) -> list[Action]:
+        frames: list[Action] = [vendor_json({
+            "type": "Metadata", "request_id": str(uuid.uuid4()), "model_name": self.options.voice,
+            "model_version": "voxgate", "model_uuid": self.session_id})]
+        if self.warning:
+            frames.append(vendor_json({"type": "Warning", "warn_code": "unknown_model",
+                                       "warn_msg": self.warning}))
+        return frames
+
+    def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
+        if fatal:
+            return vendor_json({"type": "Error", "err_code": code, "err_msg": message,
+                                "description": message})
+        return vendor_json({"type": "Warning", "warn_code": code, "warn_msg": message,
+                            "description": message})
+
+    def handle(self, message: dict[str, Any], now: float) -> list[Action]:
+        kind = message.get("type")
+        if kind == "Speak":
+            text = message.get("text")
+            if not isinstance(text, str):
+                raise ProtocolError("bad_message", "Speak needs a string field 'text'")
+            if self._current is None:
+                self._turns += 1
+                self._current = self.open_vendor(f"t{self._turns}")
+            return self.push_text(self._current, text, now)
+        if kind == "Flush":
+            vctx, self._current = self._current, None
+            if vctx is None:
+                self._num_flushed += 1
+                return [self._flushed()]
+            return self.end_vendor(vctx, now)
+        if kind == "Clear":
+            actions: list[Action] = []
+            for vctx in list(self.vendor_contexts.values()):
+                actions += self.cancel_vendor(vctx, now)
+            self._current = None
+            return actions + [vendor_json({"type": "Cleared", "sequence_id": self._num_flushed})]
+        if kind == "Close":
+            actions = []
+            for vctx in list(self.vendor_contexts.values()):
+                actions += self.cancel_vendor(vctx, now)
+            self._current = None
+            return actions + [Close(CLOSE_NORMAL, "closed by client")]
+        raise ProtocolError("bad_message", f"unknown message type {str(kind)[:40]!r}; expected Speak, "
+                            "Flush, Clear or Close")
+
+    def _flushed(self) -> Action:
+        return vendor_json({"type": "Flushed", "sequence_id": self._num_flushed - 1})
+
+    def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
+        return [VendorSend({"type": "audio", "bytes": len(data)}, frame=data)] if data else []
+
+    def done_frames(self, vctx: VendorContext) -> list[Action]:
+        self._num_flushed += 1
+        return [self._flushed()]
+
+
+def _key(websocket: WebSocket) -> str | None:
+    value = websocket.headers.get("authorization", "")
+    for scheme in ("token ", "bearer "):
+        if value.lower().startswith(scheme):
+            return value[len(scheme):].strip()
+    return websocket.query_params.get("token")
+
+
+def _error_json(code: str, message: str) -> str:
+    frame = vendor_json({"type": "Error", "err_code": code, "err_msg": message,
+                         "description": message}).frame
+    assert isinstance(frame, str)
+    return frame
+
+
+async def speak_endpoint(websocket: WebSocket) -> None:
+    state = websocket.app.state.voxgate
+    query = dict(websocket.query_params)
+    try:
+        output = parse_output(query)
+    except ProtocolError as exc:
+        await refuse(websocket, _error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code)
+        return
+    model = query.get("model")
+    voice: str = model if model is not None and model in state.catalog.listed else state.config.voice
+    warning = (f"model {model[:64]!r} is not a voice of this server; speaking with {voice!r}"
+               if model and model != voice else None)
+
+    def make(*args: Any, **kwargs: Any) -> DeepgramSession:
+        session = DeepgramSession(*args, output=output, **kwargs)
+        session.warning = warning
+        return session
+
+    await serve(websocket, make, key=_key(websocket), error_json=_error_json,
+                options=SessionOptions(voice=voice))

@@ -1,0 +1,257 @@
+"""ElevenLabs-compatible sockets: `/v1/text-to-speech/{voice_id}/stream-input` and `.../multi-stream-input`.
+
+Translation only (gateway/compat/core.py); docs/compat.md lists what differs
+from the vendor. The rules that are ours:
+
+- Text goes into voxgate's segmenter, which decides when a sentence is
+  complete; `chunk_length_schedule` and `try_trigger_generation` are accepted
+  and need nothing. `flush` speaks what is buffered (the context goes on).
+  `auto_mode=true` (input arrives as whole sentences) releases buffered text
+  after `AUTO_MODE_DELAY_MS` without more input.
+- `close_context` right after a bare flush (a flush with no new text, the
+  way Pipecat and LiveKit end a turn) lets the flushed text finish, then
+  `isFinal`; any other `close_context` is a barge-in: the context's engine
+  requests are cancelled at once, no more of its audio is sent, `isFinal`.
+- `{"text": ""}` ends the input on `stream-input` (the socket closes with 1000
+  after the last audio and `isFinal`); on `multi-stream-input` it is a keepalive.
+- Alignment comes once per segment, when its timings are final (see
+  gateway/compat/alignment.py); times are relative to the first aligned
+  segment's start, and successive alignments tile the audio.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from gateway.actions import Action, Close
+from gateway.auth import is_authorized
+from gateway.compat.alignment import Tracked, segment_chars
+from gateway.compat.core import CompatSession, VendorContext, VendorSend, vendor_json
+from gateway.compat.endpoint import refuse, serve
+from gateway.compat.formats import MP3_BITRATES, OPUS_BITRATES, PCM_RATES, OutputFormat
+from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_UNAUTHORIZED, ProtocolError
+from gateway.formats import MAX_SPEED, MIN_SPEED
+from gateway.messages import SessionOptions
+
+AUTO_MODE_DELAY_MS = 50
+DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
+DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # the vendor's default
+
+
+def parse_output_format(name: str) -> OutputFormat:
+    """`pcm_N`, `ulaw_8000`, `alaw_8000`, `mp3_R_B`, `opus_48000_B` -> OutputFormat."""
+    parts = name.split("_")
+    try:
+        if parts[0] == "pcm" and len(parts) == 2 and int(parts[1]) in PCM_RATES:
+            return OutputFormat("pcm_s16le", int(parts[1]))
+        if name in ("ulaw_8000", "alaw_8000"):
+            return OutputFormat("mulaw" if parts[0] == "ulaw" else "alaw", 8000)
+        if parts[0] == "mp3" and len(parts) == 3 and int(parts[2]) in MP3_BITRATES \
+                and (name == "mp3_22050_32" or parts[1] == "44100"):
+            return OutputFormat("mp3", int(parts[1]), 1000 * int(parts[2]))
+        if parts[0] == "opus" and len(parts) == 3 and parts[1] == "48000" \
+                and int(parts[2]) in OPUS_BITRATES:
+            return OutputFormat("ogg_opus", 48000, 1000 * int(parts[2]))
+    except ValueError:
+        pass
+    raise ProtocolError("unsupported_option", f"output_format {name[:40]!r} is not offered; expected "
+                        f"pcm_8000|16000|22050|24000|44100|48000, ulaw_8000, alaw_8000, mp3_22050_32, "
+                        f"mp3_44100_32..192, opus_48000_32..192", fatal=True)
+
+
+def _flag(query: dict[str, str], name: str, default: bool) -> bool:
+    value = query.get(name)
+    return default if value is None else value.lower() in ("1", "true", "yes")
+
+
+def _speed(message: dict[str, Any]) -> float | None:
+    settings = message.get("voice_settings")
+    if not isinstance(settings, dict) or settings.get("speed") is None:
+        return None
+    speed = settings["speed"]
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+        raise ProtocolError("bad_message", "voice_settings.speed must be a number")
+    return min(MAX_SPEED, max(MIN_SPEED, float(speed)))
+
+
+class ElevenLabsSession(CompatSession):
+    """One ElevenLabs socket; `is_multi` for multi-stream-input."""
+
+    protocol = "elevenlabs"
+    is_multi = False
+
+    def _ids(self, vendor_id: str | None) -> dict[str, Any]:
+        return {"contextId": vendor_id, "context_id": vendor_id} if self.is_multi else {}
+
+    def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
+        return vendor_json({"message": message, "error": code,
+                            "code": CLOSE_POLICY_VIOLATION if fatal else 400, **self._ids(vendor_id)})
+
+    def handle(self, message: dict[str, Any], now: float) -> list[Action]:
+        if not self.is_authorized:
+            return self._authorize(message, now)
+        if message.get("close_socket") is True:
+            actions: list[Action] = []
+            for vctx in list(self.vendor_contexts.values()):
+                actions += self.cancel_vendor(vctx, now) + self.done_frames(vctx)
+            return actions + self.native({"type": "close"}, now)
+        if self.is_multi:
+            raw_id = message.get("context_id", "default")
+            if not isinstance(raw_id, str) or not raw_id or len(raw_id) > 256:
+                raise ProtocolError("bad_message", "context_id must be a string of 1-256 characters")
+            vendor_id = raw_id
+        else:
+            vendor_id = ""
+        text = message.get("text", "")
+        if not isinstance(text, str):
+            raise ProtocolError("bad_message", f"text must be a string, got {type(text).__name__}",
+                                context_id=vendor_id)
+        flush = message.get("flush") is True
+        if self.is_multi and message.get("close_context") is True:
+            return self._close_context(vendor_id, now)
+        speed = _speed(message)
+        if self.is_multi and "context_id" not in message and not text:
+            return []  # a keepalive for the socket
+        known = self.vendor_contexts.get(vendor_id)
+        if known is None:
+            vctx = self.open_vendor(vendor_id)
+            vctx.state["speed"] = speed if speed is not None else self.options.speed
+        else:
+            vctx = known
+            if speed is not None:
+                vctx.state["speed"] = speed
+        if vctx.state.get("is_closing"):
+            raise ProtocolError("context_closed", f"context {vendor_id[:64]!r} is closing; its text is "
+                                "dropped", context_id=vendor_id)
+        if text == "" and not flush:
+            return self.end_vendor(vctx, now) if not self.is_multi else []  # end, or keepalive
+        vctx.state["bare_flush"] = flush and not text.strip()
+        if not text.strip() and vctx.current is None:
+            return self.flush_vendor(vctx, now)  # the init " ", or a flush with nothing open
+        return self.push_text(vctx, text, now, flush=flush,
+                              options={"speed": vctx.state["speed"]})
+
+    def _authorize(self, message: dict[str, Any], now: float) -> list[Action]:
+        """No key at the handshake: the first message must carry one (`xi_api_key`)."""
+        key = message.get("xi_api_key")
+        bearer = message.get("authorization")
+        if not isinstance(key, str) and isinstance(bearer, str) and bearer.lower().startswith("bearer "):
+            key = bearer[7:].strip()
+        if isinstance(key, str) and is_authorized(self.auth, key):
+            self.is_authorized = True
+            return self.handle(message, now)
+        return [self.error_frame("unauthorized", "a valid API key is required: the xi-api-key "
+                                 "header, or xi_api_key in the first message", None, True),
+                Close(CLOSE_UNAUTHORIZED, "unauthorized")]
+
+    def _close_context(self, vendor_id: str, now: float) -> list[Action]:
+        vctx = self.vendor_contexts.get(vendor_id)
+        if vctx is None:  # never opened or already over: nothing to stop
+            return self.done_frames_for(vendor_id)
+        if vctx.state.get("bare_flush") and not vctx.state.get("is_closing"):
+            vctx.state["is_closing"] = True
+            return self.end_vendor(vctx, now)
+        return self.cancel_vendor(vctx, now) + self.done_frames(vctx)
+
+    def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
+        message: dict[str, Any] = {"audio": base64.b64encode(data).decode("ascii") if data else None,
+                                   "isFinal": None, **self._ids(vctx.vendor_id)}
+        alignment = _alignment(aligned)
+        message["alignment"] = alignment
+        message["normalizedAlignment"] = alignment
+        return [vendor_json(message)]
+
+    def done_frames_for(self, vendor_id: str) -> list[Action]:
+        actions: list[Action] = [vendor_json({"isFinal": True, **self._ids(vendor_id)})]
+        if not self.is_multi:
+            actions.append(Close(CLOSE_NORMAL, "end of input"))
+        return actions
+
+    def done_frames(self, vctx: VendorContext) -> list[Action]:
+        return self.done_frames_for(vctx.vendor_id)
+
+    auth: Any = None  # the app's AuthConfig, set by the endpoint (first-message keys)
+
+
+class ElevenLabsMultiSession(ElevenLabsSession):
+    is_multi = True
+
+
+def _alignment(aligned: list[Tracked]) -> dict[str, list[Any]] | None:
+    if not aligned:
+        return None
+    chars: list[str] = []
+    starts: list[int] = []
+    durations: list[int] = []
+    origin = aligned[0].base_ms
+    for tracked in aligned:
+        timings = segment_chars(tracked)
+        offset = tracked.base_ms - origin
+        for char, start, duration in zip(timings.chars, timings.start_ms, timings.duration_ms):
+            begin, end = round(offset + start), round(offset + start + duration)
+            chars.append(char)
+            starts.append(begin)
+            durations.append(end - begin)
+    return {"chars": chars, "charStartTimesMs": starts, "charDurationsMs": durations}
+
+
+def _key(websocket: WebSocket) -> str | None:
+    value = websocket.headers.get("xi-api-key")
+    if value:
+        return value.strip()
+    bearer = websocket.headers.get("authorization", "")
+    return bearer[7:].strip() if bearer.lower().startswith("bearer ") else None
+
+
+def _error_json(code: str, message: str) -> str:
+    frame = vendor_json({"message": message, "error": code, "code": CLOSE_POLICY_VIOLATION}).frame
+    assert isinstance(frame, str)
+    return frame
+
+
+async def _endpoint(websocket: WebSocket, session_class: type[ElevenLabsSession]) -> None:
+    state = websocket.app.state.voxgate
+    query = dict(websocket.query_params)
+    voice_id = str(websocket.path_params.get("voice_id", ""))
+    try:
+        output = parse_output_format(query.get("output_format", DEFAULT_OUTPUT_FORMAT))
+        if voice_id not in state.catalog.listed:
+            known = ", ".join(sorted(state.catalog.listed)[:20])
+            raise ProtocolError("unknown_voice", f"unknown voice_id {voice_id[:64]!r}; this server "
+                                f"speaks: {known}", fatal=True)
+        try:
+            inactivity = float(query.get("inactivity_timeout", DEFAULT_INACTIVITY_S))
+        except ValueError:
+            raise ProtocolError("bad_message", "inactivity_timeout must be a number of seconds",
+                                fatal=True) from None
+        if not 0 < inactivity <= MAX_INACTIVITY_S:
+            raise ProtocolError("unsupported_option", f"inactivity_timeout must be within 1-"
+                                f"{MAX_INACTIVITY_S:.0f} s, got {inactivity:g}", fatal=True)
+    except ProtocolError as exc:
+        await refuse(websocket, _error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code)
+        return
+    delay = AUTO_MODE_DELAY_MS if _flag(query, "auto_mode", False) else 0
+    options = SessionOptions(voice=voice_id, max_buffer_delay_ms=delay)
+
+    def make(*args: Any, **kwargs: Any) -> ElevenLabsSession:
+        session = session_class(*args, output=output, **kwargs)
+        session.auth = state.config.auth
+        return session
+
+    await serve(websocket, make, key=_key(websocket), error_json=_error_json, options=options,
+                idle_timeout_s=inactivity, defer_auth=True)
+
+
+async def stream_input_endpoint(websocket: WebSocket) -> None:
+    await _endpoint(websocket, ElevenLabsSession)
+
+
+async def multi_stream_input_endpoint(websocket: WebSocket) -> None:
+    await _endpoint(websocket, ElevenLabsMultiSession)
+
+
+__all__ = ["ElevenLabsMultiSession", "ElevenLabsSession", "VendorSend", "multi_stream_input_endpoint",
+           "parse_output_format", "stream_input_endpoint"]
