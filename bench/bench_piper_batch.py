@@ -77,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
-    backend = PiperBackend(PiperBackendConfig(max_batch_size=max(sizes), num_threads=args.threads))
+    backend = PiperBackend(PiperBackendConfig(max_batch_size=max(sizes), num_threads=args.threads,
+                                              windowed=False))  # whole segments: one step each
     backend.load()
     rng = random.Random(args.seed)
     modes = ("one-call", "packed", "solo")

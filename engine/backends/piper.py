@@ -105,7 +105,7 @@ class PiperBackendConfig:
     # `window_frames`; `context_frames` each side make each window equal the whole decode
     # (16 is exact on joe; measurements in docs/benchmarks.md, "piper windows").
     windowed: bool = True
-    first_window_frames: int = 16
+    first_window_frames: int = 24
     second_window_frames: int = 48
     window_frames: int = 128
     context_frames: int = 16

@@ -40,7 +40,7 @@ DECODER_ENTRY = "/dec/conv_pre/Conv"
 class WindowPlan:
     """Window sizes in latent frames: the first small, the next ones growing to `frames`."""
 
-    first_frames: int = 16
+    first_frames: int = 24
     second_frames: int = 48
     frames: int = 128
     context_frames: int = 16
