@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from engine.backends.cosyvoice.flow import build_flow
-from engine.backends.cosyvoice.hift import build_hift
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.t2w import FlowPrompt, T2WConfig, TokenToWave, schedule
+from engine.backends.cosyvoice.models.flow import build_flow
+from engine.backends.cosyvoice.models.hift import build_hift
+from engine.backends.cosyvoice.t2w.streams import FlowPrompt, T2WConfig, TokenToWave, schedule
 
 HISTORIES: list[int | None] = [None, 100, 50, 25]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from engine.backends.cosyvoice.textnorm import WeTextNormalizer, load_text_normalizer
+from engine.backends.cosyvoice.frontend.textnorm import WeTextNormalizer, load_text_normalizer
 from gateway.segmenter import Segmenter
 from loadtest.corpus import load_corpus
 

@@ -1,7 +1,7 @@
 """Decode step time of the CosyVoice speech LM per batch size, eager against CUDA graphs.
 
 Random weights at the real CosyVoice 2/3 LM size (Qwen2-0.5B body, 24 layers,
-hidden 896), bf16, the slot KV cache of llm.py. For each batch size, `feed`
+hidden 896), bf16, the slot KV cache of lm/runner.py. For each batch size, `feed`
 advances that many streams by one token, each with `--context` positions
 already in its cache (the cache's contents do not change the timing, so no
 prefill is run); warm-up, then the median of `--steps` steps. Modes:
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from engine.backends.cosyvoice.llm import LMStream, SpeechLMRunner
-from engine.backends.cosyvoice.random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
-from engine.backends.cosyvoice.sampling import RasConfig, draw_uniforms, sample_tokens
+from engine.backends.cosyvoice.lm.runner import LMStream, SpeechLMRunner
+from engine.backends.cosyvoice.lm.sampling import RasConfig, draw_uniforms, sample_tokens
+from tests.cosyvoice_random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -49,19 +49,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import engine.backends.cosyvoice.frontend.voice_prompts as voice_prompts_module
 import engine.backends.cosyvoice.loader as loader_module
-import engine.backends.cosyvoice.t2w as t2w_module
-import engine.backends.cosyvoice.voice_prompts as voice_prompts_module
+import engine.backends.cosyvoice.t2w.streams as t2w_module
 from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
-from engine.backends.cosyvoice.lm_driver import TorchLMDriver
-from engine.backends.cosyvoice.random_checkpoint import (
+from engine.backends.cosyvoice.lm.driver import TorchLMDriver
+from engine.types import RequestId, SynthesisRequest
+from tests.cosyvoice_random_checkpoint import (
     QWEN2_05B,
     QWEN2_TINY,
     write_random_model_dir,
 )
-from engine.backends.cosyvoice.random_parts import write_reference_wav
-from engine.types import RequestId, SynthesisRequest
+from tests.cosyvoice_random_parts import write_reference_wav
 
 # about 100 byte tokens: at least 2 x that many speech tokens (8 s of audio); random weights stop soon after.
 ANSWER = ("Sure, here is the short version. The gateway cuts the stream into sentences and speaks each one.")

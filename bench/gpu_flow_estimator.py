@@ -7,11 +7,11 @@ it; one pass is one of the ten Euler steps. Per mode and batch: warm-up (and
 graph capture / engine build), then the median of `--steps` passes, and the
 output's departure from eager (relative RMS). Modes:
 
-- eager: the torch estimator (flow_dit.py);
+- eager: the torch estimator (models/flow_dit.py);
 - cuda_graphs: estimator_graphs.GraphedEstimator, one graph per bucket;
 - tensorrt (only where `import tensorrt` works): ONNX export (float32 I/O),
   engine built with `--trt-precision` and cached in `--cache-dir`
-  (estimator_trt.py; the first build takes minutes, reruns load it);
+  (flow_runtime/estimator_trt.py; the first build takes minutes, reruns load it);
 - concurrency: `--concurrency` threads each running 1-stream passes, TensorRT
   with one execution context (upstream AsyncCosyVoice's arrangement) against
   `--contexts` contexts (ours): passes per second in all.
@@ -55,15 +55,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.cosyvoice.estimator_graphs import GraphedEstimator
-from engine.backends.cosyvoice.estimator_onnx import OnnxEstimator, example_inputs, export_estimator
-from engine.backends.cosyvoice.estimator_trt import (
+from engine.backends.cosyvoice.flow_runtime.estimator_graphs import GraphedEstimator
+from engine.backends.cosyvoice.flow_runtime.estimator_onnx import (
+    OnnxEstimator,
+    example_inputs,
+    export_estimator,
+)
+from engine.backends.cosyvoice.flow_runtime.estimator_trt import (
     TrtEstimator,
     TrtProfile,
     cached_engine,
     trt_available,
 )
-from engine.backends.cosyvoice.flow_dit import DiTEstimator
+from engine.backends.cosyvoice.models.flow_dit import DiTEstimator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REAL_DIT = {"dim": 1024, "depth": 22, "heads": 16, "dim_head": 64}

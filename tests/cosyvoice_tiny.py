@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.backends.cosyvoice.random_parts import voiced_signal as voiced
-from engine.backends.cosyvoice.random_parts import write_reference_wav
+from tests.cosyvoice_random_parts import voiced_signal as voiced
+from tests.cosyvoice_random_parts import write_reference_wav
 
 REFERENCE_TEXT = "Hello there."
 
@@ -21,7 +21,7 @@ __all__ = ["REFERENCE_TEXT", "reference_wav", "tiny_model_dir", "voiced"]
 
 
 def tiny_model_dir(base: Path, version: int) -> Path:
-    from engine.backends.cosyvoice.random_checkpoint import write_random_model_dir
+    from tests.cosyvoice_random_checkpoint import write_random_model_dir
 
     path = base / f"cosyvoice-tiny-v{version}"
     if not (path / f"speech_tokenizer_v{version}.onnx").is_file():

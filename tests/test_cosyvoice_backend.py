@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +13,11 @@ from engine.backend import BackendRequest
 from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
-from engine.backends.cosyvoice.frontend import ByteTokenizer, load_tokenizer
-from engine.backends.cosyvoice.loader import default_voice
+from engine.backends.cosyvoice.frontend.frontend import ByteTokenizer, load_tokenizer
+from engine.backends.cosyvoice.frontend.voice_prompts import from_bytes
+from engine.backends.cosyvoice.lm.sampling import RasConfig
+from engine.backends.cosyvoice.loader import REFERENCE_PATH, default_voice, shipped_reference
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.sampling import RasConfig
-from engine.backends.cosyvoice.voice_prompts import from_bytes
 from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SamplingParams, SynthesisRequest
 from tests.cosyvoice_parity import (
@@ -111,7 +112,7 @@ def test_first_audio_comes_after_the_first_hop_not_the_whole_answer(backend: Cos
         if len(result.pcm):
             break
     # 15 tokens + 3 lookahead: the first chunk is out after 18 decode steps; the causal
-    # v3 vocoder holds its last 8 mel frames back until the next chunk (t2w_vocoder.py)
+    # v3 vocoder holds its last 8 mel frames back until the next chunk (t2w/vocoder.py)
     assert steps_to_audio == 18 and not result.is_finished
     assert len(result.pcm) == (2 * 15 - 8) * 480
     backend.release(item)
@@ -269,7 +270,7 @@ def test_config_comes_from_the_environment_then_options() -> None:
 
 
 def test_vllms_share_of_the_gpu_is_an_option_handed_to_its_engine() -> None:
-    from engine.backends.cosyvoice.lm_driver_vllm import driver_config
+    from engine.backends.cosyvoice.lm.driver_vllm import driver_config
 
     config = CosyVoiceBackendConfig.from_options({}, {"VOXGATE_COSYVOICE_VLLM_GPU_MEMORY_SHARE": "0.45"})
     assert driver_config(config, RasConfig()).gpu_memory_share == 0.45
@@ -296,6 +297,20 @@ def test_the_written_model_directory_holds_every_file_the_backend_loads(
     assert from_vocab is not None
     assert from_vocab.encode(text) == ByteTokenizer(3).encode(text)
     assert ByteTokenizer(3).encode(" !<|endofprompt|>") == [220, 0, 151646]  # Qwen2's byte ids
+
+
+def test_the_default_voice_is_cloned_from_the_shipped_wav_without_starting_piper(
+        backend: CosyVoiceBackend, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = backend.model
+    assert model is not None
+    monkeypatch.setitem(sys.modules, "engine.backends.piper", None)  # any import of piper now fails
+    config = CosyVoiceBackendConfig(model_dir=tiny_model_dir(tmp_path_factory.getbasetemp(), 3))
+    voice = default_voice(config, model.model_dir, model.frontend, model.mel)
+    assert voice.info.voice_id == "joe" and len(voice.prompt.prompt_speech_tokens) > 50
+    assert REFERENCE_PATH.stat().st_size < 200_000  # it ships in the wheel
+    audio, rate = shipped_reference()
+    assert rate == 22050 and 3.0 < len(audio) / rate < 5.0 and 0.05 < float(np.abs(audio).max()) <= 1.0
 
 
 def test_without_a_configured_reference_the_default_voice_clones_piper_joe(

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
-from engine.backends.cosyvoice.random_parts import write_reference_wav
 from engine.types import RequestId, SynthesisRequest
 from gateway.audio import decode_opus_packets
 from tests.conftest import ServerProcess, start_server
 from tests.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
+from tests.cosyvoice_random_parts import write_reference_wav
 from tests.cosyvoice_tiny import tiny_backend, tiny_options
 from tests.wsclient import Client, speak
 

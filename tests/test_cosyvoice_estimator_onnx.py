@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from bench import gpu_flow_estimator
-from engine.backends.cosyvoice.estimator_graphs import (
+from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow, choose_runtime
+from engine.backends.cosyvoice.flow_runtime.estimator_graphs import (
     GraphedEstimator,
     frame_buckets,
     pad_inputs,
     row_buckets,
 )
-from engine.backends.cosyvoice.estimator_onnx import (
+from engine.backends.cosyvoice.flow_runtime.estimator_onnx import (
     INPUT_NAMES,
     OnnxEstimator,
     example_inputs,
@@ -34,16 +35,14 @@ from engine.backends.cosyvoice.estimator_onnx import (
     onnx_paths,
     use_estimator,
 )
-from engine.backends.cosyvoice.estimator_trt import (
+from engine.backends.cosyvoice.flow_runtime.estimator_trt import (
     ContextPool,
     TrtProfile,
-    accelerate_flow,
-    choose_runtime,
     engine_file_name,
     file_digest,
 )
-from engine.backends.cosyvoice.flow import FlowModel, FlowRow, build_flow
 from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.models.flow import FlowModel, FlowRow, build_flow
 from tests.cosyvoice_parity import (
     assert_close_report,
     fixture_dir,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.cosyvoice.flow import FlowModel, FlowRow, build_flow, fixed_noise
-from engine.backends.cosyvoice.mel import MelConfig, MelExtractor, slaney_filterbank
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.t2w import FlowPrompt
+from engine.backends.cosyvoice.models.flow import FlowModel, FlowRow, build_flow, fixed_noise
+from engine.backends.cosyvoice.models.mel import MelConfig, MelExtractor, slaney_filterbank
+from engine.backends.cosyvoice.t2w.streams import FlowPrompt
 from engine.errors import ModelLoadError
 from tests.cosyvoice_parity import (
     assert_close_report,

@@ -11,16 +11,16 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-from engine.backends.cosyvoice.features import kaldi_fbank, resample, whisper_log_mel
-from engine.backends.cosyvoice.frontend import (
+from engine.backends.cosyvoice.frontend.frontend import (
     SYSTEM_PROMPT,
     CosyVoiceFrontend,
     Mode,
     VoicePrompt,
     normalize_instruction,
 )
+from engine.backends.cosyvoice.frontend.tokens import added_token_id
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.tokens import added_token_id
+from engine.backends.cosyvoice.models.features import kaldi_fbank, resample, whisper_log_mel
 from engine.errors import ModelLoadError
 from tests.cosyvoice_parity import copy_model_dir, fixture_dir
 

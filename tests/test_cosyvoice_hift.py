@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.cosyvoice.hift import HiFT, HiFTConfig, build_hift, load_hift_state
 from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.models.hift import HiFT, HiFTConfig, build_hift, load_hift_state
 from engine.errors import ModelLoadError
 from tests.cosyvoice_parity import (
     assert_close_report,

@@ -7,16 +7,17 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.cosyvoice.llm import (
+from engine.backends.cosyvoice.buckets import bucket_of
+from engine.backends.cosyvoice.lm.graphs import StaticDecoder
+from engine.backends.cosyvoice.lm.runner import (
     LMStream,
     NoFreeSlotError,
     PrefillRequest,
-    SpeechLM,
     SpeechLMRunner,
-    load_speech_lm,
 )
-from engine.backends.cosyvoice.llm_graphs import StaticDecoder, bucket_of
 from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
+from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
 from tests.cosyvoice_parity import (
     assert_close_report,
     fixture_dir,

@@ -8,15 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.cosyvoice.llm import (
-    LMStream,
-    NoFreeSlotError,
-    SpeechLM,
-    SpeechLMRunner,
-    load_speech_lm,
-)
-from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.sampling import (
+from engine.backends.cosyvoice.frontend.tokens import END_OF_PROMPT, added_token_id
+from engine.backends.cosyvoice.lm.runner import LMStream, NoFreeSlotError, SpeechLMRunner
+from engine.backends.cosyvoice.lm.sampling import (
     RasConfig,
     _categorical,
     draw_uniforms,
@@ -25,6 +19,9 @@ from engine.backends.cosyvoice.sampling import (
     nucleus_candidates,
     ras,
 )
+from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.models.speech_lm import END_OF_PROMPT_ID, SpeechLM
+from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
 from tests.cosyvoice_parity import (
     assert_close_report,
     assert_equal_report,
@@ -363,3 +360,8 @@ def test_feeding_past_the_cache_is_refused_without_changing_the_stream(loaded: A
     assert (stream.tokens, stream.num_cached) == ([5], 41)
     with pytest.raises(ValueError, match="distinct streams"):
         runner.feed([stream, stream], [1, 2])
+
+
+def test_the_models_end_of_prompt_id_is_the_frontends_token_in_both_versions() -> None:
+    # models/ never imports the frontend, so the id is written out there; this keeps them one
+    assert END_OF_PROMPT_ID == added_token_id(END_OF_PROMPT, 2) == added_token_id(END_OF_PROMPT, 3)

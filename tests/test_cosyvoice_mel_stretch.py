@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.backends.cosyvoice.mel_stretch import MelStretcher, stretch
+from engine.backends.cosyvoice.t2w.mel_stretch import MelStretcher, stretch
 
 
 def _streamed(mel: torch.Tensor, speed: float, cuts: list[int]) -> torch.Tensor:

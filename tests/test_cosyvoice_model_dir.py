@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from engine.backends.cosyvoice.hyperyaml import YamlRefError, load_hyperyaml
-from engine.backends.cosyvoice.llm import load_speech_lm
 from engine.backends.cosyvoice.model_dir import detect_version, load_model_dir
-from engine.backends.cosyvoice.random_checkpoint import (
+from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
+from engine.errors import ModelLoadError
+from tests.cosyvoice_parity import copy_model_dir, fixture_dir
+from tests.cosyvoice_random_checkpoint import (
     QWEN2_TINY,
     random_speech_lm,
     write_random_model_dir,
 )
-from engine.errors import ModelLoadError
-from tests.cosyvoice_parity import copy_model_dir, fixture_dir
 
 
 @pytest.mark.parametrize("version", [2, 3])

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine.backends.cosyvoice.flow import FlowModel, FlowRow, build_flow
-from engine.backends.cosyvoice.hift import HiFT, build_hift
-from engine.backends.cosyvoice.mel_stretch import stretch
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.t2w import (
+from engine.backends.cosyvoice.models.flow import FlowModel, FlowRow, build_flow
+from engine.backends.cosyvoice.models.hift import HiFT, build_hift
+from engine.backends.cosyvoice.t2w.mel_stretch import stretch
+from engine.backends.cosyvoice.t2w.streams import (
     FlowPrompt,
     T2WConfig,
     TokenToWave,

@@ -11,15 +11,19 @@ import pytest
 
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
-from engine.backends.cosyvoice.frontend import (
+from engine.backends.cosyvoice.frontend.frontend import (
     SYSTEM_PROMPT,
     ByteTokenizer,
     CosyVoiceFrontend,
     VoicePrompt,
 )
+from engine.backends.cosyvoice.frontend.textnorm import (
+    PlainText,
+    WeTextNormalizer,
+    load_text_normalizer,
+)
+from engine.backends.cosyvoice.frontend.tokens import added_token_id
 from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.textnorm import PlainText, WeTextNormalizer, load_text_normalizer
-from engine.backends.cosyvoice.tokens import added_token_id
 from engine.errors import ModelLoadError
 from engine.types import RequestId, SynthesisRequest
 from tests.cosyvoice_parity import fixture_dir

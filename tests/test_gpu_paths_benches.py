@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
+import engine.backends.cosyvoice.frontend.voice_prompts as voice_prompts_module
 import engine.backends.cosyvoice.loader as loader_module
-import engine.backends.cosyvoice.voice_prompts as voice_prompts_module
 from bench import gpu_cosyvoice_lm, gpu_cosyvoice_pipeline, gpu_flow_estimator
 from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from tests.cosyvoice_tiny import tiny_model_dir

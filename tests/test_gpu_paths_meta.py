@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.backends.cosyvoice.estimator_graphs import GraphedEstimator
-from engine.backends.cosyvoice.estimator_onnx import example_inputs
-from engine.backends.cosyvoice.flow_dit import DiTEstimator
-from engine.backends.cosyvoice.llm import LMStream, SpeechLM, SpeechLMRunner
-from engine.backends.cosyvoice.qwen2 import Qwen2Config
-from engine.backends.cosyvoice.random_checkpoint import QWEN2_05B
+from engine.backends.cosyvoice.flow_runtime.estimator_graphs import GraphedEstimator
+from engine.backends.cosyvoice.flow_runtime.estimator_onnx import example_inputs
+from engine.backends.cosyvoice.lm.runner import LMStream, SpeechLMRunner
+from engine.backends.cosyvoice.models.flow_dit import DiTEstimator
+from engine.backends.cosyvoice.models.qwen2 import Qwen2Config
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
+from tests.cosyvoice_random_checkpoint import QWEN2_05B
 
 META = torch.device("meta")
 

@@ -38,6 +38,7 @@ def test_the_wheel_holds_every_package_the_web_client_and_the_load_corpus(wheel:
     web = {f"gateway/web/{p.name}" for p in (REPO / "web").iterdir() if p.suffix in (".html", ".js", ".css")}
     assert "gateway/web/index.html" in web and web <= names
     assert "loadtest/data/corpus.jsonl" in names and "gateway/py.typed" in names
+    assert "engine/backends/cosyvoice/assets/default_voice.wav" in names  # the default voice's reference
     assert not any(n.startswith(("tests/", "bench/", "web/")) for n in names)
 
 

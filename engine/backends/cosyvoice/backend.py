@@ -8,7 +8,7 @@ audio became ready (DESIGN.md, Engine):
    not in this batch is preempted and later resumes by recomputation);
 2. one batched LM decode step for every request of the batch still
    decoding: one speech token each, fed into that request's token-to-wave
-   stream (t2w.py); a request whose LM stopped is marked input-done;
+   stream (t2w/streams.py); a request whose LM stopped is marked input-done;
 3. one batched token-to-wave run over the batch's streams that have a chunk
    ready (first hop 15 tokens, then the 25-token grid, plus 3 lookahead):
    flow matching then HiFT, all streams in one call each;
@@ -38,18 +38,18 @@ import numpy as np
 
 from engine.backend import Backend, BackendRequest, StepResult
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
-from engine.backends.cosyvoice.frontend import LMInput, Mode
-from engine.backends.cosyvoice.lm_driver import LMStart, SpeechLMDriver, stream_seed
-from engine.backends.cosyvoice.loader import LoadedModel, load_model
-from engine.backends.cosyvoice.t2w import WaveChunk
-from engine.backends.cosyvoice.textnorm import resolve_text_frontend
-from engine.backends.cosyvoice.voice_prompts import (
+from engine.backends.cosyvoice.frontend.frontend import LMInput, Mode
+from engine.backends.cosyvoice.frontend.textnorm import resolve_text_frontend
+from engine.backends.cosyvoice.frontend.voice_prompts import (
     CosyVoice,
     clone_voice,
     flow_prompt_of,
     from_bytes,
     to_bytes,
 )
+from engine.backends.cosyvoice.lm.driver import LMStart, SpeechLMDriver, stream_seed
+from engine.backends.cosyvoice.loader import LoadedModel, load_model
+from engine.backends.cosyvoice.t2w.streams import WaveChunk
 from engine.errors import BackendFailure, EngineError, UnknownVoiceError, UnsupportedOptionError
 from engine.types import SynthesisRequest, VoiceInfo
 
@@ -65,7 +65,7 @@ class CosyState:
     lm_input: LMInput
     deadline: float
     seed: int  # the LM's sampling and the stream's t2w noise; kept across preemption
-    speed: float = 1.0  # the mel is stretched before the vocoder (mel_stretch.py)
+    speed: float = 1.0  # the mel is stretched before the vocoder (t2w/mel_stretch.py)
     tokens: list[int] = field(default_factory=list)
     has_slot: bool = False
     is_lm_done: bool = False

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.backends.cosyvoice.frontend import TOKENIZER_MODES
-from engine.backends.cosyvoice.lm_driver import LM_BACKENDS
-from engine.backends.cosyvoice.textnorm import TEXT_FRONTENDS
+from engine.backends.cosyvoice.frontend.frontend import TOKENIZER_MODES
+from engine.backends.cosyvoice.frontend.textnorm import TEXT_FRONTENDS
+from engine.backends.cosyvoice.lm.driver import LM_BACKENDS
 from engine.options import config_from_options
 
 ENV_PREFIX = "VOXGATE_COSYVOICE_"
@@ -37,7 +37,7 @@ class CosyVoiceBackendConfig:
     device: str = "auto"  # auto: cuda when available
     lm_dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     flow_dtype: str = "auto"  # auto: bfloat16 on cuda (upstream offers half precision), float32 on cpu
-    lm_backend: str = "torch"  # "vllm": see lm_driver.py (the seam)
+    lm_backend: str = "torch"  # "vllm": see lm/driver.py (the seam)
     vllm_gpu_memory_share: float = 0.3  # lm_backend=vllm on a GPU: its share (weights + KV cache)
     decode_mode: str = "auto"  # auto: cuda_graphs on cuda, dynamic on cpu
     max_batch_size: int = 8
@@ -45,7 +45,7 @@ class CosyVoiceBackendConfig:
     max_len: int = 2048  # positions per slot: prompt + speech tokens
     sampling: str = "ras"  # "greedy": argmax (deterministic; tests)
     seed: int = 0
-    tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend.py)
+    tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend/frontend.py)
     text_frontend: str = "auto"  # text normalization: auto (wetext where installed), wetext, none
     first_hop_tokens: int = 15
     max_history_tokens: int = 100  # flow recomputation window; -1: the whole history (upstream)

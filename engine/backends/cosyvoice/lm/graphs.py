@@ -4,7 +4,7 @@ At real sizes a decode step is launch-bound (24 layers of small kernels:
 DESIGN.md's anchor, 5.7-12 ms eager against 1.3-4.7 ms with graphs), so the
 GPU path replays one captured graph per (batch bucket, KV-length bucket)
 instead (gpt-fast / nano-vllm style). A graph needs fixed shapes and
-addresses, which the dynamic path (llm.py) does not have: it reads exactly
+addresses, which the dynamic path (runner.py) does not have: it reads exactly
 the batch's cache rows and `max(position) + 1` keys. Here instead:
 
 - the step runs cache rows [0, b) for the smallest bucket b above the
@@ -28,11 +28,12 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.backends.cosyvoice.qwen2 import CacheView, SlotKVCache
+from engine.backends.cosyvoice.buckets import bucket_of
+from engine.backends.cosyvoice.models.qwen2 import CacheView, SlotKVCache
 
 
 class DecodesSpeech(Protocol):
-    """What a decode step calls on the speech LM (llm.SpeechLM)."""
+    """What a decode step calls on the speech LM (models/speech_lm.SpeechLM)."""
 
     def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
@@ -42,13 +43,6 @@ class DecodesSpeech(Protocol):
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DECODE_MODES = ("dynamic", "static", "cuda_graphs")
-
-
-def bucket_of(n: int, buckets: list[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"expected at most {buckets[-1]}, got {n}")
 
 
 class StaticDecoder:

@@ -1,22 +1,10 @@
-"""The CosyVoice 2/3 speech-token LM: Qwen2 body, speech embedding, decoder head.
+"""Batched decoding of the speech LM over one slot KV cache: prefill, step, free.
 
-Upstream classes (cosyvoice/llm/llm.py) and their checkpoint layout:
-
-    CosyVoice 2 (Qwen2LM)    llm_embedding [2, D] (row 0 sos, row 1 task id)
-                             speech_embedding [6561 + 3, D]
-                             llm_decoder [6561 + 3, D] with bias
-                             eos 6561; stop ids 6561, 6562, 6563
-    CosyVoice 3 (CosyVoice3LM) speech_embedding, llm_decoder [6561 + 200, D] (no bias)
-                             sos 6561, eos 6562, task id 6563, fill 6564;
-                             every id from 6561 up stops decoding
-
-Prompt (one row of embeddings), as upstream's `inference`:
-
-    [sos, embed_tokens(prompt_text + text), task, speech_embedding(prompt_speech_tokens)]
-
-The decoder head reads the Qwen2 body's final-normed hidden state; log-probs
-are taken in float32. No speaker embedding enters these LMs (CosyVoice 2 and 3
-ignore it); the flow model uses it.
+`SpeechLMRunner` holds the cache (qwen2.SlotKVCache, allocated once), the
+pending log-probs of every slot and each stream's recent tokens for
+repetition-aware sampling (sampling.py). Decode steps run dynamic shapes, or
+the bucketed static shapes of graphs.py (eager, or replayed as CUDA graphs).
+The model itself is models/speech_lm.py.
 """
 
 from __future__ import annotations
@@ -24,163 +12,18 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch import nn
 
-from engine.backends.cosyvoice.llm_graphs import DECODE_MODES, StaticDecoder
-from engine.backends.cosyvoice.model_dir import ModelDir
-from engine.backends.cosyvoice.qwen2 import CacheView, Qwen2Config, Qwen2Encoder, SlotKVCache
-from engine.backends.cosyvoice.sampling import (
+from engine.backends.cosyvoice.lm.graphs import DECODE_MODES, StaticDecoder
+from engine.backends.cosyvoice.lm.sampling import (
     RasConfig,
     draw_uniforms,
     mask_min_length,
     sample_tokens,
 )
-from engine.backends.cosyvoice.tokens import FIRST_ADDED_ID
-from engine.errors import ModelLoadError
-
-# CosyVoice 3 refuses text without `<|endofprompt|>` (upstream asserts it).
-END_OF_PROMPT_ID = FIRST_ADDED_ID
-
-
-@dataclass(slots=True, frozen=True)
-class SpeechTokenSpec:
-    """Special ids of one version's speech vocabulary."""
-
-    version: int
-    speech_token_size: int  # 6561 regular speech tokens: 0..6560
-    num_rows: int  # rows of speech_embedding and llm_decoder
-    sos: int
-    task: int
-    eos: int
-
-    @classmethod
-    def for_version(cls, version: int, speech_token_size: int) -> SpeechTokenSpec:
-        n = speech_token_size
-        if version == 2:  # sos/task index llm_embedding, not speech_embedding
-            return cls(version, n, n + 3, sos=0, task=1, eos=n)
-        if version == 3:
-            return cls(version, n, n + 200, sos=n, task=n + 2, eos=n + 1)
-        raise ValueError(f"expected version 2 or 3, got {version}")
-
-    def is_stop(self, token: int) -> bool:
-        """Upstream's stop_token_ids: every id from speech_token_size up (3 in v2, 200 in v3)."""
-        return token >= self.speech_token_size
-
-    @property
-    def min_length_mask_index(self) -> int:
-        """The one index upstream forbids before the minimum length (6561 in both versions)."""
-        return self.speech_token_size
-
-
-class SpeechLM(nn.Module):
-    """Qwen2LM (v2) or CosyVoice3LM (v3) with the official parameter names."""
-
-    def __init__(self, version: int, qwen: Qwen2Config, speech_token_size: int = 6561) -> None:
-        super().__init__()
-        self.spec = SpeechTokenSpec.for_version(version, speech_token_size)
-        d = qwen.hidden_size
-        if version == 2:
-            self.llm_embedding = nn.Embedding(2, d)
-        self.llm = Qwen2Encoder(qwen)
-        self.llm_decoder = nn.Linear(d, self.spec.num_rows, bias=version == 2)
-        self.speech_embedding = nn.Embedding(self.spec.num_rows, d)
-
-    @property
-    def body(self) -> Any:
-        return self.llm.model
-
-    def _special(self, index: int) -> torch.Tensor:
-        table = self.llm_embedding if self.spec.version == 2 else self.speech_embedding
-        return table.weight[index : index + 1]  # [1, D]
-
-    def prompt_embeds(
-        self, text_ids: torch.Tensor, prompt_speech_tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """text_ids [N] (prompt text then text), prompt_speech_tokens [M] -> [1 + N + 1 + M, D]."""
-        if self.spec.version == 3 and not bool((text_ids == END_OF_PROMPT_ID).any()):
-            raise ValueError(
-                f"CosyVoice 3 expects <|endofprompt|> (id {END_OF_PROMPT_ID}) in prompt text or text, got none"
-            )
-        text = self.body.model.embed_tokens(text_ids)  # [N, D]
-        speech = self.speech_embedding(prompt_speech_tokens)  # [M, D]
-        return torch.cat(
-            [self._special(self.spec.sos), text, self._special(self.spec.task), speech], dim=0
-        )
-
-    def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B] speech ids -> [B, 1, D]."""
-        embeds: torch.Tensor = self.speech_embedding(tokens)
-        return embeds[:, None]
-
-    def forward_hidden(self, embeds: torch.Tensor, view: CacheView) -> torch.Tensor:
-        """embeds [B, T, D] -> hidden [B, T, D] (writes the cache)."""
-        hidden: torch.Tensor = self.body(embeds, view)
-        return hidden
-
-    def head_logp(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> log-probs [..., V] in float32."""
-        logits: torch.Tensor = self.llm_decoder(hidden)
-        return logits.float().log_softmax(dim=-1)
-
-
-def _check_state_dict(module: SpeechLM, state: dict[str, Any], source: str) -> None:
-    want = {k: tuple(v.shape) for k, v in module.state_dict().items()}
-    got = {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
-    missing = sorted(set(want) - set(got))
-    unexpected = sorted(set(got) - set(want))
-    if missing:
-        raise ModelLoadError(
-            f"{source}: expected tensor {missing[0]} ({len(missing)} missing), got none"
-        )
-    if unexpected:
-        raise ModelLoadError(
-            f"{source}: expected only the tensors of the CosyVoice {module.spec.version} LM, "
-            f"got unexpected {unexpected[0]} ({len(unexpected)} in all; a checkpoint of the other version?)"
-        )
-    for key, shape in want.items():
-        if got[key] != shape:
-            raise ModelLoadError(
-                f"{source}: expected {key} of shape {list(shape)}, got {list(got[key])}"
-            )
-
-
-def load_speech_lm(
-    model_dir: ModelDir,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    drop_text_head: bool = True,
-) -> SpeechLM:
-    """Build the LM from the directory's yaml and Qwen2 config and load `llm.pt` strictly.
-
-    `drop_text_head` frees the Qwen2 text `lm_head` after loading (the speech
-    LM never reads it; it is 136M parameters at 0.5B size).
-    """
-    llm = model_dir.section("llm")
-    qwen = Qwen2Config.from_dict(model_dir.qwen_config())
-    for name in ("llm_input_size", "llm_output_size"):
-        if int(llm.get(name, qwen.hidden_size)) != qwen.hidden_size:
-            raise ModelLoadError(
-                f"{model_dir.yaml_path.name}: expected llm.{name} = Qwen2 hidden_size "
-                f"{qwen.hidden_size}, got {llm.get(name)}"
-            )
-    speech_token_size = int(llm.get("speech_token_size", 6561))
-    with torch.device("meta"):
-        lm = SpeechLM(model_dir.version, qwen, speech_token_size)
-    state = model_dir.load_checkpoint("llm.pt")
-    _check_state_dict(lm, state, str(model_dir.path / "llm.pt"))
-    try:
-        lm.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # already checked; kept for anything torch adds
-        raise ModelLoadError(f"{model_dir.path / 'llm.pt'}: {exc}") from exc
-    if drop_text_head:
-        lm.body.lm_head.weight = nn.Parameter(torch.empty(0, qwen.hidden_size), requires_grad=False)
-    lm = lm.to(device=device, dtype=dtype)
-    lm.body.reset_rope(device)  # float32 tables whatever the weights' dtype
-    lm.requires_grad_(False)
-    return lm.eval()
+from engine.backends.cosyvoice.models.qwen2 import CacheView, SlotKVCache
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 
 
 class NoFreeSlotError(RuntimeError):
@@ -241,7 +84,7 @@ class SpeechLMRunner:
         kv_bucket: int = 256,
     ) -> None:
         """`decode_mode`: "dynamic" (exact shapes, any device), "static" (the
-        bucketed shapes of llm_graphs.py, eager) or "cuda_graphs" (the same,
+        bucketed shapes of graphs.py, eager) or "cuda_graphs" (the same,
         captured per bucket; CUDA only). Prefill is always dynamic."""
         if decode_mode not in DECODE_MODES:
             raise ValueError(f"expected decode_mode one of {DECODE_MODES}, got {decode_mode!r}")
@@ -434,7 +277,7 @@ class SpeechLMRunner:
         return logp
 
     def _static_forward(self, streams: list[LMStream], ids: torch.Tensor) -> torch.Tensor:
-        """One token per stream through the bucketed decoder (llm_graphs.py) -> log-probs [B, V]."""
+        """One token per stream through the bucketed decoder (graphs.py) -> log-probs [B, V]."""
         assert self.static is not None
         slots_list = [s.slot for s in streams]
         if len(set(slots_list)) != len(slots_list):

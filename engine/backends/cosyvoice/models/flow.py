@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.cosyvoice.flow_dit import DiTEstimator
-from engine.backends.cosyvoice.flow_encoder import (
+from engine.backends.cosyvoice.models.flow_dit import DiTEstimator
+from engine.backends.cosyvoice.models.flow_encoder import (
     PreLookahead,
     UpsampleConformerEncoder,
     lengths_mask,
 )
-from engine.backends.cosyvoice.flow_unet import UNetEstimator
+from engine.backends.cosyvoice.models.flow_unet import UNetEstimator
 from engine.errors import ModelLoadError
 
 NOISE_FRAMES = 15000  # upstream CausalConditionalCFM.rand_noise: 300 s at 50 frames/s

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.cosyvoice.flow_unet import chunk_attention_mask
+from engine.backends.cosyvoice.models.flow_unet import chunk_attention_mask
 
 
 def sinus_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:

@@ -5,7 +5,7 @@ Qwen2-0.5B shape, or tiny) without any download: the yaml, the Qwen2
 `config.json` and an `llm.pt` whose keys and shapes are exactly those of an
 official file, made by voxgate's own `SpeechLM`; with `flow_size` and
 `with_frontend` also the flow, the vocoder, tokenizer files and ONNX
-stand-ins (random_parts.py), so the whole backend loads it.
+stand-ins (cosyvoice_random_parts.py), so the whole backend loads it.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from engine.backends.cosyvoice.llm import SpeechLM
 from engine.backends.cosyvoice.model_dir import QWEN_DIR, load_model_dir
-from engine.backends.cosyvoice.qwen2 import Qwen2Config
-from engine.backends.cosyvoice.random_parts import (
+from engine.backends.cosyvoice.models.qwen2 import Qwen2Config
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
+from tests.cosyvoice_random_parts import (
     flow_hift_yaml,
     random_flow_hift_state,
     write_onnx_standins,
@@ -107,7 +107,7 @@ def write_random_model_dir(
     upstream fixture). `extra_files` maps file names (e.g. "flow.pt") to state
     dicts written beside. `flow_size` ("tiny" or "real") adds the flow and
     HiFT sections and `flow.pt` / `hift.pt`; `with_frontend` adds tokenizer
-    files and the ONNX stand-ins (random_parts.py): together, a directory
+    files and the ONNX stand-ins (cosyvoice_random_parts.py): together, a directory
     the whole backend loads. `device` is where the random LM weights are made
     (a GPU makes the 0.5B LM in seconds). Returns the directory.
     """

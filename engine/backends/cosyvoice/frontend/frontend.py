@@ -30,14 +30,19 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.features import FBANK_RATE, kaldi_fbank, resample, whisper_log_mel
-from engine.backends.cosyvoice.model_dir import ModelDir
-from engine.backends.cosyvoice.textnorm import PlainText, TextNormalizer
-from engine.backends.cosyvoice.tokens import (
+from engine.backends.cosyvoice.frontend.textnorm import PlainText, TextNormalizer
+from engine.backends.cosyvoice.frontend.tokens import (
     END_OF_PROMPT,
     SPECIAL_TOKENS_V2,
     SPECIAL_TOKENS_V3,
     added_token_id,
+)
+from engine.backends.cosyvoice.model_dir import ModelDir
+from engine.backends.cosyvoice.models.features import (
+    FBANK_RATE,
+    kaldi_fbank,
+    resample,
+    whisper_log_mel,
 )
 from engine.errors import ModelLoadError
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engine.backends.cosyvoice.llm import SpeechLM
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 
 META_FILE = "voxgate_speech_lm.json"
 # In a subfolder: vLLM loads every *.safetensors at the top level as model weights.
@@ -53,7 +53,7 @@ def qwen2_config(
     lm: SpeechLM, dtype: torch.dtype, max_model_len: int | None = None
 ) -> dict[str, Any]:
     """The HF config.json of the exported model (speech vocabulary, untied head)."""
-    body = lm.body.config  # Qwen2Config of qwen2.py
+    body = lm.body.config  # Qwen2Config of models/qwen2.py
     max_pos = int(body.max_position_embeddings if max_model_len is None else max_model_len)
     return {
         "architectures": ["Qwen2ForCausalLM"],

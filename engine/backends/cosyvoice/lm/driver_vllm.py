@@ -16,7 +16,7 @@ condition variable:
 - `stop` aborts the request in vLLM before it returns: no token of it is
   produced after the next engine step, none is returned at all.
 
-Length and stop rules are the torch runner's (llm.py): `int(2 n)` to
+Length and stop rules are the torch runner's (runner.py): `int(2 n)` to
 `int(20 n)` tokens for n text tokens, cut to what `max_len` positions hold;
 vllm_lm.SpeechLogitsProcessor masks index 6561 before the minimum and every id
 from 6561 up ends a stream unyielded. Resumption (`resume_tokens`) prefills
@@ -44,11 +44,12 @@ from typing import Any
 
 import torch
 
-from engine.backends.cosyvoice.llm import NoFreeSlotError, SpeechLM
-from engine.backends.cosyvoice.lm_driver import LMOutput, LMStart, stream_seed
-from engine.backends.cosyvoice.sampling import RasConfig
-from engine.backends.cosyvoice.vllm_export import CPU_HEAD_SIZES, export_for_vllm
-from engine.backends.cosyvoice.vllm_lm import SpeechSampling, VllmLMConfig, VllmSpeechLM
+from engine.backends.cosyvoice.lm.driver import LMOutput, LMStart, stream_seed
+from engine.backends.cosyvoice.lm.runner import NoFreeSlotError
+from engine.backends.cosyvoice.lm.sampling import RasConfig
+from engine.backends.cosyvoice.lm.vllm_export import CPU_HEAD_SIZES, export_for_vllm
+from engine.backends.cosyvoice.lm.vllm_lm import SpeechSampling, VllmLMConfig, VllmSpeechLM
+from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 from engine.errors import ModelLoadError
 
 log = logging.getLogger("voxgate.engine")

@@ -23,10 +23,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.features import resample
-from engine.backends.cosyvoice.frontend import EMBEDDING_DIM, CosyVoiceFrontend, VoicePrompt
-from engine.backends.cosyvoice.mel import MelExtractor
-from engine.backends.cosyvoice.t2w import FlowPrompt
+from engine.backends.cosyvoice.frontend.frontend import (
+    EMBEDDING_DIM,
+    CosyVoiceFrontend,
+    VoicePrompt,
+)
+from engine.backends.cosyvoice.models.features import resample
+from engine.backends.cosyvoice.models.mel import MelExtractor
+from engine.backends.cosyvoice.t2w.streams import FlowPrompt
 from engine.types import VoiceInfo
 
 FLOW_RATE = 24000

@@ -2,7 +2,7 @@
 
 The path for a GPU without TensorRT. A DiT pass at serving sizes launches a
 few hundred small kernels (22 blocks); replaying a captured graph removes the
-launch cost (gpt-fast / nano-vllm style, as llm_graphs.py does for the LM). A
+launch cost (gpt-fast / nano-vllm style, as lm/graphs.py does for the LM). A
 graph has fixed shapes and addresses, so each call is padded up to a bucket:
 
 - rows (CFG rows, twice the streams) to the next power of two; the padding
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.cosyvoice.llm_graphs import bucket_of
+from engine.backends.cosyvoice.buckets import bucket_of
 
 Bucket = tuple[bool, int, int]  # (streaming, rows, frames)
 

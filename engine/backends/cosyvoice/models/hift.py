@@ -4,7 +4,7 @@ Two variants share one module, chosen by the model version:
 
 - CosyVoice 2 (`HiFTGenerator`): centred convolutions and a ConvRNN f0
   predictor; its sine source draws fresh random phase and noise per call, so a
-  stream pins the overlapping source between chunks (see t2w.py).
+  stream pins the overlapping source between chunks (see t2w/vocoder.py).
 - CosyVoice 3 (`CausalHiFTGenerator`): every convolution is causal, except
   conv_pre (4 mel frames of lookahead) and the f0 predictor's first layer (3);
   the source uses a fixed initial phase and a fixed noise table indexed by the

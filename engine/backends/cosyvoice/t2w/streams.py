@@ -44,11 +44,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.backends.cosyvoice.flow import FlowModel, FlowRow
-from engine.backends.cosyvoice.hift import HiFT
-from engine.backends.cosyvoice.mel import MelExtractor
-from engine.backends.cosyvoice.mel_stretch import MelStretcher
-from engine.backends.cosyvoice.t2w_vocoder import V2VocoderState, V3VocoderState, vocode_batch
+from engine.backends.cosyvoice.models.flow import FlowModel, FlowRow
+from engine.backends.cosyvoice.models.hift import HiFT
+from engine.backends.cosyvoice.models.mel import MelExtractor
+from engine.backends.cosyvoice.t2w.mel_stretch import MelStretcher
+from engine.backends.cosyvoice.t2w.vocoder import V2VocoderState, V3VocoderState, vocode_batch
 
 
 @dataclass(slots=True)

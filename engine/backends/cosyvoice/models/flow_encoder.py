@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.backends.cosyvoice.flow_unet import chunk_attention_mask
+from engine.backends.cosyvoice.models.flow_unet import chunk_attention_mask
 
 
 def lengths_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:

@@ -26,8 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.backends.cosyvoice.frontend.tokens import (
+    SPECIAL_TOKENS_V2,
+    SPECIAL_TOKENS_V3,
+    added_token_id,
+)
 from engine.backends.cosyvoice.model_dir import QWEN_DIR, ModelDir
-from engine.backends.cosyvoice.tokens import SPECIAL_TOKENS_V2, SPECIAL_TOKENS_V3, added_token_id
 
 SIZES = ("tiny", "real")
 
@@ -182,8 +186,8 @@ def flow_hift_yaml(version: int, size: str) -> str:
 def random_flow_hift_state(model_dir: ModelDir, seed: int, dtype: torch.dtype,
                            device: torch.device | str = "cpu") -> dict[str, dict[str, torch.Tensor]]:
     """`flow.pt` and `hift.pt` state dicts with seeded random weights, from the directory's yaml."""
-    from engine.backends.cosyvoice.flow import FlowModel
-    from engine.backends.cosyvoice.hift import HiFT, HiFTConfig
+    from engine.backends.cosyvoice.models.flow import FlowModel
+    from engine.backends.cosyvoice.models.hift import HiFT, HiFTConfig
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -200,7 +204,7 @@ def random_flow_hift_state(model_dir: ModelDir, seed: int, dtype: torch.dtype,
 
 def write_tokenizer_files(root: Path, version: int) -> None:
     """A byte-level BPE in Qwen2's file layout: 256 byte tokens at their ids, no merges."""
-    from engine.backends.cosyvoice.frontend import QWEN_SPECIALS, byte_to_unicode
+    from engine.backends.cosyvoice.frontend.frontend import QWEN_SPECIALS, byte_to_unicode
 
     table = byte_to_unicode()
     order = sorted(range(256), key=lambda b: (ord(table[b]) >= 256, ord(table[b])))

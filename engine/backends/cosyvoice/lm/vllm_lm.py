@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import torch
 
-from engine.backends.cosyvoice.vllm_export import read_head_bias, read_meta
+from engine.backends.cosyvoice.lm.vllm_export import read_head_bias, read_meta
 
 # vLLM's import chain (torch inductor, torch.jit) raises DeprecationWarnings that are
 # not ours to fix; they would fail any caller running with warnings as errors.

@@ -27,7 +27,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.hift import HiFT
+from engine.backends.cosyvoice.models.hift import HiFT
 
 V2_CACHE_FRAMES = 8  # upstream mel_cache_len
 

@@ -5,9 +5,9 @@ The backend never touches `SpeechLMRunner` or vLLM directly: it asks a
 one step (one token each for the torch runner; whatever arrived for vLLM),
 and to stop one (finished or cancelled). Two implementations:
 
-- `TorchLMDriver` (`lm_backend="torch"`, here): the slot KV cache of llm.py in
+- `TorchLMDriver` (`lm_backend="torch"`, here): the slot KV cache of runner.py in
   this process, one batched decode per step, CUDA graphs on a GPU;
-- `VllmLMDriver` (`lm_backend="vllm"`, lm_driver_vllm.py): the LM on vLLM's
+- `VllmLMDriver` (`lm_backend="vllm"`, driver_vllm.py): the LM on vLLM's
   AsyncLLM, its loop on its own thread; `step` collects what each request
   made since the last call, `stop` aborts.
 
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.backends.cosyvoice.frontend import LMInput
-from engine.backends.cosyvoice.llm import LMStream, PrefillRequest, SpeechLMRunner
+from engine.backends.cosyvoice.frontend.frontend import LMInput
+from engine.backends.cosyvoice.lm.runner import LMStream, PrefillRequest, SpeechLMRunner
 
 LM_BACKENDS = ("torch", "vllm")
 

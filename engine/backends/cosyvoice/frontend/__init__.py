@@ -1,0 +1,1 @@
+"""Text and voice in: tokenizers, prompt layout, text normalization, special tokens, voice prompts."""
