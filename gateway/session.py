@@ -54,8 +54,9 @@ from gateway.voice_catalog import VoiceCatalog
 log = logging.getLogger("voxgate.gateway")
 
 MAX_REMEMBERED_CLOSED = 4096
-#: Backpressure, mechanism 1 of 3 (docs/architecture.md, "The backpressure story"):
-#: segments per socket with the engine or waiting to be framed.
+#: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
+#: segments per socket with the engine or waiting to be framed; the engine's
+#: look-ahead on each request's playback clock does the pacing within it.
 MAX_SEGMENTS_AHEAD = 4
 MAX_RECENT_DONE = 8
 
@@ -333,10 +334,10 @@ class Session:
         return self._submit_ready(now)
 
     def _submit_ready(self, now: float) -> list[Action]:
-        # Backpressure, mechanism 1 of 3 (docs/architecture.md): at most
+        # Backpressure (docs/architecture.md, "The backpressure story"): at most
         # MAX_SEGMENTS_AHEAD segments per socket are with the engine or waiting
-        # to be framed: audio a client cannot play yet is not made yet, so a
-        # client that stops reading cannot make the server hold hours of PCM.
+        # to be framed, so a socket's PCM is bounded however many contexts it
+        # opens; how far ahead each is made is the engine's look-ahead.
         in_flight = sum(1 for c in self.contexts.values() for s in c.segments
                         if s.is_submitted and not s.is_sent)
         actions: list[Action] = []
@@ -430,7 +431,9 @@ class Session:
                 if not segment.is_started:
                     segment.is_started = True
                     segment.pts_ms = playout.pcm_ms_framed
-                    duration = chunk.duration_ms if chunk.is_last else None
+                    # A streamed segment's words tile its audio: the last one ends with it.
+                    duration = (chunk.duration_ms if chunk.is_last
+                                else chunk.words[-1].end_ms if chunk.words else None)
                     actions.append(Send(messages.segment(context.context_id, segment.segment_id,
                                                          segment.text, segment.pts_ms, duration,
                                                          chunk.words)))

@@ -141,10 +141,10 @@ class Connection:
     async def _consume(self, request: SynthesisRequest) -> None:
         try:
             async for chunk in self.engine.submit(request):
-                # Backpressure, mechanism 3 of 3 (docs/architecture.md): while the
-                # client has not read what is queued, stop taking audio; the
-                # engine's queue for this request fills (mechanism 2) and it stops
-                # stepping the request.
+                # Backpressure (docs/architecture.md, "The backpressure story"):
+                # while the client has not read what is queued, stop taking audio;
+                # the request's playback clock in the engine stops with it (heard
+                # audio never passes taken audio), so the engine stops making it.
                 if not await self._wait_for_room():
                     return
                 self._execute(self.session.receive_audio(chunk, time.monotonic()))
@@ -165,7 +165,8 @@ class Connection:
     async def _wait_for_room(self) -> bool:
         """Wait until the outbox drains below its soft limit; False once the socket is closing.
 
-        Backpressure, mechanism 3 of 3 (docs/architecture.md, "The backpressure story").
+        Backpressure, the guard against a client that stops reading (docs/architecture.md,
+        "The backpressure story").
         """
         timeout = self.session.limits.slow_consumer_timeout_s
         while self._outbox_bytes > self._soft_limit and self._closing is None:
