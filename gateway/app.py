@@ -20,14 +20,15 @@ from engine.backends import create_backend
 from engine.engine import Engine, EngineConfig
 from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
-from gateway.auth import KeyCounter, is_authorized, presented_key
+from gateway.access import AccessGuard, create_session_token
+from gateway.auth import KeyCounter, SessionTokens, install_log_redaction
 from gateway.compat import compat_routes
 from gateway.config import GatewayConfig
-from gateway.errors import http_error
 from gateway.metrics import Metrics
 from gateway.speech import speech_endpoint
 from gateway.voice_catalog import VoiceCatalog
-from gateway.voices import VoiceConfig, VoiceService, voice_routes
+from gateway.voice_routes import voice_routes
+from gateway.voices import VoiceConfig, VoiceService
 from gateway.ws import stream_endpoint
 
 log = logging.getLogger("voxgate.gateway")
@@ -45,31 +46,11 @@ class AppState:
     connections: set[Any] = field(default_factory=set)
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
     key_counter: KeyCounter = field(default_factory=KeyCounter)
+    session_tokens: SessionTokens = field(default_factory=SessionTokens)
     is_shutting_down: bool = False
 
     def num_open_contexts(self) -> int:
         return sum(len(c.session.contexts) for c in self.connections)
-
-
-class AuthMiddleware:
-    """HTTP requests under /v1/ need a key when auth is on (the socket checks its own)."""
-
-    def __init__(self, app: Any, state: AppState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            request = Request(scope)
-            key = presented_key(request.headers, dict(request.query_params))
-            if not is_authorized(self.state.config.auth, key):
-                self.state.metrics.observe("error:unauthorized", 1)
-                response = http_error(401, "unauthorized", "a valid API key is required: "
-                                      "Authorization: Bearer <key>",
-                                      headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 async def drain(state: AppState, grace_s: float) -> None:
@@ -146,8 +127,11 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     state: AppState = request.app.state.voxgate
     ready = state.engine.is_ready and state.engine.is_healthy and not state.is_shutting_down
-    return JSONResponse({"ready": ready, "engine": state.engine.backend_name},
-                        status_code=200 if ready else 503)
+    body: dict[str, Any] = {"ready": ready, "engine": state.engine.backend_name}
+    degraded = request.app.state.voice_service.degraded  # serving, but something needs a look
+    if degraded:
+        body["degraded"] = degraded
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 async def metrics(request: Request) -> Response:
@@ -160,11 +144,13 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
     """The voxgate app. `engine` may be given (tests inject a scripted backend)."""
     config = config or GatewayConfig.from_env()
     engine = engine or build_engine(config)
-    state = AppState(config, engine, Metrics(engine))
+    state = AppState(config, engine, Metrics(engine),
+                     session_tokens=SessionTokens(ttl_s=config.session_token_ttl_s))
     voice_service = VoiceService(VoiceConfig.from_gateway(config), engine, state.catalog)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        install_log_redaction()  # also under a plain `uvicorn --factory` (the CLI installs it too)
         await engine.start()
         await voice_service.start()  # registered voices join the engine's list
         voices = {v.voice_id for v in engine.voices}
@@ -183,6 +169,7 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
         Route("/metrics", metrics),
         *voice_routes(),
         Route("/v1/audio/speech", speech_endpoint, methods=["POST"]),
+        Route("/v1/session-tokens", create_session_token, methods=["POST"]),
         WebSocketRoute("/v1/stream", stream_endpoint),
         *compat_routes(),  # ElevenLabs-, Cartesia- and Deepgram-compatible sockets (docs/compat.md)
     ]
@@ -190,7 +177,7 @@ def create_app(config: GatewayConfig | None = None, engine: Engine | None = None
     if web_dir.is_dir():
         routes.append(Mount("/", WebFiles(directory=web_dir, html=True), name="web"))
     app = Starlette(routes=routes, lifespan=lifespan)
-    app.add_middleware(AuthMiddleware, state=state)
+    app.add_middleware(AccessGuard, state=state)
     app.add_middleware(StartupErrors)
     app.state.voxgate = state
     app.state.voice_service = voice_service

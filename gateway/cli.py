@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.auth import AuthConfig, check_exposure, load_keys
+from gateway.auth import AuthConfig, check_exposure, install_log_redaction, load_keys
 from gateway.config import GatewayConfig
 
 log = logging.getLogger("voxgate.gateway")
@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--voice-assets", help="folder of name.wav + name.txt voices registered at "
                        "start-up (default <data-dir>/assets; VOXGATE_VOICE_ASSETS)")
     serve.add_argument("--api-keys-file", help="file of API keys, one per line (also VOXGATE_API_KEYS)")
+    serve.add_argument("--admin-keys-file", help="file of admin keys, one per line: API keys that also "
+                       "see and delete every tenant's voices (also VOXGATE_ADMIN_KEYS)")
     serve.add_argument("--allowed-origins", help="comma-separated browser origins allowed on the socket "
                        "(same-origin pages and clients without Origin are always allowed; * allows all)")
     serve.add_argument("--no-auth", action="store_true",
@@ -137,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         origins = args.allowed_origins or os.environ.get("VOXGATE_ALLOWED_ORIGINS", "")
         auth = AuthConfig(api_keys=load_keys(keys_file=args.api_keys_file),
+                          admin_keys=load_keys(keys_file=args.admin_keys_file, variable="VOXGATE_ADMIN_KEYS"),
                           allowed_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
                           allow_no_auth=args.no_auth)
         config = GatewayConfig.from_env(host=args.host, port=port, engine=args.engine, voice=args.voice,
@@ -153,11 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError, OSError) as exc:
         print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
         return 2
-    server = DrainingServer(uvicorn.Config(
+    uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
         ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
-        timeout_graceful_shutdown=5), app.state.voxgate, config.shutdown_grace_s)
+        timeout_graceful_shutdown=5)
+    install_log_redaction()  # after uvicorn configured its loggers: no key in the access log
+    server = DrainingServer(uvicorn_config, app.state.voxgate, config.shutdown_grace_s)
     server.run()
     return 0
 

@@ -39,6 +39,7 @@ class GatewayConfig:
     voice_assets: Path | None = None
     ws_ping_interval_s: float = 20.0
     shutdown_grace_s: float = 10.0
+    session_token_ttl_s: float = 60.0  # POST /v1/session-tokens: how long a token may wait for its use
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -51,6 +52,8 @@ class GatewayConfig:
             raise ValueError(f"max_sockets_per_key must be >= 1, got {self.max_sockets_per_key}")
         if self.max_contexts < 0:
             raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
+        if not 0 < self.session_token_ttl_s <= 3600:
+            raise ValueError(f"session_token_ttl_s must be within (0, 3600], got {self.session_token_ttl_s}")
         self.data_dir = Path(self.data_dir)
 
     @classmethod

@@ -13,12 +13,25 @@ Every row carries a SHA-256 over all its other columns (blobs included), so a
 corrupt or tampered record is detected on read and reported, never served.
 SQLite's transactions already make a half-written row impossible; the
 checksum covers what they cannot (a damaged page, a hand edit, a foreign
-writer). The schema version lives in `PRAGMA user_version`.
+writer). The schema version lives in `PRAGMA user_version`; version 2 added
+`owner`, the tenant (a hash of the API key, never the key) that registered a
+voice ("" for the operator's voices: assets, and uploads from before tenancy).
+
+Reference recordings are biometric data: the data directory is made 0700 and
+the database file 0600. Writes run with `synchronous=FULL`, so an answered
+registration survives a power loss. A file that is not a readable database is
+moved aside (`voices.sqlite3.damaged-<time>`) by `VoiceRegistry.open`, which
+starts an empty one and reports the damage (`damaged`) instead of refusing to
+start. Quotas (`Quota`) are checked inside the writing transaction, so replicas
+sharing the file cannot overrun them together; a reserve file keeps room for a
+DELETE when the disk is full (`space.py`).
 
 Concurrency: `VoiceStore` is synchronous and owns one connection; the async
 `VoiceRegistry` runs every call on one dedicated thread, so calls from the
 event loop never block it and never interleave. WAL mode and a busy timeout
-let several processes share one file (replicas on one host).
+let several processes share one file (replicas on one host); each sees the
+others' commits through `data_version()` (SQLite's `PRAGMA data_version`), which
+`VoiceService.sync` polls.
 """
 
 from __future__ import annotations
@@ -26,6 +39,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
+import os
 import sqlite3
 import struct
 import time
@@ -36,8 +51,21 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.errors import VoxgateError
+from gateway.space import (
+    DEFAULT_RESERVE_BYTES,
+    RESERVE_NAME,
+    Quota,
+    QuotaExceededError,
+    SpaceReserve,
+    StoreFullError,
+    is_disk_full,
+    over_quota,
+    private_dir,
+)
 
-SCHEMA_VERSION = 1
+log = logging.getLogger("voxgate.gateway")
+
+SCHEMA_VERSION = 2
 DB_NAME = "voices.sqlite3"
 T = TypeVar("T")
 
@@ -55,7 +83,8 @@ CREATE TABLE voices (
     source        TEXT NOT NULL,
     source_digest TEXT NOT NULL,
     created_at    REAL NOT NULL,
-    checksum      TEXT NOT NULL
+    checksum      TEXT NOT NULL,
+    owner         TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE voice_features (
     voice_id  TEXT NOT NULL REFERENCES voices(voice_id) ON DELETE CASCADE,
@@ -80,6 +109,10 @@ class VoiceExistsError(RegistryError):
 
     code = "voice_exists"
     status = 409
+
+
+class DamagedStoreError(RegistryError):
+    """The file is not a readable SQLite database (a torn copy, a damaged disk, garbage)."""
 
 
 class CorruptRecordError(RegistryError):
@@ -129,11 +162,15 @@ class VoiceRecord:
     source: str = "upload"  # "upload" (POST /v1/voices) or "assets" (the assets folder)
     source_digest: str = ""
     created_at: float = field(default_factory=time.time)
+    owner: str = ""  # the registering tenant (a key hash); "": the operator's
 
     def checksum(self) -> str:
+        # `owner` joins the digest only when set: version-1 rows (no owner) keep their checksums
+        owner = (self.owner,) if self.owner else ()
         return _digest(self.voice_id, self.name, self.language, self.transcript, self.audio,
                        self.audio_format, self.sample_rate, float(self.duration_s),
-                       self.base_voice, self.source, self.source_digest, float(self.created_at))
+                       self.base_voice, self.source, self.source_digest, float(self.created_at),
+                       *owner)
 
     def summary(self) -> dict[str, Any]:
         """The record without its audio, as JSON-ready values."""
@@ -150,40 +187,54 @@ class StoredFeatures:
 
 
 _VOICE_COLUMNS = ("voice_id, name, language, transcript, audio, audio_format, sample_rate, "
-                  "duration_s, base_voice, source, source_digest, created_at")
+                  "duration_s, base_voice, source, source_digest, created_at, owner")
+#: SQLite's primary result codes for a file that is not (or no longer) a database
+_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
 
 
 class VoiceStore:
     """Synchronous access to the database; use it from one thread (VoiceRegistry does)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         self.path = Path(path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(self.path.parent)
+            # created 0600 before SQLite opens it; the -wal and -shm files take its mode
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.chmod(self.path, 0o600)
+            self.reserve = SpaceReserve(self.path.parent / RESERVE_NAME, reserve_bytes)
             self._db = sqlite3.connect(str(self.path), timeout=5.0, isolation_level=None,
                                        check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._migrate()
-        except sqlite3.DatabaseError as exc:
-            raise RegistryError(f"voice store {str(self.path)!r} is unreadable ({exc}); "
-                                "move it aside to start with an empty registry") from exc
         except OSError as exc:
             raise RegistryError(f"cannot create the voice store at {str(self.path)!r}: {exc}") from exc
+        try:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._db.execute("PRAGMA synchronous=FULL")  # an answered registration survives power loss
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
+            kind = DamagedStoreError if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) else RegistryError
+            raise kind(f"voice store {str(self.path)!r} is unreadable ({exc}); "
+                       "move it aside to start with an empty registry") from exc
+        self.reserve.ensure()
 
     def _migrate(self) -> None:
         version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise RegistryError(f"voice store {str(self.path)!r} has schema version {version}; "
                                 f"this voxgate reads up to {SCHEMA_VERSION}: upgrade voxgate")
-        if version == 0:
-            with self._transaction():
+        if version == SCHEMA_VERSION:
+            return
+        with self._transaction():
+            if version == 0:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         self._db.execute(statement)
-                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        # Future versions: `if version == 1: ...migrate to 2...` here, one step at a time.
+            if version == 1:  # tenancy: who registered each voice ("" for those before it)
+                self._db.execute("ALTER TABLE voices ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -203,24 +254,53 @@ class VoiceStore:
     def schema_version(self) -> int:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
+    def data_version(self) -> int:
+        """Changes when another connection (another replica) commits; not on our own commits."""
+        return int(self._db.execute("PRAGMA data_version").fetchone()[0])
+
     # -- voices -------------------------------------------------------------
 
     def insert(self, record: VoiceRecord, features: tuple[str, str, bytes | None] | None = None,
-               *, replace_existing: bool = False) -> None:
-        """Store a voice (and its features for (backend, version)) in one transaction."""
+               *, replace_existing: bool = False, quota: Quota | None = None) -> None:
+        """Store a voice (and its features for (backend, version)) in one transaction.
+
+        Raises VoiceExistsError, QuotaExceededError, or StoreFullError when the disk
+        lacks room for it beyond the reserve kept for deletes.
+        """
+        self.reserve.check_room(len(record.audio) + len(features[2] or b"") if features else len(record.audio))
         with self._transaction():
             if replace_existing:
                 self._db.execute("DELETE FROM voices WHERE voice_id = ?", (record.voice_id,))
+            if quota is not None:
+                self._check_quota(record, quota)
             try:
                 self._db.execute(
-                    f"INSERT INTO voices ({_VOICE_COLUMNS}, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO voices ({_VOICE_COLUMNS}, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (record.voice_id, record.name, record.language, record.transcript, record.audio,
                      record.audio_format, record.sample_rate, record.duration_s, record.base_voice,
-                     record.source, record.source_digest, record.created_at, record.checksum()))
+                     record.source, record.source_digest, record.created_at, record.owner,
+                     record.checksum()))
             except sqlite3.IntegrityError:
                 raise VoiceExistsError(f"voice {record.voice_id!r} is registered already") from None
             if features is not None:
                 self._put_features(record.voice_id, *features)
+
+    def _check_quota(self, record: VoiceRecord, quota: Quota) -> None:
+        size = len(record.audio)
+        count, used = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(audio)), 0) FROM voices "
+                                       "WHERE owner = ?", (record.owner,)).fetchone()
+        if over_quota(quota.max_voices_per_owner, count, 1):
+            raise QuotaExceededError(f"this key has {count} voices registered; the limit is "
+                                     f"{quota.max_voices_per_owner}: delete one first")
+        if over_quota(quota.max_bytes_per_owner, used, size):
+            raise QuotaExceededError(f"this key's voices hold {used} reference bytes; {size} more "
+                                     f"would pass its limit of {quota.max_bytes_per_owner}: delete one first")
+        count, used = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(audio)), 0) "
+                                       "FROM voices").fetchone()
+        if over_quota(quota.max_voices, count, 1) or over_quota(quota.max_bytes, used, size):
+            raise QuotaExceededError(f"the server holds {count} voices ({used} bytes), its limit "
+                                     f"({quota.max_voices} voices, {quota.max_bytes} bytes); "
+                                     "try again after voices are deleted")
 
     def get(self, voice_id: str) -> VoiceRecord | None:
         """A voice by id, None when absent; raises CorruptRecordError when it fails its checksum."""
@@ -239,18 +319,37 @@ class VoiceStore:
                 corrupt[str(row[0])] = str(exc)
         return records, corrupt
 
+    def checksums(self) -> dict[str, str]:
+        """{voice_id: stored checksum}: what changed since the last look, without the audio."""
+        return {str(r[0]): str(r[1]) for r in self._db.execute("SELECT voice_id, checksum FROM voices")}
+
     def delete(self, voice_id: str) -> bool:
-        """Remove a voice and its features; False when there was none."""
+        """Remove a voice and its features; False when there was none.
+
+        On a full disk the reserve file is given up and the delete tried again, so
+        that freeing space through the API always works.
+        """
+        try:
+            return self._delete(voice_id)
+        except (sqlite3.OperationalError, OSError) as exc:
+            if not is_disk_full(exc) or not self.reserve.release():
+                raise
+            return self._delete(voice_id)
+
+    def _delete(self, voice_id: str) -> bool:
         with self._transaction():
             cursor = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
+        with contextlib.suppress(sqlite3.Error):  # hand the pages back to the file system
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return cursor.rowcount > 0
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> VoiceRecord:
         try:
             record = VoiceRecord(str(row[0]), row[1], row[2], row[3], bytes(row[4]), row[5],
-                                 int(row[6]), float(row[7]), row[8], row[9], row[10], float(row[11]))
-            is_intact = record.checksum() == row[12]
+                                 int(row[6]), float(row[7]), row[8], row[9], row[10], float(row[11]),
+                                 str(row[12]))
+            is_intact = record.checksum() == row[13]
         except (TypeError, ValueError) as exc:
             raise CorruptRecordError(f"voice {row[0]!r} has a malformed column: {exc}") from None
         if not is_intact:
@@ -284,10 +383,15 @@ class VoiceStore:
 
 
 class VoiceRegistry:
-    """The store behind an async face: every call runs on one dedicated thread."""
+    """The store behind an async face: every call runs on one dedicated thread.
 
-    def __init__(self, data_dir: Path) -> None:
+    `damaged` is set when the file was not a readable database and was moved aside.
+    """
+
+    def __init__(self, data_dir: Path, *, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         self.path = Path(data_dir) / DB_NAME
+        self.reserve_bytes = reserve_bytes
+        self.damaged: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-registry")
         self._store: VoiceStore | None = None
 
@@ -302,7 +406,20 @@ class VoiceRegistry:
         return self._store
 
     async def open(self) -> None:
-        self._store = await self._call(VoiceStore, self.path)
+        self._store = await self._call(self._open)
+
+    def _open(self) -> VoiceStore:
+        try:
+            return VoiceStore(self.path, reserve_bytes=self.reserve_bytes)
+        except DamagedStoreError as exc:
+            aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+            for suffix in ("", "-wal", "-shm"):  # the journal belongs to the damaged file
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
+            self.damaged = (f"the voice store was unreadable ({exc.__cause__}); it was moved to "
+                            f"{aside.name} and an empty one started: its voices are not served")
+            log.error("voice registry degraded: %s", self.damaged)
+            return VoiceStore(self.path, reserve_bytes=self.reserve_bytes)
 
     async def close(self) -> None:
         if self._store is not None:
@@ -311,14 +428,21 @@ class VoiceRegistry:
         self._executor.shutdown(wait=True)
 
     async def insert(self, record: VoiceRecord, features: tuple[str, str, bytes | None] | None = None,
-                     *, replace_existing: bool = False) -> None:
-        await self._call(self.store.insert, record, features, replace_existing=replace_existing)
+                     *, replace_existing: bool = False, quota: Quota | None = None) -> None:
+        await self._call(self.store.insert, record, features, replace_existing=replace_existing,
+                         quota=quota)
 
     async def get(self, voice_id: str) -> VoiceRecord | None:
         return await self._call(self.store.get, voice_id)
 
     async def load_all(self) -> tuple[list[VoiceRecord], dict[str, str]]:
         return await self._call(self.store.load_all)
+
+    async def checksums(self) -> dict[str, str]:
+        return await self._call(self.store.checksums)
+
+    async def data_version(self) -> int:
+        return await self._call(self.store.data_version)
 
     async def delete(self, voice_id: str) -> bool:
         return await self._call(self.store.delete, voice_id)
@@ -331,5 +455,18 @@ class VoiceRegistry:
         await self._call(self.store.put_features, voice_id, backend, version, features)
 
 
-__all__ = ["SCHEMA_VERSION", "CorruptRecordError", "RegistryError", "StoredFeatures",
-           "VoiceExistsError", "VoiceRecord", "VoiceRegistry", "VoiceStore", "source_digest"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "CorruptRecordError",
+    "DamagedStoreError",
+    "Quota",
+    "QuotaExceededError",
+    "RegistryError",
+    "StoreFullError",
+    "StoredFeatures",
+    "VoiceExistsError",
+    "VoiceRecord",
+    "VoiceRegistry",
+    "VoiceStore",
+    "source_digest",
+]

@@ -2,9 +2,12 @@
 
 Every way an upload can be wrong has its own error code (docs/voices.md lists
 them) and a 4xx answer that says what was expected; nothing a client sends
-reaches a 500. The reference audio is decoded by PyAV off the event loop,
-stopping as soon as it runs past the duration limit, so a small compressed
-file that expands to hours costs no more than the limit.
+reaches a 500. Work is checked before it is done: the container's header
+(sample rate, channels, declared duration) is read by PyAV before any sample
+is decoded, and decoding stops as soon as it passes the allowed rate x
+duration, so a small compressed file that claims 655 kHz x 8 channels, or
+expands to hours, costs no more than a header read. Decoding runs off the
+event loop; how many run at once is the voice service's bound.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class UploadLimits:
     max_duration_s: float = 30.0
     min_sample_rate: int = 16000
     max_sample_rate: int = 192000
+    max_channels: int = 2
     max_transcript_chars: int = 1000
 
     def __post_init__(self) -> None:
@@ -60,6 +64,8 @@ class UploadLimits:
         if not 0 < self.min_sample_rate <= self.max_sample_rate:
             raise ValueError("expected 0 < min_sample_rate <= max_sample_rate, got "
                              f"{self.min_sample_rate} and {self.max_sample_rate}")
+        if self.max_channels < 1:
+            raise ValueError(f"max_channels must be >= 1, got {self.max_channels}")
         if self.max_transcript_chars < 1:
             raise ValueError(f"max_transcript_chars must be >= 1, got {self.max_transcript_chars}")
 
@@ -185,26 +191,43 @@ def decode_reference(data: bytes, limits: UploadLimits) -> ReferenceAudio:
         rate = int(stream.codec_context.sample_rate or stream.rate or 0)
         if rate <= 0:
             raise VoiceUploadError(415, "not_audio", "the 'audio' file's stream has no sample rate")
+        _check_header(container, stream, rate, limits)  # before a single sample is decoded
         fmt = (container.format.name or "unknown").split(",")[0]
         pcm, is_truncated = _decode_mono(container, stream, rate, limits.max_duration_s)
     duration = len(pcm) / rate
     if is_truncated or duration > limits.max_duration_s:
-        raise VoiceUploadError(422, "audio_too_long", f"the reference is longer than "
-                               f"{limits.max_duration_s:g} s; expected {limits.min_duration_s:g}-"
-                               f"{limits.max_duration_s:g} s of speech")
+        raise _too_long(limits)
     if duration < limits.min_duration_s:
         raise VoiceUploadError(422, "audio_too_short", f"the reference lasts {duration:.2f} s; "
                                f"expected {limits.min_duration_s:g}-{limits.max_duration_s:g} s of speech")
+    if not np.isfinite(pcm).all() or float(np.abs(pcm).max()) < MIN_PEAK:
+        raise VoiceUploadError(422, "silent_audio", "the reference is silent; expected a recording "
+                               "of the voice speaking")
+    return ReferenceAudio(pcm, rate, duration, fmt)
+
+
+def _too_long(limits: UploadLimits) -> VoiceUploadError:
+    return VoiceUploadError(422, "audio_too_long", f"the reference is longer than "
+                            f"{limits.max_duration_s:g} s; expected {limits.min_duration_s:g}-"
+                            f"{limits.max_duration_s:g} s of speech")
+
+
+def _check_header(container: av.container.InputContainer, stream: av.AudioStream, rate: int,
+                  limits: UploadLimits) -> None:
+    """Rate, channels and declared duration, from the container header alone."""
     if rate < limits.min_sample_rate:
         raise VoiceUploadError(422, "sample_rate_too_low", f"the reference is sampled at {rate} Hz; "
                                f"expected at least {limits.min_sample_rate} Hz")
     if rate > limits.max_sample_rate:
         raise VoiceUploadError(422, "sample_rate_too_high", f"the reference is sampled at {rate} Hz; "
                                f"expected at most {limits.max_sample_rate} Hz")
-    if not np.isfinite(pcm).all() or float(np.abs(pcm).max()) < MIN_PEAK:
-        raise VoiceUploadError(422, "silent_audio", "the reference is silent; expected a recording "
-                               "of the voice speaking")
-    return ReferenceAudio(pcm, rate, duration, fmt)
+    channels = int(stream.codec_context.channels or 0)
+    if channels > limits.max_channels:
+        raise VoiceUploadError(422, "too_many_channels", f"the reference has {channels} channels; "
+                               f"expected at most {limits.max_channels} (mono or stereo)")
+    declared = container.duration  # microseconds, when the header says (None: it does not)
+    if declared is not None and declared / 1e6 > limits.max_duration_s + 1.0:
+        raise _too_long(limits)
 
 
 def _decode_mono(container: av.container.InputContainer, stream: av.AudioStream, rate: int,
@@ -220,8 +243,8 @@ def _decode_mono(container: av.container.InputContainer, stream: av.AudioStream,
                 chunk = out.to_ndarray().reshape(-1)  # [n] flt mono is packed
                 chunks.append(chunk)
                 total += len(chunk)
-            if total > limit:
-                return np.concatenate(chunks).astype(np.float32), True
+            if total > limit:  # the cap on decoded samples: allowed rate x duration, no more
+                return np.zeros(0, np.float32), True
         for out in resampler.resample(None):
             chunks.append(out.to_ndarray().reshape(-1))
     except Exception:  # noqa: BLE001 - a damaged stream is the client error, not ours

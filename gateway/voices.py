@@ -12,6 +12,17 @@ Deleting a voice retires it at once: unlisted, new sessions and requests get
 `unknown_voice`, but whoever holds it in the catalog (a socket's voice, an
 open context's, an HTTP request's) keeps speaking with it. When the last
 holder lets go, the catalog calls back and the voice leaves the engine.
+
+Tenancy: each registered voice has an owner, the tenant (a hash of the API
+key) that registered it, or "" for the operator's (assets, and uploads from
+before tenancy). A tenant lists, reads and deletes its own voices and sees the
+operator's (deleting those takes an admin key); an admin sees all. With auth
+off there is one tenant. Voice ids are one namespace: built-in names (OpenAI's
+voice names, installed voices and piper model names) cannot be registered.
+
+Replicas sharing one store: `sync()` picks up what other processes registered
+or deleted (SQLite's data_version, then a checksum per id); it runs every
+`sync_interval_s` while the service is started (docs/voices.md, "Replicas").
 """
 
 from __future__ import annotations
@@ -20,20 +31,19 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sqlite3
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
 from engine.engine import Engine
 from engine.errors import UnknownVoiceError, UnsupportedOptionError, VoxgateError
+from engine.options import config_from_options
 from engine.types import VoiceInfo
-from gateway.errors import http_error
+from gateway.auth import OPERATOR, Principal
 from gateway.registry import (
     CorruptRecordError,
     RegistryError,
@@ -42,19 +52,31 @@ from gateway.registry import (
     VoiceRegistry,
     source_digest,
 )
+from gateway.space import (
+    DEFAULT_RESERVE_BYTES,
+    Quota,
+    QuotaExceededError,
+    StoreFullError,
+    is_disk_full,
+)
 from gateway.voice_catalog import VoiceCatalog
 from gateway.voice_upload import (
-    VOICE_ID_RE,
     ReferenceAudio,
     UploadLimits,
     VoiceUpload,
     VoiceUploadError,
     check_fields,
     decode_reference,
-    read_upload,
 )
 
 log = logging.getLogger("voxgate.gateway")
+
+#: OpenAI's voice names: requests for them speak the default voice (gateway/speech.py), so
+#: nobody may register one and take over what OpenAI clients hear
+OPENAI_VOICE_NAMES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx",
+                                "sage", "shimmer", "verse", "marin", "cedar"})
+#: piper's model names (en_US-joe-medium): aliases of installed voices, or models yet to install
+PIPER_NAME_RE = re.compile(r"[a-z]{2,3}_[A-Z]{2}-.+-(x_low|low|medium|high)", re.IGNORECASE)
 
 
 @dataclass(slots=True)
@@ -65,18 +87,39 @@ class VoiceConfig:
     assets_dir: Path | None = None  # None: <data_dir>/assets, when it exists
     default_voice: str = "joe"  # speaks for registered voices on backends that cannot clone
     limits: UploadLimits = field(default_factory=UploadLimits)
+    quota: Quota = field(default_factory=Quota)
+    max_concurrent_uploads: int = 2  # read + decode + features at once; more get 429
+    sync_interval_s: float = 2.0  # how often other replicas' changes are picked up (0: never)
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES  # kept free on the store's disk for deletes
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
         if self.assets_dir is not None:
             self.assets_dir = Path(self.assets_dir)
+        if self.max_concurrent_uploads < 1:
+            raise ValueError(f"max_concurrent_uploads must be >= 1, got {self.max_concurrent_uploads}")
+        if self.sync_interval_s < 0:
+            raise ValueError(f"sync_interval_s must be >= 0 (0: never), got {self.sync_interval_s}")
+        if self.reserve_bytes < 0:
+            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
 
     @classmethod
     def from_gateway(cls, config: Any, environ: dict[str, str] | None = None) -> VoiceConfig:
-        env = os.environ if environ is None else environ
+        """VOXGATE_VOICE_ASSETS, VOXGATE_VOICE_<FIELD> (e.g. VOXGATE_VOICE_SYNC_INTERVAL_S) and
+        VOXGATE_VOICE_QUOTA_<FIELD> (e.g. VOXGATE_VOICE_QUOTA_MAX_VOICES_PER_OWNER)."""
+        env = {k: v for k, v in (os.environ if environ is None else environ).items()
+               if k not in ("VOXGATE_VOICE_LIMITS", "VOXGATE_VOICE_QUOTA", "VOXGATE_VOICE_ASSETS_DIR",
+                            "VOXGATE_VOICE_DATA_DIR", "VOXGATE_VOICE_DEFAULT_VOICE")}
         assets = getattr(config, "voice_assets", None) or env.get("VOXGATE_VOICE_ASSETS") or None
-        return cls(data_dir=config.data_dir, assets_dir=Path(assets) if assets else None,
-                   default_voice=config.voice)
+        quota = config_from_options(Quota, "voice quota", {}, env_prefix="VOXGATE_VOICE_QUOTA_", environ=env)
+        options = {"data_dir": config.data_dir, "assets_dir": Path(assets) if assets else None,
+                   "default_voice": config.voice, "quota": quota}
+        return config_from_options(cls, "voice", options, env_prefix="VOXGATE_VOICE_", environ=env)
+
+
+def _store_full() -> VoiceUploadError:
+    return VoiceUploadError(507, "insufficient_storage", "the disk holding the voice store is full; "
+                            "delete voices or free disk space")
 
 
 def _store_failed() -> VoiceUploadError:
@@ -92,14 +135,24 @@ class VoiceService:
         self.engine = engine
         self.catalog = catalog if catalog is not None else VoiceCatalog()
         self.catalog.on_unheld = self._on_unheld
-        self.registry = VoiceRegistry(config.data_dir)
+        self.registry = VoiceRegistry(config.data_dir, reserve_bytes=config.reserve_bytes)
         self.registered: dict[str, dict[str, Any]] = {}  # id -> record summary (no audio)
         self._digests: dict[str, str] = {}  # id -> source digest (assets re-register on change)
         self.unavailable: dict[str, tuple[str, str]] = {}  # id -> (code, message)
+        self.owners: dict[str, str] = {}  # id -> owning tenant, registered and unavailable ones
+        self._checksums: dict[str, str] = {}  # id -> stored checksum: what sync() compares
         self.installed: set[str] = set()
         self.num_features_computed = 0
+        self.num_uploads = 0  # uploads being read, decoded or featurized now
+        self._data_version: int | None = None
         self._lock = asyncio.Lock()
         self._removals: set[asyncio.Task[None]] = set()  # retired voices whose last holder left
+        self._sync_task: asyncio.Task[None] | None = None
+
+    @property
+    def degraded(self) -> list[str]:
+        """What is wrong though the server runs (reported by /readyz)."""
+        return [self.registry.damaged] if self.registry.damaged else []
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -124,10 +177,18 @@ class VoiceService:
             await self._load(record)
         await self._register_assets()
         self.catalog.set_listed(v.voice_id for v in self.engine.voices)
+        self._checksums = await self.registry.checksums()
+        self._data_version = await self.registry.data_version()
+        if self.config.sync_interval_s > 0:
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
         log.info("voice registry %s: %d registered, %d unavailable", self.registry.path,
                  len(self.registered), len(self.unavailable))
 
     async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
         if self._removals:
             await asyncio.gather(*self._removals, return_exceptions=True)
         await self.registry.close()
@@ -153,9 +214,11 @@ class VoiceService:
             message = exc.message if isinstance(exc, VoiceUploadError) else str(exc)
             log.error("registered voice %r not served: %s", record.voice_id, message)
             self.unavailable[record.voice_id] = ("voice_unavailable", message)
+            self.owners[record.voice_id] = record.owner
             return
         self.registered[record.voice_id] = record.summary()
         self._digests[record.voice_id] = record.source_digest
+        self.owners[record.voice_id] = record.owner
 
     async def _features(self, reference: ReferenceAudio, transcript: str) -> bytes | None:
         try:
@@ -187,9 +250,24 @@ class VoiceService:
             return self.config.default_voice
         return min(self.installed)
 
+    @contextlib.contextmanager
+    def upload_slot(self) -> Iterator[None]:
+        """One of `max_concurrent_uploads` places for reading, decoding and featurizing an
+        upload; when all are taken, 429 at once (decoding is the costly, bounded part)."""
+        if self.num_uploads >= self.config.max_concurrent_uploads:
+            raise VoiceUploadError(429, "too_many_uploads", f"{self.num_uploads} voice uploads are "
+                                   "being processed; try again in a few seconds")
+        self.num_uploads += 1
+        try:
+            yield
+        finally:
+            self.num_uploads -= 1
+
     async def register(self, upload: VoiceUpload, *, source: str = "upload",
-                       replace_existing: bool = False) -> dict[str, Any]:
-        """Check, compute features once, store, and make speakable; raises VoiceUploadError."""
+                       replace_existing: bool = False, owner: str = "") -> dict[str, Any]:
+        """Check, compute features once, store, and make speakable; raises VoiceUploadError.
+
+        `owner` is the registering tenant; uploads count against its quota and the total."""
         engine = self.engine
         if not engine.can_register_voices:
             raise VoiceUploadError(400, "unsupported_option",
@@ -205,7 +283,8 @@ class VoiceService:
             transcript=upload.transcript, audio=upload.audio, audio_format=reference.format,
             sample_rate=reference.sample_rate, duration_s=reference.duration_s,
             base_voice=base_voice if features is None else None, source=source,
-            source_digest=source_digest(upload.audio, upload.transcript))
+            source_digest=source_digest(upload.audio, upload.transcript), owner=owner)
+        quota = self.config.quota if source == "upload" else None  # the operator's assets: none
         async with self._lock:
             self._check_free(voice_id, replace_existing)
             try:
@@ -215,25 +294,35 @@ class VoiceService:
                 raise VoiceUploadError(400, code, str(exc)) from None
             try:
                 await self.registry.insert(record, (engine.backend_name, engine.voice_features_version,
-                                                    features), replace_existing=replace_existing)
-            except VoiceExistsError as exc:  # another process took the id meanwhile
-                await engine.remove_voice(voice_id)
+                                                    features), replace_existing=replace_existing,
+                                           quota=quota)
+            except (VoiceExistsError, QuotaExceededError, StoreFullError) as exc:
+                await engine.remove_voice(voice_id)  # (exists: another process took the id meanwhile)
                 raise VoiceUploadError(exc.status, exc.code, str(exc)) from None
-            except (sqlite3.Error, OSError):  # disk full, read-only, locked too long
+            except (sqlite3.Error, OSError) as exc:  # disk full, read-only, locked too long
                 log.exception("storing voice %r failed", voice_id)
                 await engine.remove_voice(voice_id)
-                raise _store_failed() from None
+                raise (_store_full() if is_disk_full(exc) else _store_failed()) from None
             self.unavailable.pop(voice_id, None)
             self.registered[voice_id] = record.summary()
             self._digests[voice_id] = record.source_digest
+            self.owners[voice_id] = owner
+            self._checksums[voice_id] = record.checksum()
             self.catalog.add(voice_id)  # open sockets may switch to it now
         log.info("registered voice %r (%s, %.1f s, %s)", voice_id, source, record.duration_s,
                  "no features" if features is None else f"{len(features)} feature bytes")
         return self.describe_registered(info, self.registered[voice_id])
 
+    def is_reserved(self, voice_id: str) -> bool:
+        """A built-in name: an installed voice, one of OpenAI's, or a piper model name."""
+        lowered = voice_id.lower()
+        return (lowered in OPENAI_VOICE_NAMES or lowered in {v.lower() for v in self.installed}
+                or PIPER_NAME_RE.fullmatch(voice_id) is not None)
+
     def _check_free(self, voice_id: str, replace_existing: bool) -> None:
-        if voice_id in self.installed:
-            raise VoiceUploadError(409, "voice_exists", f"{voice_id!r} names an installed voice; "
+        if self.is_reserved(voice_id):
+            raise VoiceUploadError(409, "reserved_voice_id", f"{voice_id!r} is a built-in voice name "
+                                   "(an installed voice, an OpenAI voice name or a piper model name); "
                                    "choose another id")
         if not replace_existing and (voice_id in self.registered or voice_id in self.unavailable):
             raise VoiceUploadError(409, "voice_exists", f"voice {voice_id!r} is registered already; "
@@ -268,27 +357,96 @@ class VoiceService:
             except VoiceUploadError as exc:
                 log.warning("voice asset %s skipped: %s (%s)", wav, exc.message, exc.code)
 
+    # -- tenancy --------------------------------------------------------------
+
+    def is_visible(self, voice_id: str, principal: Principal) -> bool:
+        """Installed voices and the operator's are everyone's; a tenant's, its own and admins'."""
+        owner = self.owners.get(voice_id, "")
+        return principal.is_admin or not owner or owner == principal.tenant
+
+    def _unknown(self, voice_id: str) -> VoiceUploadError:  # another tenant's voice reads as absent
+        return VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r} is registered")
+
     # -- deleting -------------------------------------------------------------
 
-    async def delete(self, voice_id: str) -> None:
+    async def delete(self, voice_id: str, principal: Principal = OPERATOR) -> None:
         """Forget a registered voice; whoever holds it keeps it until they let go."""
         async with self._lock:
-            if voice_id in self.registered:
-                await self._delete_stored(voice_id)
-                del self.registered[voice_id]
-                self._digests.pop(voice_id, None)
-                await self.engine.retire_voice(voice_id)
-                if self.catalog.retire(voice_id):  # nobody holds it: gone at once
-                    await self._remove(voice_id)
-            elif voice_id in self.unavailable:
-                await self._delete_stored(voice_id)
-                del self.unavailable[voice_id]
-            elif voice_id in self.installed:
+            if voice_id in self.installed:
                 raise VoiceUploadError(409, "builtin_voice", f"{voice_id!r} is an installed voice; "
                                        "remove its model files to remove it")
-            else:
-                raise VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r} is registered")
+            if voice_id not in self.registered and voice_id not in self.unavailable:
+                raise self._unknown(voice_id)
+            if not self.is_visible(voice_id, principal):
+                raise self._unknown(voice_id)
+            if not principal.is_admin and self.owners.get(voice_id, "") != principal.tenant:
+                raise VoiceUploadError(403, "forbidden", f"voice {voice_id!r} belongs to the operator; "
+                                       "deleting it takes an admin key")
+            await self._delete_stored(voice_id)
+            await self._forget(voice_id)
         log.info("deleted voice %r", voice_id)
+
+    async def _forget(self, voice_id: str) -> None:
+        """Drop a voice that left the store (here or on another replica); under the lock."""
+        self.owners.pop(voice_id, None)
+        self._checksums.pop(voice_id, None)
+        if self.unavailable.pop(voice_id, None) is not None:
+            return
+        del self.registered[voice_id]
+        self._digests.pop(voice_id, None)
+        await self.engine.retire_voice(voice_id)
+        if self.catalog.retire(voice_id):  # nobody holds it: gone at once
+            await self._remove(voice_id)
+
+    # -- replicas ---------------------------------------------------------------
+
+    async def sync(self) -> bool:
+        """Pick up voices other processes sharing the store registered or deleted since the
+        last call; True when anything changed. Cheap when nothing did (one PRAGMA)."""
+        if self.registry._store is None:
+            return False
+        version = await self.registry.data_version()
+        if version == self._data_version:
+            return False
+        self._data_version = version
+        changed = False
+        async with self._lock:
+            stored = await self.registry.checksums()
+            for voice_id in [v for v in self._checksums if v not in stored]:
+                if voice_id in self.registered or voice_id in self.unavailable:
+                    await self._forget(voice_id)
+                    changed = True
+                    log.info("voice %r was deleted by another replica", voice_id)
+            for voice_id, checksum in stored.items():
+                if self._checksums.get(voice_id) == checksum:
+                    continue
+                if voice_id in self.registered or voice_id in self.unavailable:
+                    await self._forget(voice_id)  # replaced elsewhere: load the new record
+                self._checksums[voice_id] = checksum
+                changed |= await self._load_from_store(voice_id)
+        return changed
+
+    async def _load_from_store(self, voice_id: str) -> bool:
+        try:
+            record = await self.registry.get(voice_id)
+        except CorruptRecordError as exc:
+            self.unavailable[voice_id] = ("corrupt_voice", str(exc))
+            return True
+        if record is None:
+            return False
+        await self._load(record)
+        if voice_id in self.registered:
+            self.catalog.add(voice_id)
+            log.info("voice %r was registered by another replica", voice_id)
+        return True
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.sync_interval_s)
+            try:
+                await self.sync()
+            except Exception:  # a locked or vanished store: try again next time
+                log.exception("voice registry sync failed")
 
     async def _delete_stored(self, voice_id: str) -> None:
         try:
@@ -328,13 +486,16 @@ class VoiceService:
         out["reference_language"] = summary["language"] or None  # what the upload said it speaks
         return out
 
-    def listing(self) -> dict[str, Any]:
+    def listing(self, principal: Principal = OPERATOR) -> dict[str, Any]:
         voices = [{**self.describe_info(v), "registered": v.voice_id in self.registered}
-                  for v in self.engine.voices]
-        unavailable = [{"id": k, "code": c, "message": m} for k, (c, m) in sorted(self.unavailable.items())]
+                  for v in self.engine.voices if self.is_visible(v.voice_id, principal)]
+        unavailable = [{"id": k, "code": c, "message": m} for k, (c, m) in sorted(self.unavailable.items())
+                       if self.is_visible(k, principal)]
         return {"voices": voices, "default": self.config.default_voice, "unavailable": unavailable}
 
-    async def describe(self, voice_id: str) -> dict[str, Any]:
+    async def describe(self, voice_id: str, principal: Principal = OPERATOR) -> dict[str, Any]:
+        if not self.is_visible(voice_id, principal):
+            raise self._unknown(voice_id)
         if voice_id in self.unavailable:
             code, message = self.unavailable[voice_id]
             raise VoiceUploadError(409, code, message)
@@ -352,49 +513,4 @@ class VoiceService:
         return self.describe_registered(info, record.summary())
 
 
-# -- routes -------------------------------------------------------------------
-
-def _service(request: Request) -> VoiceService:
-    service: VoiceService = request.app.state.voice_service
-    return service
-
-
-async def list_voices(request: Request) -> Response:
-    return JSONResponse(_service(request).listing())
-
-
-async def create_voice(request: Request) -> Response:
-    service = _service(request)
-    try:
-        body = await service.register(await read_upload(request, service.config.limits))
-    except VoiceUploadError as exc:
-        return http_error(exc.status, exc.code, exc.message)
-    return JSONResponse(body, status_code=201)
-
-
-async def get_voice(request: Request) -> Response:
-    try:
-        return JSONResponse(await _service(request).describe(request.path_params["voice_id"]))
-    except VoiceUploadError as exc:
-        return http_error(exc.status, exc.code, exc.message)
-
-
-async def delete_voice(request: Request) -> Response:
-    voice_id = request.path_params["voice_id"]
-    try:
-        await _service(request).delete(voice_id)
-    except VoiceUploadError as exc:
-        return http_error(exc.status, exc.code, exc.message)
-    return JSONResponse({"id": voice_id, "deleted": True})
-
-
-def voice_routes() -> list[Route]:
-    return [
-        Route("/v1/voices", list_voices, methods=["GET"]),
-        Route("/v1/voices", create_voice, methods=["POST"]),
-        Route("/v1/voices/{voice_id}", get_voice, methods=["GET"]),
-        Route("/v1/voices/{voice_id}", delete_voice, methods=["DELETE"]),
-    ]
-
-
-__all__ = ["VOICE_ID_RE", "VoiceConfig", "VoiceService", "voice_routes"]
+__all__ = ["OPENAI_VOICE_NAMES", "VoiceConfig", "VoiceService"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+import stat
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from gateway.registry import (
     VoiceRegistry,
     VoiceStore,
 )
+from gateway.space import Quota, QuotaExceededError
 from gateway.voice_upload import VoiceUpload, VoiceUploadError
 from gateway.voices import VoiceConfig, VoiceService
 from tests.scripted_backend import ScriptedBackend
@@ -284,17 +286,128 @@ def test_a_changed_asset_is_registered_again_and_an_unchanged_one_is_not(tmp_pat
                     ("Another story.", ["teller"], 1)]
 
 
-def test_a_store_that_cannot_be_written_answers_503_and_leaves_no_half_voice(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("failure", "status", "code"), [
+    ("database is locked", 503, "registry_unavailable"),
+    ("database or disk is full", 507, "insufficient_storage"),
+])
+def test_a_store_that_cannot_be_written_answers_503_or_507_and_leaves_no_half_voice(
+        tmp_path: Path, failure: str, status: int, code: str) -> None:
     backend = CloningBackend()
 
     async def register(service: VoiceService) -> None:
         async def broken_insert(*args: Any, **kwargs: Any) -> None:
-            raise sqlite3.OperationalError("database or disk is full")
+            raise sqlite3.OperationalError(failure)
 
         service.registry.insert = broken_insert  # type: ignore[method-assign]
         await service.register(upload())
 
     with pytest.raises(VoiceUploadError) as caught:
         asyncio.run(with_service(tmp_path, backend, register))
-    assert (caught.value.status, caught.value.code) == (503, "registry_unavailable")
+    assert (caught.value.status, caught.value.code) == (status, code)
     assert "ada" not in backend.added
+
+
+# -- tenancy, quotas, durability, privacy, replicas (issue 21) ---------------------
+
+def test_a_version_1_store_gains_owners_and_keeps_every_checksum(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    store.insert(record("ada"))
+    store.close()
+    with tamper(tmp_path) as db:  # back to what version 1 wrote: no owner column
+        db.execute("ALTER TABLE voices DROP COLUMN owner")
+        db.execute("PRAGMA user_version=1")
+    migrated = store_at(tmp_path)
+    assert migrated.schema_version == SCHEMA_VERSION == 2
+    assert migrated.get("ada") == record("ada")  # intact under its old checksum, owner ""
+    migrated.insert(VoiceRecord("bob", "Bob", "en", "Hi.", b"x", "wav", 16000, 2.0, owner="t1"))
+    stored = migrated.get("bob")
+    assert stored is not None and stored.owner == "t1"
+
+
+def test_changing_a_voice_owner_by_hand_is_detected(tmp_path: Path) -> None:
+    store_at(tmp_path).insert(VoiceRecord("bob", "Bob", "en", "Hi.", b"x", "wav", 16000, 2.0, owner="t1"))
+    with tamper(tmp_path) as db:
+        db.execute("UPDATE voices SET owner = 't2' WHERE voice_id = 'bob'")
+    with pytest.raises(CorruptRecordError):
+        store_at(tmp_path).get("bob")
+
+
+def test_quotas_count_voices_and_bytes_per_owner_and_in_all(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    quota = Quota(max_voices_per_owner=2, max_bytes_per_owner=250, max_voices=3, max_bytes=0)
+
+    def add(voice_id: str, owner: str, size: int = 100) -> None:
+        store.insert(VoiceRecord(voice_id, voice_id, "en", "Hi.", b"a" * size, "wav", 16000, 2.0,
+                                 owner=owner), quota=quota)
+
+    add("a1", "alice")
+    with pytest.raises(QuotaExceededError, match="reference bytes"):
+        add("a2", "alice", size=200)  # 100 + 200 > 250
+    add("a2", "alice")
+    with pytest.raises(QuotaExceededError, match="2 voices registered"):
+        add("a3", "alice")
+    add("b1", "bob")  # another tenant has its own count
+    with pytest.raises(QuotaExceededError, match="the server holds 3 voices"):
+        add("c1", "carol")
+    store.delete("a1")
+    add("c1", "carol")
+    assert sorted(store.checksums()) == ["a2", "b1", "c1"]
+
+
+def test_the_store_is_private_to_the_server_user_and_writes_with_full_sync(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    store = store_at(data)
+    store.insert(record())
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    for name in ("voices.sqlite3", "voices.sqlite3-wal", "voices.sqlite3-shm"):
+        assert stat.S_IMODE((data / name).stat().st_mode) == 0o600, name
+    assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_another_connection_s_commit_changes_the_data_version_and_our_own_does_not(tmp_path: Path) -> None:
+    mine, theirs = store_at(tmp_path), store_at(tmp_path)
+    before = mine.data_version()
+    mine.insert(record("ada"))
+    assert mine.data_version() == before
+    theirs.insert(record("bob"))
+    assert mine.data_version() != before
+    assert set(mine.checksums()) == {"ada", "bob"}
+
+
+def test_a_damaged_file_is_moved_aside_and_an_empty_store_opened(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "voices.sqlite3").write_bytes(b"not a database, just bytes " * 200)
+
+    async def scenario() -> tuple[str | None, int]:
+        registry = VoiceRegistry(tmp_path)
+        await registry.open()
+        try:
+            return registry.damaged, len((await registry.load_all())[0])
+        finally:
+            await registry.close()
+
+    damaged, count = asyncio.run(scenario())
+    assert damaged is not None and "moved to voices.sqlite3.damaged-" in damaged and count == 0
+    aside = list(tmp_path.glob("voices.sqlite3.damaged-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"not a database")
+    assert "voice registry degraded" in caplog.text
+
+
+def test_a_delete_on_a_full_disk_gives_up_the_reserve_and_goes_through(tmp_path: Path) -> None:
+    store = VoiceStore(tmp_path / "voices.sqlite3", reserve_bytes=64 * 1024)
+    store.insert(record("ada"))
+    assert store.reserve.is_held
+    calls: list[str] = []
+    real_delete = store._delete
+
+    def full_once(voice_id: str) -> bool:  # SQLite's answer on a full disk, the first time
+        calls.append(voice_id)
+        if len(calls) == 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_delete(voice_id)
+
+    store._delete = full_once  # type: ignore[method-assign]
+    assert store.delete("ada") is True and calls == ["ada", "ada"]
+    assert not store.reserve.is_held and store.get("ada") is None

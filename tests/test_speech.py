@@ -45,7 +45,7 @@ def app(tmp_path: Path) -> Iterator[tuple[TestClient, RecordingBackend, Any]]:
     engine = Engine(backend, EngineConfig(warmup_text=""))
     config = GatewayConfig(voice="v", data_dir=tmp_path, web_dir=tmp_path / "no-web")
     application = create_app(config, engine=engine)
-    with TestClient(application) as client:
+    with TestClient(application, base_url="http://localhost") as client:  # a loopback Host
         yield client, backend, application.state.voxgate
 
 

