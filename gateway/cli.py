@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                        "more synthesis per CPU second, RSS grows to a higher plateau "
                        "(VOXGATE_MEMORY_PROFILE)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--ssl-certfile", help="serve https/wss with this PEM certificate (with --ssl-keyfile)")
+    serve.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
     return parser
 
 
@@ -132,6 +134,9 @@ def _tune_malloc(profile: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
     _tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -158,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,  # TLS: wss:// (docs/compat.md)
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
         ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
         timeout_graceful_shutdown=5)
