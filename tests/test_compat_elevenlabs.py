@@ -179,6 +179,24 @@ def test_rapid_barge_ins_never_hit_a_five_context_cap(voxgate: ServerProcess) ->
     assert any(m.get("audio") for m in messages if m.get("contextId") == "last")
 
 
+def test_contexts_left_open_are_capped_at_the_native_socket_limit(voxgate: ServerProcess) -> None:
+    async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        async with websockets.connect(_url(voxgate, output_format="pcm_16000")) as ws:
+            for n in range(16):  # init messages only: no text, never closed
+                await ws.send(json.dumps({"text": " ", "context_id": f"idle{n}"}))
+            await ws.send(json.dumps({"text": " ", "context_id": "one-too-many"}))
+            error = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            await ws.send(json.dumps({"context_id": "idle0", "close_context": True}))
+            await _until_final(ws, "idle0")
+            await ws.send(json.dumps({"text": "Room again. ", "context_id": "fresh"}))
+            await ws.send(json.dumps({"context_id": "fresh", "flush": True}))
+            await ws.send(json.dumps({"context_id": "fresh", "close_context": True}))
+            return error, await _until_final(ws, "fresh")
+    error, turn = asyncio.run(run())
+    assert error["error"] == "too_many_contexts" and error["contextId"] == "one-too-many"
+    assert any(m.get("audio") for m in turn)
+
+
 def test_an_unknown_voice_gets_an_error_and_a_policy_close(voxgate: ServerProcess) -> None:
     async def run() -> tuple[dict[str, Any], int | None]:
         async with websockets.connect(_url(voxgate, voice="no-such-voice")) as ws:

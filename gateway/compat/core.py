@@ -157,6 +157,12 @@ class CompatSession(Session):
     def open_vendor(self, vendor_id: str, output: OutputFormat | None = None) -> VendorContext:
         vctx = self.vendor_contexts.get(vendor_id)
         if vctx is None:
+            # the native per-socket limit, counted on the vendor's side too: a context opened
+            # (ElevenLabs' init message) holds memory before it holds a native context
+            if len(self.vendor_contexts) >= self.limits.max_open_contexts:
+                raise ProtocolError("too_many_contexts", f"this socket holds "
+                                    f"{self.limits.max_open_contexts} open contexts; close one first",
+                                    context_id=vendor_id)
             output = output or self.output
             _, _, needs_transcoder = native_format(output)
             vctx = VendorContext(vendor_id, output, Transcoder(output) if needs_transcoder else None)
