@@ -113,8 +113,8 @@ class ElevenLabsSession(CompatSession):
         if self.is_multi and message.get("close_context") is True:
             return self._close_context(vendor_id, now)
         speed = _speed(message)
-        if self.is_multi and "context_id" not in message and not text:
-            return []  # a keepalive for the socket
+        if self.is_multi and text == "" and not flush:
+            return []  # a keepalive, for the socket or one context: it opens nothing
         known = self.vendor_contexts.get(vendor_id)
         if known is None:
             vctx = self.open_vendor(vendor_id)
@@ -126,8 +126,8 @@ class ElevenLabsSession(CompatSession):
         if vctx.state.get("is_closing"):
             raise ProtocolError("context_closed", f"context {vendor_id[:64]!r} is closing; its text is "
                                 "dropped", context_id=vendor_id)
-        if text == "" and not flush:
-            return self.end_vendor(vctx, now) if not self.is_multi else []  # end, or keepalive
+        if text == "" and not flush:  # stream-input: the end of the input
+            return self.end_vendor(vctx, now)
         vctx.state["bare_flush"] = flush and not text.strip()
         if not text.strip() and vctx.current is None:
             return self.flush_vendor(vctx, now)  # the init " ", or a flush with nothing open
