@@ -24,6 +24,7 @@ from gateway.access import AccessGuard, create_session_token
 from gateway.auth import KeyCounter, SessionTokens, install_log_redaction
 from gateway.compat import compat_routes
 from gateway.config import GatewayConfig
+from gateway.fair_share import FairShare, FairShareConfig
 from gateway.metrics import Metrics
 from gateway.speech import speech_endpoint
 from gateway.voice_catalog import VoiceCatalog
@@ -48,6 +49,12 @@ class AppState:
     key_counter: KeyCounter = field(default_factory=KeyCounter)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     is_shutting_down: bool = False
+    fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/fair_share.py)
+
+    def __post_init__(self) -> None:
+        self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
+                                    self.engine.scheduler.max_contexts,
+                                    FairShareConfig(self.config.max_engine_share))
 
     def num_open_contexts(self) -> int:
         return sum(len(c.session.contexts) for c in self.connections)

@@ -14,6 +14,7 @@ import uvicorn
 
 from gateway.auth import AuthConfig, check_exposure, install_log_redaction, load_keys
 from gateway.config import GatewayConfig
+from gateway.http_timeouts import uvicorn_limits
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -166,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,  # TLS: wss:// (docs/compat.md)
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
         ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
-        timeout_graceful_shutdown=5)
+        timeout_graceful_shutdown=5,
+        # connections: a head must arrive within header_timeout_s; past max_connections, 503
+        **uvicorn_limits(header_timeout_s=config.header_timeout_s,
+                         max_connections=config.max_connections or config.max_sessions + 256))
     install_log_redaction()  # after uvicorn configured its loggers: no key in the access log
     server = DrainingServer(uvicorn_config, app.state.voxgate, config.shutdown_grace_s)
     server.run()

@@ -39,6 +39,12 @@ class GatewayConfig:
     voice_assets: Path | None = None
     ws_ping_interval_s: float = 20.0
     shutdown_grace_s: float = 10.0
+    #: the part of the engine's talking contexts one key (auth off: one client address) may hold
+    max_engine_share: float = 0.5
+    #: a connection that has not sent a whole request head after this long is closed
+    header_timeout_s: float = 10.0
+    #: uvicorn's limit on open connections (0: max_sessions + 256 for HTTP); more get 503
+    max_connections: int = 0
     session_token_ttl_s: float = 60.0  # POST /v1/session-tokens: how long a token may wait for its use
 
     def __post_init__(self) -> None:
@@ -54,6 +60,12 @@ class GatewayConfig:
             raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
         if not 0 < self.session_token_ttl_s <= 3600:
             raise ValueError(f"session_token_ttl_s must be within (0, 3600], got {self.session_token_ttl_s}")
+        if not 0.0 < self.max_engine_share <= 1.0:
+            raise ValueError(f"max_engine_share must be within (0, 1], got {self.max_engine_share}")
+        if self.header_timeout_s <= 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if self.max_connections < 0:
+            raise ValueError(f"max_connections must be >= 0 (0: max_sessions + 256), got {self.max_connections}")
         self.data_dir = Path(self.data_dir)
 
     @classmethod

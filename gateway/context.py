@@ -54,6 +54,8 @@ class Context:
     segments: list[Segment] = field(default_factory=list)
     num_text_chars: int = 0
     played_ms: float | None = None  # last `playback` report
+    last_text_at: float = 0.0       # when text last came: an idle open context is flushed
+    is_admitted: bool = False       # holds engine capacity (taken at its first segment)
 
     @property
     def is_closed(self) -> bool:

@@ -10,6 +10,11 @@ The HTTP body is OpenAI's error object, `{"error": {"code", "message",
 "type"}}`, which OpenAI's client libraries parse, with `code` and `message`
 also at the top level, where the voices API has always put them
 (docs/voices.md, "Errors").
+
+Beside ProtocolError hangs ShareExceededError: a client over its fair share
+of the engine (gateway/fair_share.py), `rate_limited` on the socket and 429
+over HTTP, where the engine's own EngineBusyError (the engine is full) is
+`busy` and 503.
 """
 
 from __future__ import annotations
@@ -53,6 +58,13 @@ class ProtocolError(VoxgateError):
         self.message = message
         self.context_id = context_id
         self.fatal = fatal
+
+
+class ShareExceededError(VoxgateError):
+    """The client already holds its share of the engine's contexts (gateway/fair_share.py)."""
+
+    code = "rate_limited"
+    status = 429
 
 
 def error_message(exc: BaseException, context_id: str | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
@@ -47,6 +48,8 @@ class Limits:
     max_text_per_context: int = 50000
     max_open_contexts: int = 16
     idle_timeout_s: float = 300.0
+    #: an open context that gets no text for this long is flushed (docs/protocol.md, "A turn")
+    context_idle_timeout_s: float = 20.0
     max_send_buffer_bytes: int = 4 * 1024 * 1024
     slow_consumer_timeout_s: float = 10.0
     #: token buckets per socket: sustained rate, with bursts of `burst_s` seconds' worth
@@ -60,6 +63,8 @@ class Limits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.context_idle_timeout_s <= 0:
+            raise ValueError(f"context_idle_timeout_s must be > 0, got {self.context_idle_timeout_s}")
         if self.max_text_chars_per_s <= 0 or self.max_messages_per_s <= 0 or self.burst_s <= 0:
             raise ValueError("rate limits must be > 0")
 
@@ -68,6 +73,7 @@ class Limits:
                 "max_text_per_context": self.max_text_per_context,
                 "max_open_contexts": self.max_open_contexts,
                 "idle_timeout_s": self.idle_timeout_s,
+                "context_idle_timeout_s": self.context_idle_timeout_s,
                 "max_text_chars_per_s": self.max_text_chars_per_s,
                 "max_messages_per_s": self.max_messages_per_s}
 
@@ -105,6 +111,19 @@ def _expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
     return value
 
 
+def _number(value: Any, name: str) -> float:
+    """A finite number as a float: JSON's 1e400 (inf), msgpack's NaN and a 400-digit
+    integer (too large for a float) are refused like any other wrong type."""
+    _expect(value, (int, float), name)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ProtocolError("bad_message", f"{name} must be a finite number, got {str(value)[:40]}")
+    return number
+
+
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     names = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
@@ -137,11 +156,10 @@ def apply_update(options: SessionOptions, fields: dict[str, Any],
         elif key in ("language", "instructions"):
             _expect(value, (str, type(None)), key)
         elif key == "speed":
-            _expect(value, (int, float), "speed")
-            if not MIN_SPEED <= float(value) <= MAX_SPEED:
+            value = _number(value, "speed")
+            if not MIN_SPEED <= value <= MAX_SPEED:
                 raise ProtocolError("unsupported_option",
-                                    f"speed must be within {MIN_SPEED}-{MAX_SPEED}, got {value}")
-            value = float(value)
+                                    f"speed must be within {MIN_SPEED}-{MAX_SPEED}, got {value:g}")
         elif key == "codec":
             _choice(_expect(value, str, "codec"), CODECS, "codec")
         elif key == "sample_rate":
@@ -150,7 +168,7 @@ def apply_update(options: SessionOptions, fields: dict[str, Any],
             _expect(value, (int, type(None)), "bitrate")
             if value is not None and not MIN_OPUS_BITRATE <= value <= MAX_OPUS_BITRATE:
                 raise ProtocolError("unsupported_option", "bitrate must be within "
-                                    f"{MIN_OPUS_BITRATE}-{MAX_OPUS_BITRATE}, got {value}")
+                                    f"{MIN_OPUS_BITRATE}-{MAX_OPUS_BITRATE}, got {str(value)[:40]}")
         elif key == "frame_ms":
             _choice(_expect(value, int, "frame_ms"), FRAME_MS, "frame_ms")
         elif key == "encoding":
@@ -163,7 +181,7 @@ def apply_update(options: SessionOptions, fields: dict[str, Any],
             _expect(value, int, "max_buffer_delay_ms")
             if not 0 <= value <= 60000:
                 raise ProtocolError("unsupported_option",
-                                    f"max_buffer_delay_ms must be within 0-60000, got {value}")
+                                    f"max_buffer_delay_ms must be within 0-60000, got {str(value)[:40]}")
         else:
             raise ProtocolError("unsupported_option", f"unknown option {key!r}")
         changes[key] = value
@@ -195,19 +213,40 @@ class TokenBucket:
 
 # -- client messages --------------------------------------------------------
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:40]} is out of range for a number")
+    return value
+
+
+def decode_json(raw: str | bytes) -> Any:
+    """Strict JSON: no NaN or Infinity (Python's json takes them; JSON has none), and
+    numbers that overflow a float (1e400) refused. Raises ValueError, RecursionError
+    (deep nesting) or UnicodeDecodeError."""
+    return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+
+
 def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
     """Parse one client frame into a message object with a string `type`."""
     size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
     if size > max_bytes:
         raise ProtocolError("message_too_large", f"message is {size} bytes; the limit is {max_bytes}")
+    kind = "JSON" if isinstance(raw, str) else "msgpack"
     try:
         if isinstance(raw, str):
-            message = json.loads(raw)
+            # A frame nested thousands deep makes the parser raise RecursionError
+            # (msgpack: StackError); both are bad frames, not server faults.
+            message = decode_json(raw)
         else:
             message = msgpack.unpackb(raw, raw=False, strict_map_key=True)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, TypeError) as exc:
-        kind = "JSON" if isinstance(raw, str) else "msgpack"
-        raise ProtocolError("bad_message", f"frame is not valid {kind}: {exc}") from None
+    except (ValueError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+            TypeError) as exc:
+        raise ProtocolError("bad_message", f"frame is not valid {kind}: {str(exc)[:200]}") from None
     if not isinstance(message, dict):
         raise ProtocolError("bad_message", f"a message must be an object, got {type(message).__name__}")
     if not isinstance(message.get("type"), str):
@@ -248,10 +287,10 @@ def optional_ms(message: dict[str, Any], name: str) -> float | None:
     value = message.get(name)
     if value is None:
         return None
-    _expect(value, (int, float), name)
-    if value < 0:
-        raise ProtocolError("bad_message", f"{name} must be >= 0, got {value}")
-    return float(value)
+    number = _number(value, name)
+    if number < 0:
+        raise ProtocolError("bad_message", f"{name} must be >= 0, got {number:g}")
+    return number
 
 
 # -- server messages: one constructor per event ------------------------------
@@ -305,12 +344,17 @@ def encode_event(message: dict[str, Any], encoding: str) -> str | bytes:
     """An event frame in the session's encoding."""
     if encoding == "msgpack":
         return bytes(msgpack.packb(message, use_bin_type=True))
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    return encode_json(message)
 
 
 def encode_json(message: dict[str, Any]) -> str:
-    """A JSON text frame (before a session exists, or for clients that asked for JSON)."""
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    """A JSON text frame (before a session exists, or for clients that asked for JSON).
+
+    allow_nan=False: NaN and Infinity are not JSON, and a reply must parse
+    anywhere; every number a client sends is checked finite (`_number`), so
+    this raising is a bug, reported as one (the connection closes with 1011).
+    """
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def encode_audio(message: dict[str, Any], options: SessionOptions) -> str | bytes:
@@ -321,5 +365,5 @@ def encode_audio(message: dict[str, Any], options: SessionOptions) -> str | byte
             out["packets"] = [base64.b64encode(p).decode("ascii") for p in out["packets"]]
         if "data" in out:
             out["data"] = base64.b64encode(out["data"]).decode("ascii")
-        return json.dumps(out, separators=(",", ":"))
+        return json.dumps(out, separators=(",", ":"), allow_nan=False)
     return bytes(msgpack.packb(message, use_bin_type=True))

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from engine.errors import EngineBusyError, VoxgateError
+from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
 from gateway import messages
 from gateway.actions import Action, Cancel, Close, Observe, Send, Submit
@@ -138,12 +138,29 @@ class Session:
         return actions + self._pump(now)
 
     def tick(self, now: float) -> list[Action]:
-        """Timers: time-based text release and realtime pacing."""
+        """Timers: time-based text release, idle contexts flushed, realtime pacing."""
         actions: list[Action] = []
         for context in list(self.contexts.values()):
-            if context.state is ContextState.OPEN:
+            if context.state is not ContextState.OPEN:
+                continue
+            if now >= context.last_text_at + self.limits.context_idle_timeout_s:
+                # An abandoned turn (docs/protocol.md, "A turn"): speak what came and end it,
+                # so that an open context cannot hold engine capacity or the socket forever.
+                actions += self._flush_context(context, now)
+            else:
                 actions += self._submit_segments(context, context.segmenter.poll(now), now)
         return actions + self._pump(now)
+
+    def is_idle(self, now: float) -> bool:
+        """No client frame for the idle timeout, and no flushed context still speaking.
+
+        Open contexts do not count: a socket that opens turns and goes silent is
+        idle (its turns are flushed after `context_idle_timeout_s` anyway). A
+        context still speaking does, because the client is listening to it.
+        """
+        if now < self.last_activity + self.limits.idle_timeout_s:
+            return False
+        return not any(c.state is ContextState.FLUSHED for c in self.contexts.values())
 
     def disconnect(self) -> list[Action]:
         """The socket is gone: free every context's engine work, capacity and voice (idempotent)."""
@@ -159,6 +176,8 @@ class Session:
     def next_wakeup(self) -> float | None:
         times = [t for c in self.contexts.values()
                  if c.state is ContextState.OPEN and (t := c.segmenter.next_deadline()) is not None]
+        times += [c.last_text_at + self.limits.context_idle_timeout_s for c in self.contexts.values()
+                  if c.state is ContextState.OPEN]
         active = self._active_context()
         if active is not None and (due := active.playout.next_release()) is not None:
             times.append(due)
@@ -200,6 +219,7 @@ class Session:
             raise ProtocolError("rate_limited", f"more than {self.limits.max_text_chars_per_s:g} characters "
                                 "of text per second; the delta was dropped", context_id=context_id)
         context.num_text_chars += len(text)
+        context.last_text_at = now
         actions = self._submit_segments(context, context.segmenter.push(text, now), now)
         if flush:
             actions += self._flush_context(context, now)
@@ -296,17 +316,15 @@ class Session:
         if len(self.contexts) >= self.limits.max_open_contexts:
             raise ProtocolError("too_many_contexts", f"this socket holds {self.limits.max_open_contexts} "
                                 "open contexts; flush or cancel one first", context_id=context_id)
+        # Engine capacity is taken later, when the first segment goes to the
+        # engine (`_admit_context`): text that never makes a segment holds none.
         key = f"{self.session_id}/{context_id}"
-        try:
-            self._admit(key)
-        except EngineBusyError as exc:
-            raise ProtocolError("busy", str(exc), context_id=context_id) from None
         options = self.options
         config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
         encoder = make_encoder(options.codec, options.sample_rate, options.frame_ms,
                                options.bitrate, self.engine_sample_rate)
         playout = Playout(context_id, encoder, is_realtime=options.pacing == "realtime")
-        context = Context(context_id, key, Segmenter(config), playout, options, now)
+        context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now)
         self.contexts[context_id] = context
         self.catalog.hold(options.voice)
         return context
@@ -341,13 +359,17 @@ class Session:
         in_flight = sum(1 for c in self.contexts.values() for s in c.segments
                         if s.is_submitted and not s.is_sent)
         actions: list[Action] = []
+        refused: list[Context] = []
         for context in self.contexts.values():
             options = context.options
             for segment in context.segments:
                 if segment.is_submitted:
                     continue
                 if in_flight >= MAX_SEGMENTS_AHEAD:
-                    return actions
+                    break
+                if not context.is_admitted and not self._admit_context(context, actions):
+                    refused.append(context)
+                    break
                 segment.is_submitted = True
                 in_flight += 1
                 self._by_request[segment.request_id] = context
@@ -356,7 +378,24 @@ class Session:
                     segment.request_id, segment.text, options.voice, deadline, context_key=context.key,
                     language=options.language, instructions=options.instructions,
                     params=SamplingParams(speed=options.speed))))
+        for context in refused:
+            actions += self._end_context(context, ContextState.FAILED)
         return actions
+
+    def _admit_context(self, context: Context, actions: list[Action]) -> bool:
+        """Take engine capacity for a context as its first segment goes to the engine.
+
+        Refused (the engine is full: `busy`; this client holds its fair share:
+        `rate_limited`), the context ends with that error; its later text is
+        answered `context_closed`.
+        """
+        try:
+            self._admit(context.key)
+        except VoxgateError as exc:
+            actions += [Send(error_message(exc, context.context_id)), Observe("error:" + exc.code, 1)]
+            return False
+        context.is_admitted = True
+        return True
 
     def _deadline(self, context: Context, index: int, now: float) -> float:
         """When segment `index` of `context` must have audio (DESIGN.md, Engine).
@@ -395,7 +434,9 @@ class Session:
         self._closed[context.context_id] = False
         while len(self._closed) > MAX_REMEMBERED_CLOSED:
             self._closed.popitem(last=False)
-        self._release(context.key)
+        if context.is_admitted:
+            context.is_admitted = False
+            self._release(context.key)
         self.catalog.release(context.options.voice)
         return actions
 
@@ -409,6 +450,8 @@ class Session:
         while (context := self._active_context()) is not None:
             self._frame_ready_audio(context, now, actions)
             actions += self._submit_ready(now)
+            if context.is_closed:
+                continue  # refused admission: it ended, the next context is active
             for message in context.playout.release(now, self._playback_end):
                 actions += [Send(message, is_audio=True), Observe("audio_ms", message["duration_ms"])]
             if not context.is_drained():

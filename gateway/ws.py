@@ -30,6 +30,7 @@ from gateway.errors import (
     CLOSE_FORBIDDEN,
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
+    CLOSE_INTERNAL_ERROR,
     CLOSE_POLICY_VIOLATION,
     CLOSE_SLOW_CONSUMER,
     CLOSE_TRY_AGAIN_LATER,
@@ -37,6 +38,7 @@ from gateway.errors import (
     ProtocolError,
     error_message,
 )
+from gateway.fair_share import FairShare, owner_of
 from gateway.messages import SessionOptions, apply_update, encode_audio, encode_event, encode_json
 from gateway.session import Session
 from gateway.voice_catalog import VoiceCatalog
@@ -85,14 +87,15 @@ class Connection:
         self._writer: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
-        self._writer = asyncio.create_task(self._write_loop())
-        timer = asyncio.create_task(self._timer_loop())
-        reader = asyncio.create_task(self._read_loop())
+        self._writer = asyncio.create_task(self._write_loop(), name="writer")
+        timer = asyncio.create_task(self._timer_loop(), name="timer")
+        reader = asyncio.create_task(self._read_loop(), name="reader")
         try:
             self._execute(self.session.start(time.monotonic()))
             # The socket is done when the client leaves (reader) or the server
-            # closed it, cleanly or by force (writer).
-            await asyncio.wait({reader, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            # closed it, cleanly or by force (writer), or a task failed.
+            await asyncio.wait({reader, timer, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            self._check_failed(reader, timer)
             if not self._writer.done() and self._closing is not None:
                 await self._drain_writer(self._writer)
         finally:
@@ -105,6 +108,22 @@ class Connection:
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, OSError, RuntimeError):
             await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
 
+    def _check_failed(self, *tasks: asyncio.Task[None]) -> None:
+        """A reader or timer that raised is a server bug: log it, close with 1011.
+
+        Without this its exception would never be read, and the client would see
+        the socket drop (1006) with no error event and nothing in the log.
+        """
+        for task in tasks:
+            if not task.done() or task.cancelled() or task.exception() is None:
+                continue
+            log.error("session %s: %s task failed; closing with 1011", self.session.session_id,
+                      task.get_name(), exc_info=task.exception())
+            self._send(Send(error_message(ProtocolError(
+                "internal", "internal error; the server logged it", fatal=True))))
+            self._close(Close(CLOSE_INTERNAL_ERROR, "internal error"))
+            return
+
     def close_going_away(self) -> None:
         """Server shutdown: close with 1001 after what is queued."""
         self._close(Close(CLOSE_GOING_AWAY, "server is shutting down"))
@@ -113,11 +132,16 @@ class Connection:
     async def _read_loop(self) -> None:
         idle = self.session.limits.idle_timeout_s
         while not self._done.is_set():
+            # The idle clock is the client's: its last frame (Session.is_idle),
+            # not whether it holds open contexts.
+            wait = self.session.last_activity + idle - time.monotonic()
+            if wait <= 0:
+                wait = min(idle, 1.0)  # past it, but a context is still speaking: look again soon
             try:
-                message = await asyncio.wait_for(self.ws.receive(), timeout=idle)
+                message = await asyncio.wait_for(self.ws.receive(), timeout=wait)
             except asyncio.TimeoutError:
-                if self.session.contexts:
-                    continue  # still speaking: not idle
+                if not self.session.is_idle(time.monotonic()):
+                    continue
                 self._execute([Send(error_message(ProtocolError(
                     "bad_message", f"closing after {idle:.0f} s without messages", fatal=True))),
                     Close(CLOSE_IDLE_TIMEOUT, "idle timeout")])
@@ -305,10 +329,15 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         await _refuse(websocket, "busy", f"the server holds {config.max_sessions} sessions; try again later",
                       CLOSE_TRY_AGAIN_LATER)
         return
-    key_slot = key or ""
+    # The key with auth on; with auth off, any key passes, so the client's address
+    # (gateway/fair_share.py): the socket cap and the engine share are per owner.
+    owner = owner_of(key, websocket.client.host if websocket.client else None,
+                     is_auth_enabled=config.auth.is_enabled)
+    key_slot = owner
     if not state.key_counter.acquire(key_slot, config.max_sockets_per_key):
         state.metrics.observe("error:rate_limited", 1)
-        await _refuse(websocket, "rate_limited", f"this key holds {config.max_sockets_per_key} sockets "
+        who = "key" if config.auth.is_enabled else "client address"
+        await _refuse(websocket, "rate_limited", f"this {who} holds {config.max_sockets_per_key} sockets "
                       "already", CLOSE_TRY_AGAIN_LATER)
         return
     try:
@@ -323,9 +352,11 @@ async def stream_endpoint(websocket: WebSocket) -> None:
             await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
             return
         # Made before the first await, so the voice just validated is held at once.
+        fair_share: FairShare = state.fair_share
         session = Session(uuid.uuid4().hex[:16], catalog=catalog, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits,
-                          admit=engine.admit, release=engine.release_context)
+                          admit=lambda context_key: fair_share.admit(owner, context_key),
+                          release=fair_share.release)
         try:
             await websocket.accept()
             connection = Connection(websocket, session, engine, state)

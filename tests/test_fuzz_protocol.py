@@ -28,7 +28,7 @@ FIELDS = ["context_id", "text", "flush", "played_ms", "voice", "codec", "speed",
           "frame_ms", "encoding", "pacing", "audio_as", "bitrate", "max_buffer_delay_ms", "type"]
 
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=40) | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=8)
@@ -110,6 +110,10 @@ class GoodClient(threading.Thread):
         await client.close()
 
 
+def _not_json(name: str) -> None:
+    raise AssertionError(f"the server sent {name}, which is not JSON")
+
+
 async def fuzz_one(url: str, burst: list[str | bytes]) -> list[dict]:
     events = []
     async with websockets.connect(url, max_size=None) as ws:
@@ -119,8 +123,8 @@ async def fuzz_one(url: str, burst: list[str | bytes]) -> list[dict]:
                 await ws.send(frame)
             while True:
                 frame = await asyncio.wait_for(ws.recv(), 0.3)
-                if isinstance(frame, str):
-                    events.append(json.loads(frame))
+                if isinstance(frame, str):  # strict JSON: a reply never contains NaN
+                    events.append(json.loads(frame, parse_constant=_not_json))
         except (asyncio.TimeoutError, websockets.ConnectionClosed):
             pass
     return events
@@ -153,3 +157,32 @@ def test_fuzzed_sockets_never_disturb_a_well_behaved_client(fuzzed: ServerProces
     assert {"bad_message"} <= seen_codes
     assert fuzzed.process.poll() is None, "the server died"
     assert fuzzed.metric("voxgate_sessions") == 0 or fuzzed.metric("voxgate_sessions") == 1
+
+
+ISSUE_21_FRAMES = [  # each killed the socket with 1006, no error event and no log
+    "[" * 3000 + "]" * 3000,
+    '{"type":"session.update","speed":' + "9" * 400 + "}",
+    '{"type":"cancel","played_ms":' + "9" * 400 + "}",
+    '{"type":"playback","context_id":"a","played_ms":' + "9" * 400 + "}",
+    '{"type":"cancel","played_ms":NaN}',  # was accepted and echoed as invalid JSON
+    '{"type":"cancel","played_ms":Infinity}',
+    '{"type":"session.update","speed":-Infinity}',
+    '{"type":"cancel","played_ms":1e400}',
+]
+
+
+@pytest.mark.parametrize("frame", ISSUE_21_FRAMES, ids=lambda f: f[:36])
+def test_deep_nesting_huge_numbers_nan_and_infinity_get_bad_message_and_the_session_goes_on(
+        fuzzed: ServerProcess, frame: str) -> None:
+    async def scenario() -> tuple[list[dict], Client]:
+        client = await Client.connect(fuzzed.ws_url)
+        await client.send_raw(frame)
+        error = await client.next_event(timeout=10)
+        await speak(client, "after", "The same socket goes on.")
+        await client.close()
+        return [error], client
+
+    (error,), client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert error["type"] == "error" and error["code"] == "bad_message" and error["fatal"] is False
+    assert client.received.of("context.done", "after")
+    assert "Traceback" not in fuzzed.log()

@@ -49,6 +49,38 @@ def test_a_bad_frame_is_refused_with_what_was_expected(raw: str | bytes, code: s
     assert error.code == code and words in error.message
 
 
+@pytest.mark.parametrize(("raw", "words"), [
+    ("[" * 3000 + "]" * 3000, "recursion"),
+    ('{"type": "cancel", "played_ms": NaN}', "NaN is not a JSON number"),
+    ('{"type": "cancel", "played_ms": Infinity}', "Infinity is not a JSON number"),
+    ('{"type": "cancel", "played_ms": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"type": "cancel", "played_ms": 1e400}', "out of range"),
+])
+def test_deep_nesting_and_non_finite_numbers_are_bad_frames(raw: str, words: str) -> None:
+    error = refusal(decode_frame, raw, 65536)
+    assert error.code == "bad_message" and words in error.message
+
+
+def test_a_msgpack_frame_nested_too_deep_is_a_bad_frame() -> None:
+    raw = b"\x91" * 3000 + b"\xc0"  # 3,000 one-element arrays around nil
+    assert refusal(decode_frame, raw, 65536).code == "bad_message"
+
+
+def test_numbers_too_large_for_a_float_are_refused_where_a_number_goes() -> None:
+    huge = int("9" * 400)
+    assert "finite number" in refusal(optional_ms, {"played_ms": huge}, "played_ms").message
+    assert "finite number" in refusal(optional_ms, {"played_ms": float("nan")}, "played_ms").message
+    error = refusal(apply_update, SessionOptions(), {"speed": huge}, {"joe"})
+    assert error.code == "bad_message" and "speed must be a finite number" in error.message
+    assert refusal(apply_update, SessionOptions(), {"speed": float("inf")}, {"joe"}).code == "bad_message"
+    assert refusal(apply_update, SessionOptions(), {"bitrate": huge}, {"joe"}).code == "unsupported_option"
+
+
+def test_a_reply_never_contains_nan() -> None:
+    with pytest.raises(ValueError):
+        encode_event({"type": "cancelled", "played_ms": float("nan")}, "json")
+
+
 def test_the_size_limit_counts_utf8_bytes_not_characters() -> None:
     text = json.dumps({"type": "text", "text": "é" * 40}, ensure_ascii=False)
     assert len(text) < 100 and refusal(decode_frame, text, 100).code == "message_too_large"

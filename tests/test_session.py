@@ -120,14 +120,69 @@ def test_too_many_contexts_and_text_too_long_are_refused() -> None:
     assert sent(text(session, "a", " fine"), "error") == []
 
 
-def test_busy_engine_refuses_a_new_context_at_once() -> None:
+def test_busy_engine_refuses_a_context_when_its_first_segment_is_ready() -> None:
     def admit(key: str) -> None:
         raise EngineBusyError("full")
 
     session = make_session(admit=admit)
-    error = sent(text(session, "a", "Hello. "), "error")[0]
+    actions = text(session, "a", "Hello there. ", flush=True)
+    error = sent(actions, "error")[0]
     assert error["code"] == "busy" and error["context_id"] == "a"
-    assert session.contexts == {}
+    assert submits(actions) == [] and session.contexts == {}
+    late = sent(text(session, "a", "more"), "error")  # a refused context is closed
+    assert [e["code"] for e in late] == ["context_closed"]
+
+
+def test_text_that_makes_no_segment_takes_no_engine_capacity() -> None:
+    admitted: list[str] = []
+    released: list[str] = []
+    session = make_session(admit=admitted.append, release=released.append,
+                           limits=Limits(max_open_contexts=17))
+    for n in range(16):  # the hoarder of issue 21: "x" in sixteen contexts, never flushed
+        assert sent(text(session, f"h{n}", "x"), "error") == []
+    assert admitted == [] and len(session.contexts) == 16
+    (request,) = submits(text(session, "t", "Now a whole sentence. ", flush=True))
+    assert admitted == [request.context_key]
+    session.receive_frame(json.dumps({"type": "cancel"}), 0.2)
+    assert released == admitted  # only what was taken is given back
+
+
+def test_a_refused_share_ends_that_context_only_with_rate_limited() -> None:
+    from gateway.errors import ShareExceededError
+
+    def admit(key: str) -> None:
+        if key.endswith("/b"):
+            raise ShareExceededError("over its share")
+
+    session = make_session(admit=admit)
+    text(session, "a", "First turn is here. And", now=0.0)
+    actions = text(session, "b", "Second turn here. ", now=0.1, flush=True)
+    assert [e["code"] for e in sent(actions, "error")] == ["rate_limited"]
+    assert list(session.contexts) == ["a"]
+
+
+def test_an_open_context_that_gets_no_text_is_flushed_after_the_context_idle_timeout() -> None:
+    session = make_session(limits=Limits(context_idle_timeout_s=5.0))
+    assert submits(text(session, "c", "an unfinished", now=1.0)) == []
+    assert session.next_wakeup() == 6.0
+    assert submits(session.tick(5.9)) == []
+    (request,) = submits(session.tick(6.0))
+    assert request.text == "an unfinished"
+    done = session.receive_audio(chunk(request.request_id, 0.1), 6.1)
+    assert sent(done, "context.done")[0]["context_id"] == "c"
+    assert sent(text(session, "c", " more", now=6.2), "error")[0]["code"] == "context_closed"
+
+
+def test_idle_counts_client_frames_not_open_contexts() -> None:
+    session = make_session(limits=Limits(idle_timeout_s=10.0, context_idle_timeout_s=100.0))
+    text(session, "c", "never finished", now=1.0)
+    assert not session.is_idle(10.9)
+    assert session.is_idle(11.0)  # an open context does not keep a silent socket alive
+    session = make_session(limits=Limits(idle_timeout_s=10.0))
+    (request,) = submits(text(session, "d", "Spoken. ", now=1.0, flush=True))
+    assert not session.is_idle(30.0)  # a flushed context still speaking does
+    session.receive_audio(chunk(request.request_id, 0.1), 30.0)
+    assert session.is_idle(30.0)
 
 
 def test_engine_failure_ends_only_its_context() -> None:

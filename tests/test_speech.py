@@ -108,6 +108,15 @@ def test_the_voice_and_the_engine_capacity_are_let_go_when_the_body_ends(app: An
     ({"instructions": 3}, 400, "bad_request", "'instructions' must be a string"),
     ({"instructions": "Whisper."}, 400, "unsupported_option", "does not take instructions"),
     ({"input": "🙂🙂"}, 400, "bad_request", "nothing speakable"),
+    # types before values (issue 21: {"voice": ["a"]} was a 500)
+    ({"voice": ["a"]}, 400, "bad_request", "'voice' must be a string or {\"id\": string}, got an array"),
+    ({"voice": {"id": ["a"]}}, 400, "bad_request", "got an array"),
+    ({"input": ["Hello."]}, 400, "bad_request", "'input' must be a string, got an array"),
+    ({"model": {"a": 1}}, 400, "bad_request", "'model' must be a string, got an object"),
+    ({"response_format": ["wav"]}, 400, "bad_request", "'response_format' must be a string"),
+    ({"stream_format": 1}, 400, "bad_request", "'stream_format' must be a string, got a number"),
+    ({"speed": int("9" * 400)}, 400, "unsupported_option", "within 0.25-4.0, got 999"),
+    ({"speed": "fast"}, 400, "unsupported_option", "got a string"),
 ])
 def test_each_bad_request_gets_the_one_error_shape(app: Any, body: dict[str, Any], status: int,
                                                    code: str, words: str) -> None:
@@ -122,9 +131,40 @@ def test_each_bad_request_gets_the_one_error_shape(app: Any, body: dict[str, Any
 
 
 def test_a_body_that_is_not_a_json_object_is_refused(app: Any) -> None:
-    client, _, _ = app
-    assert client.post("/v1/audio/speech", content=b"[1, 2]").json()["code"] == "bad_request"
-    assert client.post("/v1/audio/speech", content=b"{oops").json()["code"] == "bad_request"
+    client, backend, _ = app
+    json_type = {"Content-Type": "application/json"}
+    for body in (b"[1, 2]", b"{oops", b'{"input": "Hi.", "speed": NaN}', b'{"input": "Hi.", "speed": 1e400}',
+                 b"[" * 3000 + b"]" * 3000):
+        response = client.post("/v1/audio/speech", content=body, headers=json_type)
+        assert response.status_code == 400 and response.json()["code"] == "bad_request", body[:40]
+    assert backend.requests == []
+
+
+def test_a_body_that_is_not_sent_as_json_is_refused_with_415(app: Any) -> None:
+    client, backend, _ = app
+    body = json.dumps({"input": "Hello there."}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        response = client.post("/v1/audio/speech", content=body, headers=headers)
+        assert response.status_code == 415 and response.json()["code"] == "not_json"
+    ok = client.post("/v1/audio/speech", content=body,
+                     headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+    assert len(backend.requests) == 1
+
+
+def test_a_body_over_the_cap_is_refused_with_413_as_it_streams(app: Any) -> None:
+    client, backend, _ = app
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the cap holds while reading
+        yield b'{"input": "'
+        for _ in range(100):
+            yield b"x" * 4096
+        yield b'"}'
+
+    response = client.post("/v1/audio/speech", content=chunked(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["code"] == "body_too_large"
+    assert backend.requests == []
 
 
 def test_a_server_shutting_down_answers_busy(app: Any) -> None:

@@ -152,6 +152,37 @@ def test_a_silent_client_gets_a_fatal_error_and_close_4000_after_the_idle_timeou
     run(scenario, limits=Limits(idle_timeout_s=0.2), tmp_path=tmp_path)
 
 
+def test_an_open_context_does_not_keep_a_silent_client_past_the_idle_timeout(tmp_path: Path) -> None:
+    async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
+        running = asyncio.create_task(connection.run())
+        ws.say({"type": "text", "context_id": "c", "text": "x"})  # never flushed
+        await asyncio.wait_for(running, 10)
+        assert ws.closed == (4000, "idle timeout")
+        assert state.engine.scheduler.num_contexts == 0
+
+    run(scenario, limits=Limits(idle_timeout_s=0.3), tmp_path=tmp_path)
+
+
+def test_a_reader_failure_is_logged_and_closes_with_1011(tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
+        def broken(raw: str | bytes, now: float) -> list[Any]:
+            raise KeyError("a bug in the session")
+
+        connection.session.receive_frame = broken  # type: ignore[method-assign]
+        running = asyncio.create_task(connection.run())
+        ws.say({"type": "text", "context_id": "c", "text": "Hello. "})
+        await asyncio.wait_for(running, 10)
+        assert ws.closed == (1011, "internal error")
+        error = ws.events()[-1]
+        assert (error["code"], error["fatal"]) == ("internal", True)
+        assert "bug" not in error["message"]  # logged, not told
+
+    with caplog.at_level("ERROR", logger="voxgate.gateway"):
+        run(scenario, tmp_path=tmp_path)
+    assert any("reader task failed" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
 def test_close_finishes_the_open_context_then_closes_normally(tmp_path: Path) -> None:
     async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
         running = asyncio.create_task(connection.run())
