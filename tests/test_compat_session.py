@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.errors import EngineBusyError
 from engine.types import AudioChunk, WordTiming
 from gateway.actions import Action, Cancel, Close, Submit
 from gateway.compat.cartesia import CartesiaSession
@@ -121,3 +122,22 @@ def test_a_bad_frame_gets_each_vendors_error_shape() -> None:
     assert el["error"] == "bad_message" and el["code"] == 400 and "message" in el
     assert ca["type"] == "error" and ca["status_code"] == 400 and ca["title"] == "bad_message"
     assert dg["type"] == "Warning" and dg["warn_code"] == "bad_message"
+
+
+def test_a_context_the_engine_refuses_gets_the_vendor_error_and_its_end() -> None:
+    def full(key: str) -> None:
+        raise EngineBusyError("the engine is full; try again later")
+
+    session = ElevenLabsMultiSession("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE,
+                                     options=SessionOptions(voice="joe"), limits=Limits(),
+                                     output=parse_output_format("pcm_16000"), admit=full,
+                                     release=lambda key: None)
+    session.start(0.0)
+    actions = session.receive_frame(json.dumps({"text": "No room for me. ", "context_id": "a"}), 0.0)
+    actions += session.receive_frame(json.dumps({"context_id": "a", "flush": True}), 0.0)
+    actions += session.receive_frame(json.dumps({"context_id": "a", "close_context": True}), 0.0)
+    frames = _frames(actions)
+    assert not _submits(actions)
+    assert frames[0]["error"] == "busy" and frames[0]["contextId"] == "a"
+    assert frames[-1] == {"isFinal": True, "contextId": "a", "context_id": "a"}
+    assert session.vendor_contexts == {}

@@ -243,6 +243,9 @@ class CompatSession(Session):
                 vctx = self._by_native.get(native_id) if isinstance(native_id, str) else None
                 out.append(self.error_frame(str(message["code"]), str(message["message"]),
                                             vctx.vendor_id if vctx else None, bool(message["fatal"])))
+                if vctx is not None and isinstance(native_id, str) and native_id not in self.contexts:
+                    # the error ended it (refused admission, an engine failure): no context.done comes
+                    out += self._on_done(native_id)
             # session.ready / session.updated / cancelled: the adapter answers for itself
         return out
 
