@@ -228,6 +228,8 @@ class VoiceStore:
         if version == SCHEMA_VERSION:
             return
         with self._transaction():
+            # Read again under the write lock: replicas sharing the file may start together.
+            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
             if version == 0:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
@@ -334,13 +336,14 @@ class VoiceStore:
         except (sqlite3.OperationalError, OSError) as exc:
             if not is_disk_full(exc) or not self.reserve.release():
                 raise
-            return self._delete(voice_id)
+            deleted = self._delete(voice_id)
+        with contextlib.suppress(sqlite3.Error):  # empty the WAL: its pages back to the disk
+            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return deleted
 
     def _delete(self, voice_id: str) -> bool:
         with self._transaction():
             cursor = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
-        with contextlib.suppress(sqlite3.Error):  # hand the pages back to the file system
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         return cursor.rowcount > 0
 
     @staticmethod

@@ -30,18 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import re
 import sqlite3
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine
 from engine.errors import UnknownVoiceError, UnsupportedOptionError, VoxgateError
-from engine.options import config_from_options
 from engine.types import VoiceInfo
 from gateway.auth import OPERATOR, Principal
 from gateway.registry import (
@@ -53,16 +48,14 @@ from gateway.registry import (
     source_digest,
 )
 from gateway.space import (
-    DEFAULT_RESERVE_BYTES,
-    Quota,
     QuotaExceededError,
     StoreFullError,
     is_disk_full,
 )
 from gateway.voice_catalog import VoiceCatalog
+from gateway.voice_policy import VoiceConfig, is_reserved, is_visible, may_delete
 from gateway.voice_upload import (
     ReferenceAudio,
-    UploadLimits,
     VoiceUpload,
     VoiceUploadError,
     check_fields,
@@ -70,52 +63,6 @@ from gateway.voice_upload import (
 )
 
 log = logging.getLogger("voxgate.gateway")
-
-#: OpenAI's voice names: requests for them speak the default voice (gateway/speech.py), so
-#: nobody may register one and take over what OpenAI clients hear
-OPENAI_VOICE_NAMES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx",
-                                "sage", "shimmer", "verse", "marin", "cedar"})
-#: piper's model names (en_US-joe-medium): aliases of installed voices, or models yet to install
-PIPER_NAME_RE = re.compile(r"[a-z]{2,3}_[A-Z]{2}-.+-(x_low|low|medium|high)", re.IGNORECASE)
-
-
-@dataclass(slots=True)
-class VoiceConfig:
-    """Where voices live and what an upload may be (VOXGATE_VOICE_ASSETS sets `assets_dir`)."""
-
-    data_dir: Path
-    assets_dir: Path | None = None  # None: <data_dir>/assets, when it exists
-    default_voice: str = "joe"  # speaks for registered voices on backends that cannot clone
-    limits: UploadLimits = field(default_factory=UploadLimits)
-    quota: Quota = field(default_factory=Quota)
-    max_concurrent_uploads: int = 2  # read + decode + features at once; more get 429
-    sync_interval_s: float = 2.0  # how often other replicas' changes are picked up (0: never)
-    reserve_bytes: int = DEFAULT_RESERVE_BYTES  # kept free on the store's disk for deletes
-
-    def __post_init__(self) -> None:
-        self.data_dir = Path(self.data_dir)
-        if self.assets_dir is not None:
-            self.assets_dir = Path(self.assets_dir)
-        if self.max_concurrent_uploads < 1:
-            raise ValueError(f"max_concurrent_uploads must be >= 1, got {self.max_concurrent_uploads}")
-        if self.sync_interval_s < 0:
-            raise ValueError(f"sync_interval_s must be >= 0 (0: never), got {self.sync_interval_s}")
-        if self.reserve_bytes < 0:
-            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
-
-    @classmethod
-    def from_gateway(cls, config: Any, environ: dict[str, str] | None = None) -> VoiceConfig:
-        """VOXGATE_VOICE_ASSETS, VOXGATE_VOICE_<FIELD> (e.g. VOXGATE_VOICE_SYNC_INTERVAL_S) and
-        VOXGATE_VOICE_QUOTA_<FIELD> (e.g. VOXGATE_VOICE_QUOTA_MAX_VOICES_PER_OWNER)."""
-        env = {k: v for k, v in (os.environ if environ is None else environ).items()
-               if k not in ("VOXGATE_VOICE_LIMITS", "VOXGATE_VOICE_QUOTA", "VOXGATE_VOICE_ASSETS_DIR",
-                            "VOXGATE_VOICE_DATA_DIR", "VOXGATE_VOICE_DEFAULT_VOICE")}
-        assets = getattr(config, "voice_assets", None) or env.get("VOXGATE_VOICE_ASSETS") or None
-        quota = config_from_options(Quota, "voice quota", {}, env_prefix="VOXGATE_VOICE_QUOTA_", environ=env)
-        options = {"data_dir": config.data_dir, "assets_dir": Path(assets) if assets else None,
-                   "default_voice": config.voice, "quota": quota}
-        return config_from_options(cls, "voice", options, env_prefix="VOXGATE_VOICE_", environ=env)
-
 
 def _store_full() -> VoiceUploadError:
     return VoiceUploadError(507, "insufficient_storage", "the disk holding the voice store is full; "
@@ -313,14 +260,8 @@ class VoiceService:
                  "no features" if features is None else f"{len(features)} feature bytes")
         return self.describe_registered(info, self.registered[voice_id])
 
-    def is_reserved(self, voice_id: str) -> bool:
-        """A built-in name: an installed voice, one of OpenAI's, or a piper model name."""
-        lowered = voice_id.lower()
-        return (lowered in OPENAI_VOICE_NAMES or lowered in {v.lower() for v in self.installed}
-                or PIPER_NAME_RE.fullmatch(voice_id) is not None)
-
     def _check_free(self, voice_id: str, replace_existing: bool) -> None:
-        if self.is_reserved(voice_id):
+        if is_reserved(voice_id, self.installed):
             raise VoiceUploadError(409, "reserved_voice_id", f"{voice_id!r} is a built-in voice name "
                                    "(an installed voice, an OpenAI voice name or a piper model name); "
                                    "choose another id")
@@ -360,9 +301,7 @@ class VoiceService:
     # -- tenancy --------------------------------------------------------------
 
     def is_visible(self, voice_id: str, principal: Principal) -> bool:
-        """Installed voices and the operator's are everyone's; a tenant's, its own and admins'."""
-        owner = self.owners.get(voice_id, "")
-        return principal.is_admin or not owner or owner == principal.tenant
+        return is_visible(self.owners.get(voice_id, ""), principal)
 
     def _unknown(self, voice_id: str) -> VoiceUploadError:  # another tenant's voice reads as absent
         return VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r} is registered")
@@ -379,7 +318,7 @@ class VoiceService:
                 raise self._unknown(voice_id)
             if not self.is_visible(voice_id, principal):
                 raise self._unknown(voice_id)
-            if not principal.is_admin and self.owners.get(voice_id, "") != principal.tenant:
+            if not may_delete(self.owners.get(voice_id, ""), principal):
                 raise VoiceUploadError(403, "forbidden", f"voice {voice_id!r} belongs to the operator; "
                                        "deleting it takes an admin key")
             await self._delete_stored(voice_id)
@@ -513,4 +452,4 @@ class VoiceService:
         return self.describe_registered(info, record.summary())
 
 
-__all__ = ["OPENAI_VOICE_NAMES", "VoiceConfig", "VoiceService"]
+__all__ = ["VoiceConfig", "VoiceService"]

@@ -88,3 +88,15 @@ def test_with_keys_on_the_host_header_is_not_restricted_to_loopback(tenants: Ser
     response = httpx.get(tenants.url + "/v1/voices", headers={"Host": "voice.example",
                                                               "Authorization": f"Bearer {KEY_A}"})
     assert response.status_code == 200
+
+
+def test_the_policy_reserves_built_in_names_in_any_case_and_scopes_by_owner() -> None:
+    from gateway.auth import OPERATOR, Principal
+    from gateway.voice_policy import is_reserved, is_visible, may_delete
+
+    assert all(is_reserved(v, {"joe"}) for v in ("alloy", "ALLOY", "Joe", "en_US-amy-low", "de_DE-x-high"))
+    assert not any(is_reserved(v, {"joe"}) for v in ("alloy2", "my-voice", "en_US-amy", "joey"))
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+    assert is_visible("a" * 32, alice) and not is_visible("a" * 32, bob) and is_visible("a" * 32, OPERATOR)
+    assert is_visible("", bob) and not may_delete("", bob) and may_delete("", OPERATOR)
+    assert may_delete("a" * 32, alice) and not may_delete("a" * 32, bob)
