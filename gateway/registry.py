@@ -321,6 +321,10 @@ class VoiceStore:
                 corrupt[str(row[0])] = str(exc)
         return records, corrupt
 
+    def owners(self) -> dict[str, str]:
+        """{voice_id: owner} as stored, unchecked: whom a corrupt record is shown to."""
+        return {str(r[0]): str(r[1]) for r in self._db.execute("SELECT voice_id, owner FROM voices")}
+
     def checksums(self) -> dict[str, str]:
         """{voice_id: stored checksum}: what changed since the last look, without the audio."""
         return {str(r[0]): str(r[1]) for r in self._db.execute("SELECT voice_id, checksum FROM voices")}
@@ -440,6 +444,9 @@ class VoiceRegistry:
 
     async def load_all(self) -> tuple[list[VoiceRecord], dict[str, str]]:
         return await self._call(self.store.load_all)
+
+    async def owners(self) -> dict[str, str]:
+        return await self._call(self.store.owners)
 
     async def checksums(self) -> dict[str, str]:
         return await self._call(self.store.checksums)

@@ -117,9 +117,11 @@ class VoiceService:
         except RegistryError as exc:
             raise SystemExit(f"voxgate: {exc}") from None
         records, corrupt = await self.registry.load_all()
+        owners = await self.registry.owners() if corrupt else {}
         for voice_id, problem in corrupt.items():
             log.error("registered voice %r not served: %s", voice_id, problem)
             self.unavailable[voice_id] = ("corrupt_voice", problem)
+            self.owners[voice_id] = owners.get(voice_id, "")  # its tenant may see and delete it
         for record in records:
             await self._load(record)
         await self._register_assets()
@@ -370,6 +372,7 @@ class VoiceService:
             record = await self.registry.get(voice_id)
         except CorruptRecordError as exc:
             self.unavailable[voice_id] = ("corrupt_voice", str(exc))
+            self.owners[voice_id] = (await self.registry.owners()).get(voice_id, "")
             return True
         if record is None:
             return False

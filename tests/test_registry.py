@@ -15,6 +15,7 @@ import pytest
 
 from engine.engine import Engine, EngineConfig
 from engine.types import VoiceInfo
+from gateway.auth import OPERATOR, Principal
 from gateway.registry import (
     SCHEMA_VERSION,
     CorruptRecordError,
@@ -411,3 +412,44 @@ def test_a_delete_on_a_full_disk_gives_up_the_reserve_and_goes_through(tmp_path:
     store._delete = full_once  # type: ignore[method-assign]
     assert store.delete("ada") is True and calls == ["ada", "ada"]
     assert not store.reserve.is_held and store.get("ada") is None
+
+
+def test_a_corrupt_voice_is_shown_to_its_own_tenant_and_admins_only(tmp_path: Path) -> None:
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+
+    async def register(service: VoiceService) -> None:
+        await service.register(upload(), owner=alice.tenant)
+
+    asyncio.run(with_service(tmp_path, CloningBackend(), register))
+    with tamper(tmp_path) as db:
+        db.execute("UPDATE voices SET transcript = 'changed by hand' WHERE voice_id = 'ada'")
+
+    async def views(service: VoiceService) -> list[list[str]]:
+        return [[u["id"] for u in service.listing(p)["unavailable"]] for p in (alice, bob, OPERATOR)]
+
+    assert asyncio.run(with_service(tmp_path, CloningBackend(), views)) == [["ada"], [], ["ada"]]
+
+
+def test_sync_picks_up_what_another_service_on_the_same_store_registered_and_deleted(tmp_path: Path) -> None:
+    async def scenario() -> list[Any]:
+        engines = [Engine(CloningBackend(), EngineConfig(warmup_text="")) for _ in range(2)]
+        services = [VoiceService(VoiceConfig(data_dir=tmp_path, default_voice="v", sync_interval_s=0), e)
+                    for e in engines]
+        for engine, service in zip(engines, services, strict=True):
+            await engine.start()
+            await service.start()
+        here, there = services
+        try:
+            seen = [await there.sync()]  # nothing happened yet
+            await here.register(upload("ada"))
+            seen += [await there.sync(), "ada" in there.catalog.listed, "ada" in there.registered]
+            seen.append(await there.sync())  # nothing new since
+            await here.delete("ada")
+            seen += [await there.sync(), "ada" in there.catalog.listed, "ada" in there.registered]
+            return seen
+        finally:
+            for engine, service in zip(engines, services, strict=True):
+                await service.stop()
+                await engine.stop()
+
+    assert asyncio.run(scenario()) == [False, True, True, True, False, True, False, False]
