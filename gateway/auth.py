@@ -223,20 +223,23 @@ class SessionTokens:
     A browser gets one from `POST /v1/session-tokens` (with its key) and puts it
     in the socket URL instead of the key, so a URL that leaks (a log, a proxy, the
     history) grants nothing after its first use or its `ttl_s`. Only a digest of
-    each token is kept; at most `max_tokens` are outstanding (bounded memory).
+    each token is kept; at most `max_tokens` are outstanding (bounded memory),
+    `max_per_key` of them for one key.
     Tokens live in this process: behind a load balancer, the socket must reach
     the replica that issued it (docs/operations.md).
     """
 
     ttl_s: float = 60.0
     max_tokens: int = 10000
+    max_per_key: int = 100  # one key cannot take every place
     _tokens: dict[str, tuple[str, float]] = field(default_factory=dict)  # digest -> (key, expiry)
 
     def __post_init__(self) -> None:
         if not 0 < self.ttl_s <= 3600:
             raise ValueError(f"session token ttl_s must be within (0, 3600], got {self.ttl_s}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 1 or self.max_per_key < 1:
+            raise ValueError(f"max_tokens and max_per_key must be >= 1, got {self.max_tokens} and "
+                             f"{self.max_per_key}")
 
     @staticmethod
     def _digest(token: str) -> str:
@@ -247,6 +250,13 @@ class SessionTokens:
         if len(self._tokens) >= self.max_tokens:
             self._tokens = {d: e for d, e in self._tokens.items() if e[1] > now}
             if len(self._tokens) >= self.max_tokens:
+                return None
+        mine = [d for d, e in self._tokens.items() if e[0] == key]
+        if len(mine) >= self.max_per_key:
+            for digest in mine:  # its expired ones go first
+                if self._tokens[digest][1] <= now:
+                    del self._tokens[digest]
+            if sum(1 for e in self._tokens.values() if e[0] == key) >= self.max_per_key:
                 return None
         token = "vxt_" + secrets.token_urlsafe(24)
         expires_at = now + self.ttl_s

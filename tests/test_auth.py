@@ -145,6 +145,10 @@ def test_session_tokens_are_single_use_expire_and_stay_bounded() -> None:
     assert tokens.issue(KEY, now=200.0) is None  # bounded: two outstanding
     assert tokens.issue(KEY, now=300.0) is not None  # the expired ones make room
     assert tokens.redeem("vxt_made-up", now=0.0) is None
+    per_key = SessionTokens(ttl_s=60, max_per_key=2)
+    assert per_key.issue(KEY, now=0.0) and per_key.issue(KEY, now=0.0)
+    assert per_key.issue(KEY, now=1.0) is None and per_key.issue(OTHER, now=1.0) is not None
+    assert per_key.issue(KEY, now=61.0) is not None  # its expired ones went
 
 
 def test_the_key_counter_caps_sockets_per_key_and_forgets_keys_no_socket_uses() -> None:

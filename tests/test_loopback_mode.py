@@ -89,3 +89,11 @@ def test_a_foreign_page_cannot_register_or_delete_voices(server: ServerProcess) 
     assert httpx.get(server.url + "/v1/voices/planted").status_code == 200
     assert httpx.delete(server.url + "/v1/voices/planted", headers=own).status_code == 200
     assert httpx.get(server.url + "/v1/voices", headers=foreign).status_code == 200  # reads: CORS guards them
+
+
+def test_a_foreign_page_cannot_post_a_text_plain_speech_request(server: ServerProcess) -> None:
+    """A "simple" request needs no preflight, so the browser sends it: the origin check stops it."""
+    body = '{"input": "Spoken for a foreign page.", "voice": "joe"}'
+    response = httpx.post(server.url + "/v1/audio/speech", content=body,
+                          headers={"Origin": "https://evil.example", "Content-Type": "text/plain"})
+    assert (response.status_code, response.json()["code"]) == (403, "forbidden_origin")
