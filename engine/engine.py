@@ -18,6 +18,10 @@ Thread contract: `prepare`, `step` and `release` run only on the worker
 thread. `cancel` (event loop) marks the request and takes it out of the
 scheduler; the worker releases it before its next step, so a step never sees
 state freed under it.
+
+At about 540 lines this module is past the ~400 the style asks for, on
+purpose: the loop, the clocks it schedules by, cancel and the voice verbs all
+keep the one thread contract above, which reads best in one place.
 """
 
 from __future__ import annotations
@@ -465,6 +469,7 @@ class Engine:
         self.stats.audio_seconds += audio_s
         self.stats.busy_seconds += elapsed
         self.stats.last_step_seconds = elapsed
+        self.stats.observe_step(elapsed)
         self.stats.last_batch_size = len(batch)
 
     def _fail(self, handle: _Handle, exc: BaseException) -> None:
