@@ -36,6 +36,7 @@ class ScriptedBackend(Backend):
         self.released: list[str] = []
         self.release_threads: set[str] = set()  # where release ran (the worker only)
         self.step_threads: set[str] = set()
+        self.events: list[str] = []  # "prepare:<id>" and "step:<ids>" in the order they ran
         self.step_started = threading.Event()
         self.gate: threading.Event | None = None
 
@@ -46,6 +47,7 @@ class ScriptedBackend(Backend):
         return [VoiceInfo("v", "scripted", "en", self.name, self.sample_rate)]
 
     def prepare(self, request: SynthesisRequest) -> BackendRequest:
+        self.events.append(f"prepare:{request.request_id}")
         if request.voice != "v":
             raise UnknownVoiceError(f"unknown voice {request.voice!r}")
         return BackendRequest(request, state={"left": self.chunks_per_request},
@@ -61,6 +63,7 @@ class ScriptedBackend(Backend):
         if any("CRASH" in item.request.text for item in batch):
             raise RuntimeError("the whole step crashed")
         self.batches.append([str(item.request_id) for item in batch])
+        self.events.append("step:" + ",".join(self.batches[-1]))
         results = []
         for item in batch:
             if "FAIL" in item.request.text:

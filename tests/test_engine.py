@@ -103,6 +103,35 @@ def test_a_cancel_during_a_batched_step_fails_no_step_and_reruns_nothing() -> No
     assert backend.release_threads <= backend.step_threads, "release ran off the worker thread"
 
 
+def test_a_new_turn_waits_behind_at_most_one_step_of_look_ahead_work() -> None:
+    async def scenario() -> list[str]:
+        # Four readers far ahead of their listeners (10 s each, look-ahead 0.2 s) keep the box busy.
+        backend = ScriptedBackend(max_batch_size=8, chunks_per_request=100, chunk_s=0.1, step_delay_s=0.005)
+        engine = Engine(backend, EngineConfig(scheduler=SchedulerConfig(max_batch_size=8),
+                                              warmup_text="", look_ahead_s=0.2))
+        await engine.start()
+        readers = [asyncio.create_task(_collect(engine.submit(request(f"bg{n}")))) for n in range(4)]
+        while len(backend.batches) < 20:
+            await asyncio.sleep(0.005)
+        mark = len(backend.events)
+        first = await engine.submit(request("new")).__anext__()
+        assert first.pcm.size
+        for task in readers:
+            task.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        await engine.stop()
+        return backend.events[mark:]
+
+    events = run(scenario())
+    before_prepare = events[: events.index("prepare:new")]
+    assert sum(e.startswith("step:") for e in before_prepare) <= 1, "its prepare waited behind look-ahead steps"
+    after = events[events.index("prepare:new") + 1:]
+    first_step = next(i for i, e in enumerate(after) if "new" in e)
+    assert sum(e.startswith("step:") for e in after[:first_step]) <= 1, "its first piece waited behind look-ahead"
+    assert all(e.count(",") == 0 for e in before_prepare + after[:first_step] if e.startswith("step:")), \
+        "look-ahead work ran in batches, not alone"
+
+
 async def _collect(stream) -> list:  # type: ignore[no-untyped-def]
     return [chunk async for chunk in stream]
 
