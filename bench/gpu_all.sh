@@ -33,8 +33,11 @@ run() {  # name, seconds, extra arguments
     tail -n 25 "$OUT/$name.log"
 }
 
-run gpu_flow_estimator 120
-run gpu_cosyvoice_lm 180
+# Each script's own --budget-s ends it cleanly inside its timeout (the flow bench's default
+# budget, 270 s, used to outlive a 120 s timeout: killed, nothing printed).
+FLOW_S=210 LM_S=180
+run gpu_flow_estimator $FLOW_S --budget-s $((FLOW_S - 30))
+run gpu_cosyvoice_lm $LM_S
 left=$((TOTAL_S - ($(date +%s) - start)))
 run gpu_cosyvoice_pipeline $((left > 60 ? left : 60)) --budget-s $((left > 90 ? left - 30 : 60))
 echo "== done in $(($(date +%s) - start)) s"

@@ -189,7 +189,7 @@ def build_modes(args: argparse.Namespace, dit: DiTEstimator, device: torch.devic
                 if "engine" not in engines:
                     remaining = args.budget_s - (time.perf_counter() - args.started) - TRT_RESERVE_S
                     engines["engine"] = prepare_engine_within(args, max_rows, remaining)
-                made[contexts] = TrtEstimator({args.streaming: engines["engine"]}, trt_profile(args, max_rows),
+                made[contexts] = TrtEstimator(engines["engine"], trt_profile(args, max_rows), dit,
                                               contexts, device)
             return made[contexts]
         return make
@@ -213,11 +213,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="streams (CFG doubles the rows)")
-    parser.add_argument("--frames", type=int, default=200)
+    # prompt + history + chunk at serving sizes: about 480 frames (e.g. 150 + 75 + 15 tokens, x2)
+    parser.add_argument("--frames", type=int, default=480)
     parser.add_argument("--offline", dest="streaming", action="store_false", help="full attention")
     parser.add_argument("--modes", default=None, help="default: eager,cuda_graphs[,tensorrt]")
     parser.add_argument("--trt-precision", choices=["fp16", "bf16", "fp32"], default="fp16")
-    parser.add_argument("--contexts", type=int, default=4, help="TensorRT execution contexts")
+    parser.add_argument("--contexts", type=int, default=2, help="TensorRT execution contexts (against 1)")
     parser.add_argument("--concurrency", type=int, default=4, help="threads in the concurrency test (0: skip)")
     parser.add_argument("--cache-dir", default="bench/out/trt-cache", help="ONNX and engines (git-ignored)")
     parser.add_argument("--trt-opt-level", type=int, default=2,

@@ -114,7 +114,8 @@ class WebFiles(StaticFiles):
 
 def build_engine(config: GatewayConfig) -> Engine:
     options = dict(config.engine_options)
-    options.setdefault("max_batch_size", config.max_batch_size)
+    if config.max_batch_size:  # else the engine's own default, sized for its device
+        options.setdefault("max_batch_size", config.max_batch_size)
     if config.engine == "piper":  # Piper models dropped into <data_dir>/voices/ (docs/voices.md)
         voices_dir = config.data_dir / "voices"
         with contextlib.suppress(OSError):
@@ -122,7 +123,8 @@ def build_engine(config: GatewayConfig) -> Engine:
         if voices_dir.is_dir():
             options.setdefault("voices_dir", voices_dir)
     backend = create_backend(config.engine, **options)
-    scheduler = SchedulerConfig(policy=config.scheduler_policy, max_batch_size=config.max_batch_size,
+    scheduler = SchedulerConfig(policy=config.scheduler_policy,
+                                max_batch_size=config.max_batch_size or backend.max_batch_size,
                                 max_contexts=config.max_contexts)
     return Engine(backend, EngineConfig(scheduler=scheduler))
 

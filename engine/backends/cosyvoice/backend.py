@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,7 @@ from engine.backends.cosyvoice.frontend.voice_prompts import (
 )
 from engine.backends.cosyvoice.lm.driver import LMStart, SpeechLMDriver, stream_seed
 from engine.backends.cosyvoice.loader import LoadedModel, load_model
-from engine.backends.cosyvoice.t2w.streams import WaveChunk
+from engine.backends.cosyvoice.t2w.worker import FlowWorker, HostChunk, chunks_to_host
 from engine.errors import BackendFailure, EngineError, UnknownVoiceError, UnsupportedOptionError
 from engine.types import SynthesisRequest, VoiceInfo
 
@@ -58,19 +59,33 @@ log = logging.getLogger("voxgate.engine")
 
 @dataclass(slots=True)
 class CosyState:
-    """One request between steps. `tokens`: speech tokens emitted so far (kept for resumption)."""
+    """One request between steps. `tokens`: speech tokens emitted so far (kept for resumption).
+
+    `frontend_work`: the LM input, or the CPU executor's future of it (text
+    normalization and tokenization run off the worker thread).
+    """
 
     key: str
     voice: CosyVoice
-    lm_input: LMInput
+    frontend_work: LMInput | Future[LMInput]
     deadline: float
     seed: int  # the LM's sampling and the stream's t2w noise; kept across preemption
+    is_seeded: bool = False  # the request brought its seed (SamplingParams.seed)
     speed: float = 1.0  # the mel is stretched before the vocoder (t2w/mel_stretch.py)
     tokens: list[int] = field(default_factory=list)
     has_slot: bool = False
     is_lm_done: bool = False
     has_stream: bool = False
     num_samples: int = 0
+
+    @property
+    def lm_input(self) -> LMInput:
+        work = self.frontend_work
+        return work.result() if isinstance(work, Future) else work
+
+    @property
+    def is_input_ready(self) -> bool:
+        return not isinstance(self.frontend_work, Future) or self.frontend_work.done()
 
 
 class CosyVoiceBackend(Backend):
@@ -84,7 +99,7 @@ class CosyVoiceBackend(Backend):
         if self.config.model_dir is None:
             raise ValueError("the cosyvoice engine needs a model directory; expected "
                              "--engine-option model_dir=PATH or VOXGATE_COSYVOICE_MODEL_DIR, got none")
-        self.max_batch_size = self.config.max_batch_size
+        self.max_batch_size = self.config.batch_size  # 256 on a GPU, 8 on the CPU unless set
         self.model: LoadedModel | None = None
         self.lm: SpeechLMDriver | None = None
         self._default: dict[str, CosyVoice] = {}
@@ -93,6 +108,10 @@ class CosyVoiceBackend(Backend):
         self._running: dict[str, CosyState] = {}  # requests holding an LM slot
         self.voice_features_version = _features_version(self.config)
         self.num_preemptions = 0
+        # the text frontend (normalization, tokenization) runs here, off the engine's worker thread
+        self._cpu = ThreadPoolExecutor(self.config.cpu_workers, thread_name_prefix="voxgate-cosyvoice-cpu")
+        self.flow_worker: FlowWorker | None = None  # flow + vocoder on their own thread (GPU default)
+        self._pending: dict[str, HostChunk] = {}  # chunks computed for requests not in that step's batch
 
     # -- Backend --------------------------------------------------------------
 
@@ -101,6 +120,8 @@ class CosyVoiceBackend(Backend):
         self.lm = self.model.lm
         voice = self.model.default_voice
         self._default = {voice.info.voice_id: voice}
+        if self.config.uses_flow_thread:
+            self.flow_worker = FlowWorker(self.model.t2w, self.model.device)
         log.info("cosyvoice %d loaded from %s on %s; default voice %r", self.model.version,
                  self.config.model_dir, self.model.device, voice.info.voice_id)
 
@@ -126,10 +147,12 @@ class CosyVoiceBackend(Backend):
             mode = Mode.CROSS_LINGUAL  # the flow keeps the voice; the LM gets no prompt
         else:
             mode = Mode.ZERO_SHOT
-        lm_input = model.frontend.lm_input(request.text, voice.prompt, mode, request.instructions)
+        lm_input = self._cpu.submit(model.frontend.lm_input, request.text, voice.prompt, mode,
+                                    request.instructions)
         key = str(request.request_id)
         seed = request.params.seed if request.params.seed is not None else stream_seed(key, self.config.seed)
-        state = CosyState(key, voice, lm_input, request.deadline, seed, request.params.speed)
+        state = CosyState(key, voice, lm_input, request.deadline, seed, request.params.seed is not None,
+                          request.params.speed)
         if not request.text.strip():
             state.is_lm_done = True  # nothing to say: finishes empty at its first step
         est = max(0.2, len(request.text.strip()) / self.config.chars_per_second / state.speed)
@@ -164,17 +187,15 @@ class CosyVoiceBackend(Backend):
                 else:  # stopped before its first token: no audio at all
                     model.t2w.drop(state.key)
                     state.has_stream = False
-        ready = set(model.t2w.ready())
-        chunks = model.t2w.run([s.key for _, s in states if s.key in ready])  # 3. flow + HiFT, batched
-        by_key: dict[str, WaveChunk] = {c.stream_id: c for c in chunks}
+        for done in self._flow(states, is_idle=not decoding):  # 3. flow + HiFT, batched
+            self._pending[done.stream_id] = done
         for item, state in states:  # 4. results
             if results[id(item)].error is not None:
                 continue
-            chunk = by_key.get(state.key)
+            chunk = self._pending.pop(state.key, None)
             if chunk is not None:
-                pcm = chunk.audio.detach().float().cpu().numpy().reshape(-1)
-                state.num_samples += len(pcm)
-                results[id(item)] = StepResult(pcm=pcm, is_finished=chunk.is_final)
+                state.num_samples += len(chunk.pcm)
+                results[id(item)] = StepResult(pcm=chunk.pcm, is_finished=chunk.is_final)
             elif state.is_lm_done and not state.has_stream:
                 results[id(item)] = StepResult(is_finished=True)  # nothing was spoken
         return [results[id(item)] for item in batch]
@@ -184,6 +205,7 @@ class CosyVoiceBackend(Backend):
         if isinstance(state, CosyState) and self.model is not None and self.lm is not None:
             self.lm.stop(state.key)
             self.model.t2w.drop(state.key)
+            self._pending.pop(state.key, None)
             self._running.pop(state.key, None)
             state.has_slot = state.has_stream = False
             state.is_lm_done = True
@@ -207,7 +229,7 @@ class CosyVoiceBackend(Backend):
                          backend=self.name, sample_rate=self.sample_rate, is_builtin=False,
                          supports_instructions=model.version == 3)
         self._retired.pop(voice_id, None)
-        self._registered[voice_id] = CosyVoice(info, prompt, flow_prompt_of(prompt))
+        self._registered[voice_id] = CosyVoice(info, prompt, flow_prompt_of(prompt, model.device))
         return info
 
     def retire_voice(self, voice_id: str) -> None:
@@ -228,6 +250,36 @@ class CosyVoiceBackend(Backend):
             raise EngineError("cosyvoice backend is not loaded; expected load() before use")
         return self.model
 
+    def close(self) -> None:
+        """Stop the flow thread and the CPU executor (the process is ending)."""
+        if self.flow_worker is not None:
+            self.flow_worker.close()
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    def _flow(self, states: list[tuple[BackendRequest, CosyState]], is_idle: bool) -> list[HostChunk]:
+        """The batch's ready chunks, the most starved first, at most `flow_streams` per flow call.
+
+        Serial (the CPU default): computed now. With the flow thread: the chunks of
+        the batch in flight when it is done (waited for when the LM had nothing to
+        do this step, so an idle step never spins), and the next batch submitted
+        at once, so it computes while the LM decodes its next step.
+        """
+        model = self._loaded()
+        ready = set(model.t2w.ready())
+        due = sorted((item.due if item.due is not None else s.deadline, i, s.key)
+                     for i, (item, s) in enumerate(states) if s.key in ready)
+        keys = [key for _, _, key in due[:self.config.flow_streams]]
+        worker = self.flow_worker
+        if worker is None:
+            return chunks_to_host(model.t2w.run(keys)) if keys else []
+        chunks = worker.collect(wait=is_idle and worker.is_busy)
+        if not worker.is_busy:
+            ready = set(model.t2w.ready())  # what the collected batch just moved on
+            keys = [key for key in keys if key in ready]
+            if keys:
+                worker.submit(keys)
+        return chunks
+
     def _start_streams(self, states: list[tuple[BackendRequest, CosyState]]
                        ) -> list[tuple[BackendRequest, Exception]]:
         """Prefill the LM streams of the batch's new (or preempted) requests in one call.
@@ -238,8 +290,21 @@ class CosyVoiceBackend(Backend):
         model, lm = self._loaded(), self.lm
         assert lm is not None
         waiting = [(item, s) for item, s in states if not s.has_slot and not s.is_lm_done]
+        # The text frontend ran on the CPU executor since `prepare` (beside the steps before
+        # this one); what is not done yet is waited for, so a request starts at the same step
+        # it would have inline.
+        errors: list[tuple[BackendRequest, Exception]] = []
+        ready: list[tuple[BackendRequest, CosyState]] = []
+        for item, s in waiting:
+            try:
+                s.lm_input  # noqa: B018 - waits for the frontend and raises its error, if any
+            except (ValueError, EngineError) as exc:
+                errors.append((item, exc))
+                continue
+            ready.append((item, s))
+        waiting = ready
         if not waiting:
-            return []
+            return errors
         in_batch = {s.key for _, s in states}
         idle = sorted((s for k, s in self._running.items() if k not in in_batch),
                       key=lambda s: s.deadline, reverse=True)
@@ -251,8 +316,8 @@ class CosyVoiceBackend(Backend):
             self.num_preemptions += 1
         waiting = waiting[:lm.num_free]  # the rest wait for a later step
         is_greedy = self.config.sampling == "greedy"
-        failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens, s.seed) for _, s in waiting])
-        errors: list[tuple[BackendRequest, Exception]] = []
+        failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens, s.seed, s.is_seeded)
+                           for _, s in waiting])
         for item, state in waiting:
             if state.key in failed:
                 errors.append((item, failed[state.key]))

@@ -22,6 +22,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graphs")
 SAMPLING = ("ras", "greedy")
+GPU_BATCH, CPU_BATCH = 256, 8  # default requests per step
+GPU_FLOW_STREAMS = 128  # default streams per flow call on a GPU: 256 CFG rows
 
 
 def _default_num_threads() -> int:
@@ -40,8 +42,14 @@ class CosyVoiceBackendConfig:
     lm_backend: str = "torch"  # "vllm": see lm/driver.py (the seam)
     vllm_gpu_memory_share: float = 0.3  # lm_backend=vllm on a GPU: its share (weights + KV cache)
     decode_mode: str = "auto"  # auto: cuda_graphs on cuda, dynamic on cpu
-    max_batch_size: int = 8
+    max_batch_size: int = 0  # requests per step; 0: GPU_BATCH (256) on a GPU, CPU_BATCH (8) on the CPU
     max_streams: int = 0  # KV-cache slots; 0: 2 x max_batch_size (preempted streams recompute)
+    # streams per flow call, the most starved (earliest due) first; 0: GPU_FLOW_STREAMS on a GPU
+    # (128: 256 CFG rows, the estimator's largest graph), every ready stream on the CPU
+    max_flow_streams: int = 0
+    # flow + vocoder on their own thread (and CUDA stream), overlapping the LM: auto = on a GPU
+    flow_thread: str = "auto"
+    cpu_workers: int = 1  # the backend's CPU executor: text frontend and voice registration
     max_len: int = 2048  # positions per slot: prompt + speech tokens
     sampling: str = "ras"  # "greedy": argmax (deterministic; tests)
     seed: int = 0
@@ -66,12 +74,15 @@ class CosyVoiceBackendConfig:
                               ("flow_runtime", ("auto", "torch", "cuda_graphs", "tensorrt")),
                               ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
                               ("sampling", SAMPLING), ("tokenizer", TOKENIZER_MODES),
-                              ("text_frontend", TEXT_FRONTENDS)):
+                              ("text_frontend", TEXT_FRONTENDS), ("flow_thread", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("max_batch_size", "max_len", "first_hop_tokens"):
+        for name in ("max_len", "first_hop_tokens", "cpu_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_batch_size", "max_flow_streams"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: the device's default), got {getattr(self, name)}")
         if self.max_streams < 0:
             raise ValueError(f"max_streams must be >= 0 (0: 2 x max_batch_size), got {self.max_streams}")
         if self.max_history_tokens < -1:
@@ -85,9 +96,32 @@ class CosyVoiceBackendConfig:
         if self.default_voice_audio is not None and not self.default_voice_text.strip():
             raise ValueError("default_voice_text must be the transcript of default_voice_audio, got none")
 
+    def is_gpu(self) -> bool:
+        """Whether the backend will run on a GPU (device auto: where CUDA is available)."""
+        if self.device == "auto":
+            import torch  # only here: the config is read without torch elsewhere
+
+            return bool(torch.cuda.is_available())
+        return self.device == "cuda"
+
+    @property
+    def batch_size(self) -> int:
+        """Requests per step: the option, else a GPU's size (a GPU at 8 streams idles) or the CPU's."""
+        return self.max_batch_size or (GPU_BATCH if self.is_gpu() else CPU_BATCH)
+
     @property
     def num_streams(self) -> int:
-        return self.max_streams or 2 * self.max_batch_size
+        return self.max_streams or 2 * self.batch_size
+
+    @property
+    def flow_streams(self) -> int:
+        """Streams per flow call (their CFG rows are twice as many)."""
+        return self.max_flow_streams or (min(GPU_FLOW_STREAMS, self.num_streams) if self.is_gpu()
+                                         else self.num_streams)
+
+    @property
+    def uses_flow_thread(self) -> bool:
+        return self.flow_thread == "on" or (self.flow_thread == "auto" and self.is_gpu())
 
     @classmethod
     def from_options(cls, options: dict[str, Any], environ: dict[str, str] | None = None) -> CosyVoiceBackendConfig:

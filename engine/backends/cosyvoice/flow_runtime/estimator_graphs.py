@@ -5,7 +5,8 @@ few hundred small kernels (22 blocks); replaying a captured graph removes the
 launch cost (gpt-fast / nano-vllm style, as lm/graphs.py does for the LM). A
 graph has fixed shapes and addresses, so each call is padded up to a bucket:
 
-- rows (CFG rows, twice the streams) to the next power of two; the padding
+- rows (CFG rows, twice the streams) to the next bucket (powers of two to 64,
+  then multiples of 32: buckets.row_buckets); the padding
   rows get mask 1 everywhere (a row with no valid frame would make attention
   softmax over nothing, NaN) and zeros elsewhere, and are thrown away;
 - frames to the next multiple of `frame_step`, masked out. Right padding is
@@ -15,8 +16,12 @@ graph has fixed shapes and addresses, so each call is padded up to a bucket:
   for the bucket padding itself).
 
 `use_graphs=False` runs the same padded static path eagerly on any device, so
-CPU tests cover everything but the capture. Calls larger than the largest
-bucket fall back to the plain estimator. One lock: a graph's static buffers
+CPU tests cover everything but the capture. The loader captures every bucket
+of the streaming mode at load (`capture_all`); a call never captures (a
+capture stalls every stream and empties the allocator's cache): a bucket
+without a graph runs the static path eagerly. A shape limit never fails a
+call: more rows than the largest bucket are split into calls that fit
+(`split_rows`), more frames run the plain estimator. One lock: a graph's static buffers
 serve one call at a time, and on a GPU each call's work also waits for the
 previous call's (an event), since callers on other CUDA streams (threads)
 would otherwise overwrite the buffers while the GPU still reads them.
@@ -30,20 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.backends.cosyvoice.buckets import bucket_of
+from engine.backends.cosyvoice.buckets import bucket_of, row_buckets
 
 Bucket = tuple[bool, int, int]  # (streaming, rows, frames)
-
-
-def row_buckets(max_rows: int) -> list[int]:
-    """Powers of two up to `max_rows`, which is the last bucket whatever it is."""
-    if max_rows < 1:
-        raise ValueError(f"expected max_rows >= 1, got {max_rows}")
-    out, b = [], 1
-    while b < max_rows:
-        out.append(b)
-        b *= 2
-    return out + [max_rows]
 
 
 def frame_buckets(max_frames: int, frame_step: int) -> list[int]:
@@ -64,8 +58,9 @@ def empty_static(rows: int, frames: int, dtype: torch.dtype, device: torch.devic
     def z(*shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    # x, mask, mu, t, spks, cond
-    return z(rows, 80, frames), z(rows, 1, frames), z(rows, 80, frames), z(rows), z(rows, 80), z(rows, 80, frames)
+    # x, mask, mu, t, spks, cond; t float32 (the estimator forms its time embedding in float32)
+    t = torch.zeros(rows, dtype=torch.float32, device=device)
+    return z(rows, 80, frames), z(rows, 1, frames), z(rows, 80, frames), t, z(rows, 80), z(rows, 80, frames)
 
 
 def load_static(static: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> None:
@@ -99,7 +94,8 @@ class GraphedEstimator(nn.Module):
         self.static: dict[Bucket, tuple[torch.Tensor, ...]] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}
         self.graphs: dict[Bucket, Any] = {}  # torch.cuda.CUDAGraph per bucket
-        self.num_fallbacks = 0  # calls beyond the largest bucket, run by the plain estimator
+        self.num_fallbacks = 0  # calls with more frames than the largest bucket: the plain estimator
+        self.num_eager = 0  # graph-mode calls of a bucket without a graph (none after capture_all)
         self._pool: Any = None  # the graphs' shared memory pool
         self._largest: tuple[torch.Tensor, ...] | None = None  # input buffers of the largest bucket
         self._lock = threading.Lock()
@@ -156,19 +152,21 @@ class GraphedEstimator(nn.Module):
                 spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T]
         b, frames = x.shape[0], x.shape[2]
-        bucket = self.bucket_for(b, frames, streaming)
         inputs = (x, mask, mu, t, spks, cond)
-        if bucket is None:
+        if frames > self.frames[-1]:
             self.num_fallbacks += 1
             out: torch.Tensor = self.estimator(*inputs, streaming)
             return out
+        if b > self.rows[-1]:
+            return split_rows(lambda *part: self(*part, streaming), inputs, self.rows[-1])
+        bucket = self.bucket_for(b, frames, streaming)
+        assert bucket is not None
         with self._lock, torch.inference_mode():
             if self._done is not None:  # the last call may have been enqueued on another stream
                 torch.cuda.current_stream(x.device).wait_event(self._done)
-            if self.use_graphs and bucket not in self.graphs:
-                self.capture(bucket, x)
             load_static(self._static_for(bucket, x), inputs)
-            if self.use_graphs:
+            self.num_eager += self.use_graphs and bucket not in self.graphs
+            if bucket in self.graphs:
                 # Graphs share one pool: another bucket's replay may overwrite this output's
                 # memory, so it is read (cloned) at once, under the lock.
                 self.graphs[bucket].replay()
@@ -181,3 +179,13 @@ class GraphedEstimator(nn.Module):
                     self._done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 self._done.record(torch.cuda.current_stream(x.device))
             return out
+
+
+def split_rows(run: Any, inputs: tuple[torch.Tensor, ...], max_rows: int) -> torch.Tensor:
+    """(x, mask, mu, t, spks, cond) of more than `max_rows` rows run as calls of at most that many.
+
+    Rows are independent (each attends only to itself), so the pieces joined
+    are the whole call's output.
+    """
+    parts = [run(*(a[i:i + max_rows] for a in inputs)) for i in range(0, inputs[0].shape[0], max_rows)]
+    return torch.cat(parts, dim=0)

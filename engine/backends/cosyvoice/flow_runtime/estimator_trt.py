@@ -1,4 +1,4 @@
-"""The flow estimator on TensorRT: engines cached per GPU, a pool of execution contexts.
+"""The flow estimator on TensorRT 10: the streaming engine cached per GPU, one execution context.
 
 Used only where `import tensorrt` works (`trt_available()`); nothing here
 imports it at module level, so the pure parts (profile, cache key, context
@@ -9,12 +9,12 @@ pool) are tested on any machine.
   `cache_dir` by a key of the GPU name and compute capability, the TensorRT
   version, the profile, the precision and a digest of the ONNX file(s), so
   a new GPU, driver stack or checkpoint builds anew and nothing else does.
-- Upstream's AsyncCosyVoice runs every flow call through one execution
-  context, so concurrent chunks queue behind one another. Here an engine has
-  `num_contexts` contexts, each with its own CUDA stream; a call borrows a
-  free one for its duration, so up to `num_contexts` calls (from different
-  threads) run on the GPU at once, and the rest wait only for the first
-  context to come back.
+- Flow calls come from one thread (the backend's flow worker, one batch per
+  call), so one execution context serves (`num_contexts`, default 1; each
+  more is another scratch allocation, kept only where measured useful). A
+  call borrows a context from a pool for its duration.
+- TensorRT 10 is required (the `gpu` extra pins it): 11 removed the weakly
+  typed `BuilderFlag.FP16`/`BF16` this builder sets.
 - The ONNX graph's inputs and output are float32; `precision` ("fp16",
   "bf16", "fp32") is the builder's choice of kernels inside.
 """
@@ -25,7 +25,7 @@ import hashlib
 import importlib.util
 import queue
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch import nn
 
+from engine.backends.cosyvoice.flow_runtime.estimator_graphs import split_rows
 from engine.backends.cosyvoice.flow_runtime.estimator_onnx import INPUT_NAMES, MEL_BINS, OUTPUT_NAME
 
 PRECISIONS = ("fp16", "bf16", "fp32")
@@ -180,10 +181,18 @@ def cached_engine(onnx_path: str | Path, cache_dir: str | Path, profile: TrtProf
 
 
 class TrtEstimator(nn.Module):
-    """TensorRT engines (one per attention mode) in place of the torch estimator; same call."""
+    """A TensorRT engine of the streaming estimator in place of the torch estimator; same call.
 
-    def __init__(self, engine_paths: Mapping[bool, str | Path], profile: TrtProfile, num_contexts: int = 4,
-                 device: str | torch.device = "cuda") -> None:
+    Only the streaming (chunked attention) graph is built: token-to-wave always
+    streams. A call TensorRT cannot take never fails: offline mode and more
+    frames than the profile run `fallback` (the torch estimator), more rows are
+    split into calls that fit. One execution context unless asked otherwise;
+    its scratch memory is a torch tensor (the caching allocator's, so torch and
+    TensorRT share one pool instead of TensorRT reserving its own).
+    """
+
+    def __init__(self, engine_path: str | Path, profile: TrtProfile, fallback: nn.Module,
+                 num_contexts: int = 1, device: str | torch.device = "cuda") -> None:
         super().__init__()
         import tensorrt as trt
 
@@ -191,45 +200,56 @@ class TrtEstimator(nn.Module):
             raise ValueError(f"expected num_contexts >= 1, got {num_contexts}")
         self.device = torch.device(device)
         self.profile = profile
+        self.fallback = fallback
+        self.num_fallbacks = 0
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self._engines: dict[bool, Any] = {}
-        self.pools: dict[bool, ContextPool[tuple[Any, torch.cuda.Stream]]] = {}
         with torch.cuda.device(self.device):
-            for mode, path in engine_paths.items():
-                engine = self._runtime.deserialize_cuda_engine(Path(path).read_bytes())
-                if engine is None:
-                    raise RuntimeError(f"{path}: expected a TensorRT engine for this GPU and version, got none")
-                self._engines[mode] = engine
-                contexts = [(engine.create_execution_context(), torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
-                            for _ in range(num_contexts)]
-                self.pools[mode] = ContextPool(contexts)
+            engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
+            if engine is None:
+                raise RuntimeError(f"{engine_path}: expected a TensorRT engine for this GPU and version, got none")
+            self._engine = engine
+            self._scratch: list[torch.Tensor] = []
+            contexts = []
+            for _ in range(num_contexts):
+                context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+                scratch = torch.empty(int(engine.device_memory_size_v2), dtype=torch.uint8, device=self.device)
+                context.set_device_memory(scratch.data_ptr(), scratch.numel())
+                self._scratch.append(scratch)
+                contexts.append((context, torch.cuda.Stream(self.device)))  # type: ignore[no-untyped-call]
+            self.pool: ContextPool[tuple[Any, torch.cuda.Stream]] = ContextPool(contexts)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                 spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T] in x's dtype
-        pool = self.pools.get(streaming)
-        if pool is None:
-            raise ValueError(f"expected a {'streaming' if streaming else 'offline'} engine, got none")
         b, frames = x.shape[0], x.shape[2]
-        if not self.profile.accepts(b, frames):
-            raise ValueError(f"expected rows and frames within the engine profile {self.profile.tag()}, "
-                             f"got {b} rows, {frames} frames")
+        inputs = (x, mask, mu, t, spks, cond)
+        if not streaming or not self.profile.min_frames <= frames <= self.profile.max_frames \
+                or b < self.profile.min_rows:
+            self.num_fallbacks += 1
+            out: torch.Tensor = self.fallback(*inputs, streaming)
+            return out
+        if b > self.profile.max_rows:
+            return split_rows(lambda *part: self(*part, streaming), inputs, self.profile.max_rows)
+        return self._run(inputs)
+
+    def _run(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x = inputs[0]
+        b, frames = x.shape[0], x.shape[2]
         caller = torch.cuda.current_stream(self.device)
-        inputs = [a.to(self.device, torch.float32).contiguous() for a in (x, mask, mu, t, spks, cond)]
-        with pool.borrow() as (context, stream):
+        dev_inputs = [a.to(self.device, torch.float32).contiguous() for a in inputs]
+        with self.pool.borrow() as (context, stream):
             stream.wait_stream(caller)  # the inputs were made on the caller's stream
             with torch.cuda.stream(stream):
                 out = torch.empty(b, MEL_BINS, frames, device=self.device, dtype=torch.float32)
-                for name, a in zip(INPUT_NAMES, inputs, strict=True):
+                for name, a in zip(INPUT_NAMES, dev_inputs, strict=True):
                     if not context.set_input_shape(name, tuple(a.shape)):
                         raise ValueError(f"expected {name} within the engine profile, got {tuple(a.shape)}")
                     context.set_tensor_address(name, a.data_ptr())
                 context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
                 if not context.execute_async_v3(stream.cuda_stream):
                     raise RuntimeError(f"expected TensorRT to run the estimator, got a failure at {b} x {frames}")
-            # Only this thread waits; the other contexts keep running. The context is
-            # reusable (new shapes, new addresses) once its work is done, and the
-            # caller's stream may read `out` without waiting on this one.
+            # The context (and its scratch) is reusable once its work is done; the caller's
+            # stream then reads `out` without waiting on this one.
             stream.synchronize()
         out.record_stream(caller)  # allocated on the context's stream, used and freed on the caller's
         return out.to(x.dtype)

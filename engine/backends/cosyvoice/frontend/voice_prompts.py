@@ -55,17 +55,19 @@ class CosyVoice:
         return not self.prompt.prompt_speech_tokens
 
 
-def flow_prompt_of(prompt: VoicePrompt) -> FlowPrompt:
-    """The flow's view of a voice prompt whose tokens and mel are already trimmed.
+def flow_prompt_of(prompt: VoicePrompt, device: torch.device | str = "cpu") -> FlowPrompt:
+    """The flow's view of a voice prompt whose tokens and mel are already trimmed, on `device`.
 
-    A plain voice has no prompt tokens, but the flow wants at least one: it gets
-    one token (id 0) with no mel frames, which conditions nothing.
+    The tensors go to the models' device once, here (a voice is made once and
+    speaks many chunks), not with every flow call. A plain voice has no prompt
+    tokens, but the flow wants at least one: it gets one token (id 0) with no
+    mel frames, which conditions nothing.
     """
     mel = prompt.prompt_mel if prompt.prompt_mel is not None else np.zeros((0, 80), np.float32)
     tokens = prompt.prompt_speech_tokens or [0]
-    return FlowPrompt(torch.tensor(tokens, dtype=torch.long),
-                      torch.as_tensor(np.asarray(mel, dtype=np.float32)),
-                      torch.from_numpy(np.asarray(prompt.embedding, dtype=np.float32)))
+    return FlowPrompt(torch.tensor(tokens, dtype=torch.long, device=device),
+                      torch.as_tensor(np.asarray(mel, dtype=np.float32), device=device),
+                      torch.from_numpy(np.asarray(prompt.embedding, dtype=np.float32)).to(device))
 
 
 def clone_voice(frontend: CosyVoiceFrontend, mel: MelExtractor, audio: np.ndarray, sample_rate: int,

@@ -43,7 +43,10 @@ class LMStart:
     """A stream to start: its prompt, its sampling, and the tokens it already emitted (resumption).
 
     `seed` fixes its sampled tokens (None: the driver picks one); resuming with
-    the same seed continues the same token sequence.
+    the same seed continues the same token sequence. `is_seeded`: the request
+    asked for that determinism (SamplingParams.seed). The torch runner seeds
+    every stream (counter-based uniforms cost nothing); vLLM only seeded ones,
+    since a seeded row makes its sampler loop per row instead of one fused op.
     """
 
     key: str
@@ -51,6 +54,7 @@ class LMStart:
     is_greedy: bool
     resume_tokens: Sequence[int] = ()
     seed: int | None = None
+    is_seeded: bool = False
 
 
 @dataclass(slots=True)

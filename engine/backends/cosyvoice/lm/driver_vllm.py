@@ -218,7 +218,7 @@ class VllmLMDriver:
         num_resumed = len(r.resume_tokens)
         if num_resumed >= max_len:
             raise ValueError(f"expected fewer resumed tokens than {max_len}, got {num_resumed}")
-        seed = (stream_seed(r.key, c.seed) if r.seed is None else r.seed) & 0x7FFFFFFF
+        seed = sampling_seed(r, c.seed)
         ras = c.ras
         sampling = SpeechSampling(
             max_tokens=max_len - num_resumed,
@@ -295,6 +295,14 @@ def driver_config(options: Any, ras: RasConfig) -> VllmDriverConfig:
     """From the backend's CosyVoiceBackendConfig (`num_streams`, `max_len`, `seed`, `vllm_gpu_memory_share`)."""
     return VllmDriverConfig(max_streams=options.num_streams, max_len=options.max_len, ras=ras,
                             seed=options.seed, gpu_memory_share=options.vllm_gpu_memory_share)
+
+
+def sampling_seed(r: LMStart, base_seed: int) -> int | None:
+    """vLLM's per-request seed: only where the request asked for determinism, and never for
+    greedy decoding (a seeded row takes vLLM's per-row sampling path, off its fused kernel)."""
+    if r.is_greedy or not r.is_seeded:
+        return None
+    return (stream_seed(r.key, base_seed) if r.seed is None else r.seed) & 0x7FFFFFFF
 
 
 def create_vllm_driver(lm: SpeechLM, options: Any, ras: RasConfig, device: torch.device) -> VllmLMDriver:

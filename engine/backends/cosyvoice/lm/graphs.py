@@ -3,7 +3,7 @@
 At real sizes a decode step is launch-bound (24 layers of small kernels:
 DESIGN.md's anchor, 5.7-12 ms eager against 1.3-4.7 ms with graphs), so the
 GPU path replays one captured graph per (batch bucket, KV-length bucket)
-instead (gpt-fast / nano-vllm style). A graph needs fixed shapes and
+instead (gpt-fast / nano-vllm style), every bucket captured at load (`capture_all`). A graph needs fixed shapes and
 addresses, which the dynamic path (runner.py) does not have: it reads exactly
 the batch's cache rows and `max(position) + 1` keys. Here instead:
 
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.backends.cosyvoice.buckets import bucket_of
+from engine.backends.cosyvoice.buckets import bucket_of, row_buckets
 from engine.backends.cosyvoice.models.qwen2 import CacheView, SlotKVCache
 
 
@@ -41,7 +41,6 @@ class DecodesSpeech(Protocol):
 
     def head_logp(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 DECODE_MODES = ("dynamic", "static", "cuda_graphs")
 
 
@@ -60,7 +59,7 @@ class StaticDecoder:
             raise ValueError(f"expected kv_bucket >= 1, got {kv_bucket}")
         self.use_graphs = use_graphs
         max_b, max_len, dev = cache.max_batch, cache.max_len, self.device
-        self.batch_buckets = [b for b in BATCH_BUCKETS if b < max_b] + [max_b]
+        self.batch_buckets = row_buckets(max_b)  # 1, 2, 4, ... 64, then multiples of 32
         self.kv_buckets = [k for k in range(kv_bucket, max_len, kv_bucket)] + [max_len]
         self.tokens = torch.zeros(max_b, dtype=torch.long, device=dev)  # [S]
         self.positions = torch.full((max_b, 1), max_len - 1, dtype=torch.long, device=dev)  # [S, 1]
@@ -68,6 +67,7 @@ class StaticDecoder:
         self.out = torch.zeros(max_b, num_rows, device=dev)  # [S, V] float32
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None  # the graphs' shared memory pool
+        self.num_eager = 0  # graph-mode steps of a bucket not captured (none after capture_all)
 
     def _body(self, b: int, kv: int) -> None:
         """Rows [0, b): embed the static tokens, one forward, log-probs into `out`."""
@@ -96,6 +96,15 @@ class StaticDecoder:
             self._pool = graph.pool()
         self.graphs[(b, kv)] = graph
 
+    def capture_all(self) -> int:
+        """Capture every (batch, KV) bucket now, at load, so serving never captures; returns the count."""
+        for b in self.batch_buckets:
+            for kv in self.kv_buckets:
+                self.capture(b, kv)
+        self.positions.fill_(self.max_len - 1)
+        self.tokens.zero_()
+        return len(self.graphs)
+
     def buckets_for(self, slots: list[int], positions: list[int]) -> tuple[int, int]:
         return (bucket_of(max(slots) + 1, self.batch_buckets),
                 bucket_of(max(positions) + 1, self.kv_buckets))
@@ -109,13 +118,10 @@ class StaticDecoder:
             self.positions[:b].fill_(self.max_len - 1)
             self.tokens[index] = tokens.to(self.tokens.device)
             self.positions[index, 0] = torch.tensor(positions, device=self.device)
-            if self.use_graphs:
-                if (b, kv) not in self.graphs:
-                    saved = self.tokens.clone(), self.positions.clone()
-                    self.capture(b, kv)
-                    self.tokens.copy_(saved[0])
-                    self.positions.copy_(saved[1])
-                self.graphs[(b, kv)].replay()
-            else:
+            graph = self.graphs.get((b, kv)) if self.use_graphs else None
+            if graph is not None:
+                graph.replay()
+            else:  # never a capture while serving: it would stall every stream and flush the cache
+                self.num_eager += self.use_graphs
                 self._body(b, kv)
             return self.out[index].clone()

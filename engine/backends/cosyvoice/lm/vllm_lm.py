@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import torch
 
+from engine.backends.cosyvoice.lm.speech_logits import RowState, SpeechLogits
 from engine.backends.cosyvoice.lm.vllm_export import read_head_bias, read_meta
 
 # vLLM's import chain (torch inductor, torch.jit) raises DeprecationWarnings that are
@@ -113,59 +114,16 @@ class SpeechSampling:
         )  # the processor does RAS
 
 
-def ras_logits(
-    logits: torch.Tensor,
-    history: torch.Tensor,
-    top_p: torch.Tensor,
-    top_k: torch.Tensor,
-    threshold: torch.Tensor,
-) -> torch.Tensor:
-    """Log-probabilities of upstream's RAS outcome, per row.
-
-    logits [B, V] (float32, already masked); history [B, W] last tokens, -1
-    padded; top_p [B]; top_k [B] int; threshold [B] = win_size x tau_r.
-
-    Upstream draws s from the nucleus p_n (top-p within top-k of p = softmax);
-    if s occurs >= threshold times in the window (s in R) it forbids s and
-    draws from p. So the outcome t has probability
-        q(t) = p_n(t) [t not in R] + p(t) sum_{s in R, s != t} p_n(s) / (1 - p(s)).
-    """
-    b, v = logits.shape
-    p = logits.softmax(dim=-1)  # [B, V]
-    sorted_p, order = p.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(v, device=p.device)[None]
-    keep = ((sorted_p.cumsum(dim=-1) - sorted_p) < top_p[:, None]) & (rank < top_k[:, None])
-    keep[:, 0] = True
-    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
-    p_n = torch.zeros_like(p).scatter_(1, order, kept / kept.sum(dim=-1, keepdim=True))  # [B, V]
-    counts = torch.zeros(b, v + 1, device=p.device)
-    slots = torch.where(history < 0, v, history).long()  # -1 -> a spill column
-    counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=counts.dtype))
-    repeated = counts[:, :v] >= threshold[:, None]  # [B, V]: R
-    w = torch.where(repeated, p_n / (1.0 - p).clamp_min(1e-12), torch.zeros_like(p))
-    q = torch.where(repeated, torch.zeros_like(p), p_n) + p * (w.sum(dim=-1, keepdim=True) - w)
-    degenerate = q.sum(dim=-1, keepdim=True) <= 0  # p one-hot on a repeated token: keep p
-    return torch.where(degenerate, logits, q.log())
-
-
-@dataclass(slots=True)
-class _RowState:
-    min_tokens: int
-    ras: tuple[float, int, int, float] | None
-    output: list[int]  # vLLM's live list of this request's output tokens
-
-
 class SpeechLogitsProcessor(LogitsProcessor):
     """Head bias, min-length mask and RAS for every request of the engine (see module doc)."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         folder = vllm_config.model_config.model
         meta = read_meta(folder)
-        self.mask_index = int(meta["min_length_mask_index"])
-        bias = read_head_bias(folder)
-        self.bias = None if bias is None else bias.to(device)  # [V] float32
-        self.device = device
-        self.rows: dict[int, _RowState] = {}
+        max_rows = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 256) or 256)
+        self.logits = SpeechLogits(int(meta["min_length_mask_index"]), read_head_bias(folder), device,
+                                   max_rows=max_rows, pin_memory=is_pin_memory)
+        self.rows: dict[int, RowState] = {}
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
@@ -181,12 +139,12 @@ class SpeechLogitsProcessor(LogitsProcessor):
     @staticmethod
     def _new_state(
         params: SamplingParams, _prompt: list[int] | None, output: list[int]
-    ) -> _RowState | None:
+    ) -> RowState | None:
         extra = (params.extra_args or {}).get(EXTRA_KEY)
         if not extra:
             return None
         ras = extra.get("ras")
-        return _RowState(
+        return RowState(
             int(extra.get("min_tokens", 0)),
             None if ras is None else (float(ras[0]), int(ras[1]), int(ras[2]), float(ras[3])),
             output,
@@ -196,33 +154,8 @@ class SpeechLogitsProcessor(LogitsProcessor):
         process_dict_updates(self.rows, batch_update, self._new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        # logits: [B, V] float32
-        if self.bias is not None:
-            logits += self.bias
-        if not self.rows:
-            return logits
-        masked = [i for i, s in self.rows.items() if len(s.output) < s.min_tokens]
-        if masked:
-            logits[masked, self.mask_index] = float("-inf")
-        ras_rows = [(i, s) for i, s in self.rows.items() if s.ras is not None]
-        if ras_rows:
-            win = max(s.ras[2] for _, s in ras_rows if s.ras is not None)
-            history = torch.full((len(ras_rows), win), -1, dtype=torch.long)
-            for j, (_, s) in enumerate(ras_rows):
-                assert s.ras is not None
-                recent = s.output[-s.ras[2] :]
-                if recent:
-                    history[j, win - len(recent) :] = torch.tensor(recent)
-            params = [s.ras for _, s in ras_rows if s.ras is not None]
-            index = torch.tensor([i for i, _ in ras_rows], device=logits.device)
-            logits[index] = ras_logits(
-                logits[index],
-                history.to(logits.device),
-                torch.tensor([r[0] for r in params], device=logits.device),
-                torch.tensor([r[1] for r in params], device=logits.device),
-                torch.tensor([r[2] * r[3] for r in params], device=logits.device),
-            )
-        return logits
+        # logits: [B, V] float32; the work (and why it builds no tensor per step) in speech_logits.py
+        return self.logits.apply(logits, self.rows)
 
 
 @dataclass(slots=True)

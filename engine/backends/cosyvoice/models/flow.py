@@ -96,7 +96,8 @@ class CFM(nn.Module):
         x, t, dt = z.float(), t_span[0], t_span[1] - t_span[0]
         for step in range(1, len(t_span)):
             x_in = torch.cat([x, x]).to(mu.dtype)
-            v = self.estimator(x_in, mask2, mu2, t.expand(2 * b).to(mu.dtype), spks2, cond2, streaming).float()
+            # t stays float32 into the estimator: its time embedding is formed in float32
+            v = self.estimator(x_in, mask2, mu2, t.expand(2 * b), spks2, cond2, streaming).float()
             v_cond, v_uncond = v[:b], v[b:]
             x = x + dt * ((1.0 + self.cfg_rate) * v_cond - self.cfg_rate * v_uncond)
             t = t + dt
@@ -159,30 +160,43 @@ class FlowModel(nn.Module):
 
     @torch.inference_mode()
     def infer(self, rows: list[FlowRow], streaming: bool) -> list[torch.Tensor]:
-        """Mel [80, 2 * (N - num_lookahead)] for each row (prompt frames included), in one batch."""
+        """Mel [80, 2 * (N - num_lookahead)] for each row (prompt frames included), in one batch.
+
+        Lengths are host integers (no device read-back); the padded tokens and
+        noise indices are built on the host (pinned on a GPU) and go to the
+        device in one non-blocking copy each; the noise is gathered for the
+        whole batch at once. A row's prompt mel and x-vector live on the device
+        already (voice_prompts.flow_prompt_of).
+        """
         if not rows:
             return []
         dev, dtype = self.noise.device, self.spk_embed_affine_layer.weight.dtype
-        num_tokens = torch.tensor([r.tokens.shape[0] for r in rows], device=dev)
-        num_valid = num_tokens - torch.tensor([r.num_lookahead for r in rows], device=dev)
-        t_max = int(num_tokens.max())
-        tokens = torch.zeros(len(rows), t_max, dtype=torch.long, device=dev)
+        lengths = [r.tokens.shape[0] for r in rows]
+        valid = [n - r.num_lookahead for n, r in zip(lengths, rows, strict=True)]
+        frames = [2 * v for v in valid]
+        t_max, f_max, b = max(lengths), max(frames), len(rows)
+        pin = dev.type == "cuda"
+        host_tokens = torch.zeros(b, t_max, dtype=torch.long, pin_memory=pin)
+        host_noise = torch.zeros(b, f_max, dtype=torch.long, pin_memory=pin)
         for i, r in enumerate(rows):
-            tokens[i, : r.tokens.shape[0]] = r.tokens.to(dev)
-        mu = self.encode(tokens, num_tokens, num_valid, streaming)
-        frames = 2 * num_valid
-        f_max = int(frames.max())
-        mu = mu[:, :, :f_max]
-        mask = lengths_mask(frames, f_max)[:, None].to(dtype)
-        z = torch.zeros(len(rows), 80, f_max, device=dev)  # float32, like the ODE state
-        cond = torch.zeros(len(rows), 80, f_max, device=dev, dtype=dtype)
+            host_tokens[i, : lengths[i]] = r.tokens
+            host_noise[i, : frames[i]] = r.noise_index % NOISE_FRAMES
+        tokens = host_tokens.to(dev, non_blocking=True)
+        noise_index = host_noise.to(dev, non_blocking=True)
+        num_tokens = torch.tensor(lengths, device=dev)
+        num_valid = torch.tensor(valid, device=dev)
+        mu = self.encode(tokens, num_tokens, num_valid, streaming)[:, :, :f_max]
+        frames_t = 2 * num_valid
+        mask = lengths_mask(frames_t, f_max)[:, None].to(dtype)
+        # float32, like the ODE state; frames past a row's end are masked out everywhere
+        z = self.noise[:, noise_index].permute(1, 0, 2) * mask.float()  # [B, 80, F]
+        cond = torch.zeros(b, 80, f_max, device=dev, dtype=dtype)
         for i, r in enumerate(rows):
-            z[i, :, : r.noise_index.shape[0]] = self.noise[:, r.noise_index.to(dev) % NOISE_FRAMES]
             cond[i, :, : r.prompt_mel.shape[0]] = r.prompt_mel.to(dev, dtype).T
         emb = torch.stack([r.embedding.to(dev, dtype) for r in rows])
         spks = self.spk_embed_affine_layer(F.normalize(emb, dim=1))
         mel = self.decoder(z, mask, mu, spks, cond, streaming)
-        return [mel[i, :, : int(frames[i])] for i in range(len(rows))]
+        return [mel[i, :, : frames[i]] for i in range(b)]
 
 
 def load_flow_state(model: FlowModel, state: dict[str, torch.Tensor]) -> None:

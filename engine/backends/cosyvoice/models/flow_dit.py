@@ -25,9 +25,11 @@ from engine.backends.cosyvoice.models.flow_unet import chunk_attention_mask
 
 
 def sinus_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:
+    """t [B] -> [B, dim] float32. The argument is 1000 t: in bf16 it would be off by up to 0.87 rad,
+    so it is formed in float32 (the caller casts the result to its weights' dtype)."""
     half = dim // 2
     freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
-    arg = scale * t[:, None] * freqs[None]
+    arg = scale * t.float()[:, None] * freqs[None]
     return torch.cat([arg.sin(), arg.cos()], dim=-1)
 
 
@@ -42,7 +44,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)))
+        self.dim = dim
+        self.register_buffer("inv_freq", self._inv_freq(None))  # the default device (meta in tests)
+
+    def _inv_freq(self, device: torch.device | None) -> torch.Tensor:
+        return 1.0 / (10000 ** (torch.arange(0, self.dim, 2, device=device).float() / self.dim))
+
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        # a cast to bf16 would round the frequencies (the angles then drift with position):
+        # the table is remade in float32 on whatever device the cast left it
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        if self.inv_freq.device.type != "meta" and self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._inv_freq(self.inv_freq.device)
+        elif self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self.inv_freq.float()
+        return self
 
     def forward(self, seq_len: int) -> torch.Tensor:
         """-> freqs [T, dim] in float32 (whatever the model's dtype), each repeated for its pair."""
@@ -118,7 +134,8 @@ class TimeEmbed(nn.Module):
         self.time_mlp = nn.ModuleList([nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim)])
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        h = sinus_embedding(t, self.freq_dim).to(t.dtype)
+        first = cast(nn.Linear, self.time_mlp[0])
+        h = sinus_embedding(t, self.freq_dim).to(first.weight.dtype)
         for layer in self.time_mlp:
             h = layer(h)
         return h

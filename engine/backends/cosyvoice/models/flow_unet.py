@@ -36,11 +36,14 @@ def chunk_attention_mask(valid: torch.Tensor, chunk: int, streaming: bool) -> to
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.Tensor:
-    """t [B] -> [B, dim]: sin then cos of scale * t at geometric frequencies (Matcha-TTS)."""
+    """t [B] -> [B, dim] float32: sin then cos of scale * t at geometric frequencies (Matcha-TTS).
+
+    Formed in float32 whatever t's dtype (1000 t in bf16 is off by up to 0.87 rad);
+    the caller casts the result to its weights' dtype."""
     half = dim // 2
     freqs = torch.exp(torch.arange(half, device=t.device).float() * -(math.log(10000) / (half - 1)))
-    arg = scale * t[:, None] * freqs[None]
-    return torch.cat([arg.sin(), arg.cos()], dim=-1).to(t.dtype)
+    arg = scale * t.float()[:, None] * freqs[None]
+    return torch.cat([arg.sin(), arg.cos()], dim=-1)
 
 
 class CausalConv1d(nn.Conv1d):
@@ -193,7 +196,7 @@ class UNetEstimator(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                 spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80]
-        temb = self.time_mlp(timestep_embedding(t, self.in_channels))
+        temb = self.time_mlp(timestep_embedding(t, self.in_channels).to(self.time_mlp.linear_1.weight.dtype))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)
         hiddens, masks = [], [mask]
         for level in self.down_blocks:

@@ -40,6 +40,7 @@ stream's own):
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -92,6 +93,9 @@ class FlowPrompt:
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1 or self.tokens.shape[0] == 0:
             raise ValueError(f"expected prompt tokens [N >= 1], got shape {tuple(self.tokens.shape)}")
+        if self.tokens.shape[0] > MAX_PROMPT_TOKENS:  # bounds every flow row (max_chunk_frames)
+            raise ValueError(f"expected at most {MAX_PROMPT_TOKENS} prompt tokens (30 s of reference audio), "
+                             f"got {self.tokens.shape[0]}")
         if self.mel.dim() != 2 or self.mel.shape[1] != 80 or self.mel.shape[0] > 2 * self.tokens.shape[0]:
             raise ValueError(f"expected prompt mel [<= {2 * self.tokens.shape[0]}, 80], got {tuple(self.mel.shape)}")
         if self.embedding.dim() != 1:
@@ -139,6 +143,25 @@ def schedule(prompt_len: int, num_tokens: int, config: T2WConfig, hop: int = 25,
         offset, end = end, grid_end(prompt_len, end, hop, config.min_hop_tokens)
 
 
+MAX_PROMPT_TOKENS = 750  # a voice prompt: at most 30 s of reference audio at 25 tokens/s
+
+
+def max_chunk_frames(config: T2WConfig, hop: int = 25, lookahead: int = 3,
+                     max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int | None:
+    """The most mel frames one flow row can have: prompt + kept history + chunk + lookahead, x2.
+
+    History is cut on the hop grid with at least `max_history_tokens` kept, so
+    fewer than that plus one hop remain; a chunk ends on the grid at least
+    `min_hop` (10 at speed 2) after the last, or is the first hop; a final one
+    may take up to the lookahead more. None: unbounded history, no limit.
+    """
+    if config.max_history_tokens is None:
+        return None
+    history = config.max_history_tokens + hop - 1
+    chunk = max(config.first_hop_tokens or 2 * hop, max(config.min_hop_tokens, min_hop_for_speed(2.0)) + hop - 1)
+    return 2 * (max_prompt_tokens + history + chunk + lookahead)
+
+
 def min_hop_for_speed(speed: float) -> int:
     """Fewest tokens a chunk needs at `speed` to still give >= 8 stretched mel frames, with a frame to spare."""
     return math.ceil(4.5 * speed) + 1
@@ -147,6 +170,7 @@ def min_hop_for_speed(speed: float) -> int:
 @dataclass(slots=True)
 class _Stream:
     prompt: FlowPrompt
+    prompt_tokens: list[int]  # the prompt's tokens on the host (the prompt tensors may be on the GPU)
     vocoder: V2VocoderState | V3VocoderState
     next_end: int
     min_hop: int
@@ -154,6 +178,20 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)
     offset: int = 0  # tokens whose mel is emitted
     is_input_done: bool = False
+
+
+@dataclass(slots=True)
+class _Plan:
+    """One stream's next chunk: tokens [end, end + lookahead) exist; the flow row to compute."""
+
+    stream_id: str
+    stream: _Stream
+    end: int
+    is_final: bool
+    start: int  # first history token recomputed
+    offset: int  # tokens whose mel was emitted before this chunk
+    row: FlowRow
+    mel: torch.Tensor | None = None  # [80, frames] this chunk's new mel, once computed
 
 
 class TokenToWave:
@@ -167,6 +205,7 @@ class TokenToWave:
         self.lookahead = flow.pre_lookahead_len
         self.sample_rate = hift.cfg.sampling_rate
         self._streams: dict[str, _Stream] = {}
+        self._lock = threading.RLock()  # the hop state, between the LM's thread and the flow's
 
     # -- stream lifecycle -------------------------------------------------------------------------
 
@@ -180,8 +219,12 @@ class TokenToWave:
         if stretcher is not None:
             min_hop = max(min_hop, min_hop_for_speed(speed))
             end = max(end, min_hop)
-        self._streams[stream_id] = _Stream(prompt=prompt, vocoder=vocoder, next_end=end, min_hop=min_hop,
-                                           stretcher=stretcher)
+        with self._lock:
+            if stream_id in self._streams:
+                raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
+            self._streams[stream_id] = _Stream(prompt=prompt, prompt_tokens=prompt.tokens.tolist(),
+                                               vocoder=vocoder, next_end=end, min_hop=min_hop,
+                                               stretcher=stretcher)
 
     def feed(self, stream_id: str, tokens: list[int] | torch.Tensor) -> None:
         stream = self._get(stream_id)
@@ -191,14 +234,17 @@ class TokenToWave:
         vocab = self.flow.input_embedding.num_embeddings
         if any(not 0 <= t < vocab for t in new):
             raise ValueError(f"expected speech tokens in [0, {vocab}), got {[t for t in new if not 0 <= t < vocab]}")
-        stream.tokens.extend(new)
+        with self._lock:
+            stream.tokens.extend(new)
 
     def finish(self, stream_id: str) -> None:
-        self._get(stream_id).is_input_done = True
+        with self._lock:
+            self._get(stream_id).is_input_done = True
 
     def drop(self, stream_id: str) -> None:
         """Forget a stream (cancel); unknown ids are ignored, so a late cancel is harmless."""
-        self._streams.pop(stream_id, None)
+        with self._lock:
+            self._streams.pop(stream_id, None)
 
     def has_stream(self, stream_id: str) -> bool:
         return stream_id in self._streams
@@ -209,7 +255,8 @@ class TokenToWave:
 
     def ready(self) -> list[str]:
         """Streams with a chunk that can be computed now, in the order they were added."""
-        return [sid for sid, s in self._streams.items() if self._plan(s) is not None]
+        with self._lock:
+            return [sid for sid, s in self._streams.items() if self._plan(s) is not None]
 
     def _get(self, stream_id: str) -> _Stream:
         try:
@@ -234,42 +281,58 @@ class TokenToWave:
         """Compute the next chunk of each listed stream that has one ready, as one batch.
 
         Streams that were dropped, or have nothing ready, are skipped. A final
-        chunk ends its stream.
+        chunk ends its stream. Three phases: `plan` and `commit` hold the lock
+        (they read and move the streams' hop state), `compute` does not, so the
+        LM's thread may feed, finish, add or drop streams while a flow batch runs
+        on another thread (t2w/worker.py); a stream dropped meanwhile yields nothing.
         """
-        plans: list[tuple[str, _Stream, int, bool, int]] = []
-        rows: list[FlowRow] = []
-        for sid in dict.fromkeys(stream_ids):
-            s = self._streams.get(sid)
-            plan = self._plan(s) if s is not None else None
-            if s is None or plan is None:
-                continue
-            end, is_final = plan
-            start = self.history_start(s.offset)
-            la = 0 if is_final else self.lookahead
-            p = s.prompt.tokens.shape[0]
-            tokens = torch.cat([s.prompt.tokens.long().cpu(),
-                                torch.tensor(s.tokens[start:end + la], dtype=torch.long)])
-            noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
-            rows.append(FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index))
-            plans.append((sid, s, end, is_final, start))
-        if not rows:
-            return []
-        mels = self.flow.infer(rows, streaming=self.config.streaming_attention)
-        new_mels = []
-        for (_, s, _, _, start), mel in zip(plans, mels, strict=True):
-            p = s.prompt.tokens.shape[0]
-            new_mels.append(mel[:, 2 * (p + s.offset - start):])
-        voc_mels = [m if s.stretcher is None else s.stretcher.push(m, fin)
-                    for (_, s, _, fin, _), m in zip(plans, new_mels, strict=True)]
-        audios = vocode_batch(self.hift, [s.vocoder for _, s, _, _, _ in plans], voc_mels,
-                              [f for _, _, _, f, _ in plans], self.config.hift_context_frames)
-        out = []
-        for (sid, s, end, is_final, _), audio, mel in zip(plans, audios, new_mels, strict=True):
-            out.append(WaveChunk(sid, audio, is_final, end - s.offset, mel))
-            if is_final:
-                del self._streams[sid]
-            else:
-                s.offset = end
-                s.next_end = grid_end(s.prompt.tokens.shape[0], end, self.hop, s.min_hop)
-        return out
+        plans = self.plan(stream_ids)
+        return self.commit(plans, self.compute(plans)) if plans else []
 
+    def plan(self, stream_ids: list[str]) -> list[_Plan]:
+        with self._lock:
+            plans: list[_Plan] = []
+            for sid in dict.fromkeys(stream_ids):
+                s = self._streams.get(sid)
+                plan = self._plan(s) if s is not None else None
+                if s is None or plan is None:
+                    continue
+                end, is_final = plan
+                start = self.history_start(s.offset)
+                la = 0 if is_final else self.lookahead
+                p = s.prompt.tokens.shape[0]
+                tokens = torch.tensor([*s.prompt_tokens, *s.tokens[start:end + la]], dtype=torch.long)
+                noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
+                row = FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index)
+                plans.append(_Plan(sid, s, end, is_final, start, s.offset, row))
+            return plans
+
+    def compute(self, plans: list[_Plan]) -> list[torch.Tensor]:
+        """The audio of each planned chunk (the models run here; no lock held)."""
+        mels = self.flow.infer([p.row for p in plans], streaming=self.config.streaming_attention)
+        new_mels = []
+        for plan, mel in zip(plans, mels, strict=True):
+            prompt_len = plan.stream.prompt.tokens.shape[0]
+            plan.mel = mel[:, 2 * (prompt_len + plan.offset - plan.start):]
+            new_mels.append(plan.mel)
+        voc_mels = [m if p.stream.stretcher is None else p.stream.stretcher.push(m, p.is_final)
+                    for p, m in zip(plans, new_mels, strict=True)]
+        return vocode_batch(self.hift, [p.stream.vocoder for p in plans], voc_mels,
+                            [p.is_final for p in plans], self.config.hift_context_frames)
+
+    def commit(self, plans: list[_Plan], audios: list[torch.Tensor]) -> list[WaveChunk]:
+        """Move each stream past its chunk; chunks of streams dropped since `plan` are discarded."""
+        with self._lock:
+            out = []
+            for p, audio in zip(plans, audios, strict=True):
+                if self._streams.get(p.stream_id) is not p.stream:
+                    continue  # dropped (cancelled) while its chunk was computed
+                assert p.mel is not None
+                out.append(WaveChunk(p.stream_id, audio, p.is_final, p.end - p.offset, p.mel))
+                if p.is_final:
+                    del self._streams[p.stream_id]
+                else:
+                    p.stream.offset = p.end
+                    p.stream.next_end = grid_end(p.stream.prompt.tokens.shape[0], p.end, self.hop,
+                                                 p.stream.min_hop)
+            return out
