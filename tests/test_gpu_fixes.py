@@ -31,9 +31,11 @@ from engine.backends.cosyvoice.loader import flow_limits
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.flow import CFM, FlowRow, build_flow
 from engine.backends.cosyvoice.models.flow_dit import RotaryEmbedding, TimeEmbed, sinus_embedding
+from engine.backends.cosyvoice.models.hift import NoiseCounter
 from engine.backends.cosyvoice.models.qwen2 import Qwen2Config
 from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 from engine.backends.cosyvoice.t2w.streams import FlowPrompt, T2WConfig, max_chunk_frames, schedule
+from engine.backends.cosyvoice.t2w.vocoder import V2VocoderState
 from engine.backends.cosyvoice.t2w.worker import WaveChunk, chunks_to_host
 from engine.types import RequestId, SynthesisRequest
 from tests.conftest import REPO
@@ -303,6 +305,18 @@ def test_one_step_brings_every_chunks_audio_to_the_host_in_one_copy(monkeypatch:
     host = chunks_to_host(chunks)
     assert len(copies) == 1 and [len(c.pcm) for c in host] == [100, 200, 300]
     assert [float(c.pcm[0]) for c in host] == [0.0, 1.0, 2.0] and host[2].is_final
+
+
+def test_cosyvoice_2s_source_noise_is_counter_based_on_the_device() -> None:
+    state = V2VocoderState.new(7)  # was a CPU torch.Generator: randn on the host, then a copy per chunk
+    assert isinstance(state.noise, NoiseCounter)
+    assert state.noise.normal((1, 4800, 9), torch.device("meta")).device.type == "meta"
+    whole = NoiseCounter(7).normal((2, 5000), torch.device("cpu"))
+    chunked = NoiseCounter(7)
+    parts = torch.cat([chunked.normal((1, 5000), torch.device("cpu")), chunked.normal((1, 5000), torch.device("cpu"))])
+    assert torch.equal(whole, parts)  # a pure function of (seed, counter): chunking changes nothing
+    assert abs(float(whole.mean())) < 0.05 and abs(float(whole.std()) - 1.0) < 0.05
+    assert not torch.equal(whole, NoiseCounter(8).normal((2, 5000), torch.device("cpu")))
 
 
 # -- 7. Precision ----------------------------------------------------------------------------------

@@ -229,7 +229,7 @@ class SourceModule(nn.Module):
         return cycles if phase0 is None else cycles + phase0[:, None, :]
 
     def forward(self, f0: torch.Tensor, cycles: torch.Tensor, start: int = 0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+                generator: torch.Generator | NoiseCounter | None = None) -> torch.Tensor:
         """f0 [B, T], cycles [B, T, H] -> source [B, 1, T * 480]; `start`: absolute first sample (v3 noise)."""
         cfg, up = self.cfg, self.cfg.samples_per_frame
         if cfg.causal:
@@ -244,9 +244,50 @@ class SourceModule(nn.Module):
             idx = torch.arange(start, start + sines.shape[1], device=f0.device) % n
             noise = self.noise_table[idx].to(sines)[None]
         else:
-            noise = torch.randn(sines.shape, generator=generator).to(sines)
+            if isinstance(generator, NoiseCounter):  # on the device, from (seed, counter)
+                noise = generator.normal(tuple(sines.shape), f0.device).to(sines)
+            else:
+                noise = torch.randn(sines.shape, generator=generator).to(sines)
         sines = sines * uv + amp * cfg.noise_scale * noise
         return torch.tanh(self.l_linear(sines)).transpose(1, 2)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32), elementwise on int64 tensors holding 32-bit values."""
+    x = x & _MASK32
+    x = (x ^ (x >> 16)) * 0x7FEB352D & _MASK32
+    x = (x ^ (x >> 15)) * 0x846CA68B & _MASK32
+    return x ^ (x >> 16)
+
+
+def _mix32_int(x: int) -> int:
+    x &= _MASK32
+    x = (x ^ (x >> 16)) * 0x7FEB352D & _MASK32
+    x = (x ^ (x >> 15)) * 0x846CA68B & _MASK32
+    return x ^ (x >> 16)
+
+
+@dataclass(slots=True)
+class NoiseCounter:
+    """CosyVoice 2's source noise for one stream, counter-based: the k-th normal it ever draws is a
+    hash of (seed, k), made on the device (no CPU generator, no host-to-device copy per chunk)."""
+
+    seed: int
+    drawn: int = 0
+
+    def normal(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        n = math.prod(shape)
+        counters = torch.arange(self.drawn, self.drawn + n, device=device, dtype=torch.long)
+        self.drawn += n
+        key = _mix32_int((self.seed & _MASK32) ^ _mix32_int((self.seed >> 32) & _MASK32))  # a host int
+        bits1 = _mix32(key ^ _mix32(2 * counters & _MASK32))
+        bits2 = _mix32(key ^ _mix32((2 * counters + 1) & _MASK32))
+        u1 = ((bits1 >> 8).float() + 0.5) / float(1 << 24)  # (0, 1): the log is finite
+        u2 = (bits2 >> 8).float() / float(1 << 24)
+        return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).reshape(shape)  # Box-Muller
 
 
 class HiFT(nn.Module):

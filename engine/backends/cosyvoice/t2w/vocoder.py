@@ -27,14 +27,14 @@ from typing import cast
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.models.hift import HiFT
+from engine.backends.cosyvoice.models.hift import HiFT, NoiseCounter
 
 V2_CACHE_FRAMES = 8  # upstream mel_cache_len
 
 
 @dataclass(slots=True)
 class V2VocoderState:
-    generator: torch.Generator
+    noise: NoiseCounter  # the source's noise, counter-based on the device
     mel: torch.Tensor | None = None  # [80, 8] held-back frames
     source: torch.Tensor | None = None  # [1, 3840] their source
     speech: torch.Tensor | None = None  # [3840] their audio, to fade out
@@ -42,7 +42,7 @@ class V2VocoderState:
 
     @classmethod
     def new(cls, seed: int) -> V2VocoderState:
-        return cls(generator=torch.Generator().manual_seed(seed))
+        return cls(noise=NoiseCounter(seed))
 
 
 @dataclass(slots=True)
@@ -93,7 +93,7 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
             cyc = hift.m_source.phase(f0[row:row + 1])
             if st.phase is not None:  # continue the phase exactly where the pinned overlap ends
                 cyc = cyc + (st.phase - cyc[0, V2_CACHE_FRAMES - 1])
-            src = hift.m_source(f0[row:row + 1], cyc, generator=st.generator)
+            src = hift.m_source(f0[row:row + 1], cyc, generator=st.noise)
             if st.source is not None:
                 src[:, :, : st.source.shape[1]] = st.source
             sources.append(src)
