@@ -17,6 +17,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from engine.backends import create_backend
+from engine.client import EngineClient
 from engine.engine import Engine, EngineConfig
 from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
@@ -42,7 +43,7 @@ WEB_DIR = next((d for d in _WEB_DIRS if (d / "index.html").is_file()), _WEB_DIRS
 @dataclass(slots=True)
 class AppState:
     config: GatewayConfig
-    engine: Engine
+    engine: EngineClient
     metrics: Metrics
     connections: set[Any] = field(default_factory=set)
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
@@ -149,8 +150,8 @@ async def metrics(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def create_app(config: GatewayConfig | None = None, engine: Engine | None = None) -> Starlette:
-    """The voxgate app. `engine` may be given (tests inject a scripted backend)."""
+def create_app(config: GatewayConfig | None = None, engine: EngineClient | None = None) -> Starlette:
+    """The voxgate app. `engine` may be given (tests inject a scripted backend; Ray Serve a remote one)."""
     config = config or GatewayConfig.from_env()
     engine = engine or build_engine(config)
     state = AppState(config, engine, Metrics(engine),

@@ -60,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ssl-certfile", help="serve https/wss with this PEM certificate (with --ssl-keyfile)")
     serve.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
+    from gateway.ray_serve.launch import add_parser  # imports no Ray: `ray-serve` checks for it
+
+    add_parser(sub)
     return parser
 
 
@@ -139,6 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
+    if args.command == "ray-serve":
+        from gateway.ray_serve.launch import run
+
+        logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run(args)
     _tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.engine import Engine
+from engine.client import EngineClient
+from engine.engine import STEP_BUCKETS
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
+# Late audio: how long after its playback time a message left (the server's view of a gap).
+LATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _EngineCollector(Collector):
     """Reads the engine's counters at scrape time."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
 
     def collect(self):  # type: ignore[no-untyped-def]
@@ -41,10 +44,23 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], float(value))
             yield family
+        yield _step_histogram(e.step_bucket_counts, e.busy_seconds)
+
+
+def _step_histogram(counts: list[int], total_s: float) -> HistogramMetricFamily:
+    """Engine step durations (summed over replicas when the engine is remote)."""
+    family = HistogramMetricFamily("voxgate_engine_step_duration_seconds",
+                                   "backend step durations")
+    cumulative, buckets = 0, []
+    for bound, count in zip((*STEP_BUCKETS, float("inf")), counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
+    family.add_metric([], buckets, sum_value=total_s)
+    return family
 
 
 class Metrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.sessions = Gauge("voxgate_sessions", "open WebSocket sessions", registry=r)
@@ -52,6 +68,9 @@ class Metrics:
         self.ttfa = Histogram("voxgate_ttfa_seconds",
                               "first segment complete in the input -> first audio frame sent",
                               buckets=TTFA_BUCKETS, registry=r)
+        self.late_audio = Histogram("voxgate_late_audio_seconds",
+                                    "audio messages sent after their playback time, by how late",
+                                    buckets=LATE_BUCKETS, registry=r)
         self.audio_seconds = Counter("voxgate_audio_sent_seconds", "audio seconds sent", registry=r)
         self.errors = Counter("voxgate_errors", "error events sent, by code", ["code"], registry=r)
         self.cancels = Counter("voxgate_cancels", "contexts cancelled by clients", registry=r)
@@ -62,6 +81,8 @@ class Metrics:
     def observe(self, name: str, value: float) -> None:
         if name == "ttfa":
             self.ttfa.observe(value)
+        elif name == "late_audio":
+            self.late_audio.observe(value)
         elif name == "audio_ms":
             self.audio_seconds.inc(value / 1000.0)
         elif name == "cancel":

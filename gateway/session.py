@@ -454,6 +454,9 @@ class Session:
                 continue  # refused admission: it ended, the next context is active
             for message in context.playout.release(now, self._playback_end):
                 actions += [Send(message, is_audio=True), Observe("audio_ms", message["duration_ms"])]
+                late_s = now - (context.playout.play_started_at or now) - message["pts_ms"] / 1000.0
+                if late_s > 0:  # sent after its playback time: the server's view of a gap
+                    actions.append(Observe("late_audio", late_s))
             if not context.is_drained():
                 break
             actions.append(Send(messages.context_done(context.context_id, context.audio_ms_sent,

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.engine import Engine
+from engine.client import EngineClient
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest, estimate_audio_s
 from gateway.auth import presented_key
@@ -62,7 +62,7 @@ MAX_SEGMENTS_AHEAD = 4
 
 async def speech_endpoint(request: Request) -> Response:
     state = request.app.state.voxgate
-    engine: Engine = state.engine
+    engine: EngineClient = state.engine
     if state.is_shutting_down:
         return http_error(503, "busy", "the server is shutting down")
     timeout_s = state.config.limits.slow_consumer_timeout_s
@@ -191,7 +191,7 @@ def _type(value: Any) -> str:
 class _Synthesis:
     """One request's engine work: segments submitted a few ahead, all freed by `close`."""
 
-    def __init__(self, engine: Engine, fair_share: FairShare, catalog: VoiceCatalog, key: str,
+    def __init__(self, engine: EngineClient, fair_share: FairShare, catalog: VoiceCatalog, key: str,
                  segments: list[str], job: _Job) -> None:
         self.engine, self.fair_share, self.catalog = engine, fair_share, catalog
         self.key, self.segments, self.job = key, segments, job

@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from engine.engine import Engine
+from engine.client import EngineClient
 from engine.errors import UnknownVoiceError, UnsupportedOptionError, VoxgateError
 from engine.types import VoiceInfo
 from gateway.auth import OPERATOR, Principal
@@ -77,7 +77,7 @@ def _store_failed() -> VoiceUploadError:
 class VoiceService:
     """Registered voices of this process: store, engine and catalog kept in step."""
 
-    def __init__(self, config: VoiceConfig, engine: Engine, catalog: VoiceCatalog | None = None) -> None:
+    def __init__(self, config: VoiceConfig, engine: EngineClient, catalog: VoiceCatalog | None = None) -> None:
         self.config = config
         self.engine = engine
         self.catalog = catalog if catalog is not None else VoiceCatalog()

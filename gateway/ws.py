@@ -21,7 +21,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.engine import Engine
+from engine.client import EngineClient
 from engine.errors import VoxgateError
 from engine.types import RequestId, SynthesisRequest
 from gateway.actions import Action, Cancel, Close, Observe, Send, Submit
@@ -68,7 +68,7 @@ def options_from_query(query: dict[str, str], base: SessionOptions,
 class Connection:
     """One accepted socket and its session."""
 
-    def __init__(self, websocket: WebSocket, session: Session, engine: Engine, app_state: Any) -> None:
+    def __init__(self, websocket: WebSocket, session: Session, engine: EngineClient, app_state: Any) -> None:
         self.ws = websocket
         self.session = session
         self.engine = engine
@@ -308,7 +308,7 @@ async def _refuse(websocket: WebSocket, code: str, message: str, close_code: int
 async def stream_endpoint(websocket: WebSocket) -> None:
     state = websocket.app.state.voxgate
     config = state.config
-    engine: Engine = state.engine
+    engine: EngineClient = state.engine
     query = dict(websocket.query_params)
     key = presented_key(websocket.headers, query)
     # Nothing is done for a socket before it is authorized (PROTOCOL.md: 4401).
