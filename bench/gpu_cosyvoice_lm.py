@@ -58,6 +58,8 @@ def time_decode(runner: SpeechLMRunner, streams: list[LMStream], context: int, s
     """Median ms of one `feed` (one token for every stream) at a fixed cache length."""
     device = runner.device
     tokens = [i % 6561 for i in range(len(streams))]
+    if runner.static is not None and runner.static.use_graphs:  # serving never captures: capture first
+        runner.static.capture(*runner.static.buckets_for([s.slot for s in streams], [context] * len(streams)))
     times = []
     for i in range(warmup + steps):
         for s in streams:

@@ -79,12 +79,14 @@ class StageTimer:
 
     def wrap(self, name: str, fn: Callable[..., Any], rows: Callable[..., int]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            # this thread's CUDA stream only: the flow runs on its own thread and stream, and a
+            # device-wide sync would charge the LM step with the flow batch it overlaps
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                torch.cuda.current_stream(self.device).synchronize()
             start = time.perf_counter()
             out = fn(*args, **kwargs)
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                torch.cuda.current_stream(self.device).synchronize()
             self.calls.setdefault(name, []).append((time.perf_counter() - start, rows(*args, **kwargs)))
             return out
         return timed

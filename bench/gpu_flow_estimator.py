@@ -272,6 +272,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 continue
             for n in batches:
                 try:
+                    if isinstance(estimator, GraphedEstimator) and estimator.use_graphs:
+                        # a call never captures (the loader captures every bucket at load): capture first
+                        bucket = estimator.bucket_for(2 * n, args.frames, args.streaming)
+                        if bucket is not None:
+                            with torch.inference_mode():
+                                estimator.capture(bucket, inputs[n][0])
                     with torch.inference_mode():
                         out = estimator(*inputs[n], args.streaming)
                         ms = time_passes(partial(estimator, *inputs[n], args.streaming), device,
