@@ -31,8 +31,8 @@ from engine.backends.cosyvoice.loader import flow_limits
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.flow import CFM, FlowRow, build_flow
 from engine.backends.cosyvoice.models.flow_dit import RotaryEmbedding, TimeEmbed, sinus_embedding
-from engine.backends.cosyvoice.models.hift import NoiseCounter
 from engine.backends.cosyvoice.models.qwen2 import Qwen2Config
+from engine.backends.cosyvoice.models.source_noise import NoiseCounter
 from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 from engine.backends.cosyvoice.t2w.streams import FlowPrompt, T2WConfig, max_chunk_frames, schedule
 from engine.backends.cosyvoice.t2w.vocoder import V2VocoderState

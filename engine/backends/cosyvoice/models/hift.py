@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+from engine.backends.cosyvoice.models.source_noise import NoiseCounter
 from engine.errors import ModelLoadError
 
 NOISE_TABLE_SECONDS = 10  # the v3 source noise repeats after this many seconds
@@ -250,44 +251,6 @@ class SourceModule(nn.Module):
                 noise = torch.randn(sines.shape, generator=generator).to(sines)
         sines = sines * uv + amp * cfg.noise_scale * noise
         return torch.tanh(self.l_linear(sines)).transpose(1, 2)
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32), elementwise on int64 tensors holding 32-bit values."""
-    x = x & _MASK32
-    x = (x ^ (x >> 16)) * 0x7FEB352D & _MASK32
-    x = (x ^ (x >> 15)) * 0x846CA68B & _MASK32
-    return x ^ (x >> 16)
-
-
-def _mix32_int(x: int) -> int:
-    x &= _MASK32
-    x = (x ^ (x >> 16)) * 0x7FEB352D & _MASK32
-    x = (x ^ (x >> 15)) * 0x846CA68B & _MASK32
-    return x ^ (x >> 16)
-
-
-@dataclass(slots=True)
-class NoiseCounter:
-    """CosyVoice 2's source noise for one stream, counter-based: the k-th normal it ever draws is a
-    hash of (seed, k), made on the device (no CPU generator, no host-to-device copy per chunk)."""
-
-    seed: int
-    drawn: int = 0
-
-    def normal(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        n = math.prod(shape)
-        counters = torch.arange(self.drawn, self.drawn + n, device=device, dtype=torch.long)
-        self.drawn += n
-        key = _mix32_int((self.seed & _MASK32) ^ _mix32_int((self.seed >> 32) & _MASK32))  # a host int
-        bits1 = _mix32(key ^ _mix32(2 * counters & _MASK32))
-        bits2 = _mix32(key ^ _mix32((2 * counters + 1) & _MASK32))
-        u1 = ((bits1 >> 8).float() + 0.5) / float(1 << 24)  # (0, 1): the log is finite
-        u2 = (bits2 >> 8).float() / float(1 << 24)
-        return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).reshape(shape)  # Box-Muller
 
 
 class HiFT(nn.Module):

@@ -27,7 +27,8 @@ from typing import cast
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.models.hift import HiFT, NoiseCounter
+from engine.backends.cosyvoice.models.hift import HiFT
+from engine.backends.cosyvoice.models.source_noise import NoiseCounter
 
 V2_CACHE_FRAMES = 8  # upstream mel_cache_len
 
