@@ -250,3 +250,30 @@ def test_a_burst_of_sessions_scales_the_gateway_from_1_to_2_and_back(cluster: Cl
 
 async def _connect_prefixed(cluster: Cluster, prefix: str) -> Client:
     return await Client.connect(cluster.ws_url + prefix + "/v1/stream")
+
+
+def test_the_serve_config_file_is_valid_for_serve_deploy_and_the_builder() -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from gateway.ray_serve.app import RayServeConfig, _engine_options, _gateway_options
+
+    config = yaml.safe_load((Path(__file__).parent.parent / "deploy" / "serve-config.yaml").read_text())
+    ServeDeploySchema(**config)
+    (app,) = config["applications"]
+    assert app["import_path"] == "gateway.ray_serve.app:build_app"
+    cfg = RayServeConfig(**app["args"])
+    assert _engine_options(cfg)["ray_actor_options"]["num_gpus"] == 1
+    gateway = _gateway_options(cfg)
+    assert gateway["max_ongoing_requests"] == 200  # not Serve's default of 5 sockets
+    assert gateway["graceful_shutdown_timeout_s"] > 20  # not Serve's default, which cuts turns
+    assert "request_timeout_s" not in config["http_options"]
+
+
+def test_a_bad_tier_size_is_refused_with_a_clear_message() -> None:
+    from gateway.ray_serve.app import RayServeConfig
+
+    with pytest.raises(ValueError, match="engine_replicas must be >= 1, got 0"):
+        RayServeConfig(engine_replicas=0)
+    with pytest.raises(ValueError, match="gateway_replicas must be >= 1 or 'auto'"):
+        RayServeConfig(gateway_replicas="many")
