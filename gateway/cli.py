@@ -139,14 +139,14 @@ def _tune_malloc(profile: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
-        return 2
-    if args.command == "ray-serve":
+    if args.command == "ray-serve":  # its own flags (gateway/ray_serve/launch.py)
         from gateway.ray_serve.launch import run
 
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run(args)
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        return 2
     _tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -277,3 +277,11 @@ def test_a_bad_tier_size_is_refused_with_a_clear_message() -> None:
         RayServeConfig(engine_replicas=0)
     with pytest.raises(ValueError, match="gateway_replicas must be >= 1 or 'auto'"):
         RayServeConfig(gateway_replicas="many")
+
+
+def test_voxgate_ray_serve_refuses_a_bad_tier_size_before_starting_ray(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from gateway.cli import main
+
+    assert main(["ray-serve", "--engine-replicas", "0"]) == 2
+    assert "engine_replicas must be >= 1, got 0" in capsys.readouterr().out
