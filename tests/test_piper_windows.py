@@ -31,7 +31,7 @@ def backends() -> dict[str, PiperBackend]:
     for name, config in {
         "whole": PiperBackendConfig(num_threads=1, windowed=False),
         "windows": PiperBackendConfig(num_threads=1),
-        "full_context": PiperBackendConfig(num_threads=1, context_frames=100_000),
+        "full_context": PiperBackendConfig(num_threads=1, window_context_frames=100_000),
     }.items():
         made[name] = PiperBackend(config)
         made[name].load()

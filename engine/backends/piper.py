@@ -102,13 +102,13 @@ class PiperBackendConfig:
     num_parallel_calls: int = 1
     # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
     # a segment's first window is small (first audio soon), the second medium, the rest
-    # `window_frames`; `context_frames` each side make each window equal the whole decode
+    # `window_frames`; `window_context_frames` each side make each window equal the whole decode
     # (16 is exact on joe; measurements in docs/benchmarks.md, "piper windows").
     windowed: bool = True
-    first_window_frames: int = 24
-    second_window_frames: int = 48
+    window_first_frames: int = 24
+    window_second_frames: int = 48
     window_frames: int = 128
-    context_frames: int = 16
+    window_context_frames: int = 16
 
     def __post_init__(self) -> None:
         if self.num_parallel_calls < 1:
@@ -130,8 +130,8 @@ class PiperBackendConfig:
 
     @property
     def window_plan(self) -> WindowPlan:
-        return WindowPlan(self.first_window_frames, self.second_window_frames,
-                          self.window_frames, self.context_frames)
+        return WindowPlan(self.window_first_frames, self.window_second_frames,
+                          self.window_frames, self.window_context_frames)
 
 
 @dataclass(slots=True)
@@ -386,7 +386,7 @@ class PiperBackend(Backend):
             start = state.cursor
             end = self._plan.window_end(start, state.num_windows, state.num_frames)
             raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), state.latent,
-                                start, end, self.config.context_frames, hop)
+                                start, end, self.config.window_context_frames, hop)
             pcm = np.clip(raw * voice.gain, -1.0, 1.0).astype(np.float32)
             state.cursor, state.num_windows = end, state.num_windows + 1
             is_finished = end >= state.num_frames
