@@ -55,7 +55,7 @@ class AppState:
     def __post_init__(self) -> None:
         self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
                                     self.engine.scheduler.max_contexts,
-                                    FairShareConfig(self.config.max_engine_share))
+                                    FairShareConfig(self.config.engine_share))
 
     def num_open_contexts(self) -> int:
         return sum(len(c.session.contexts) for c in self.connections)

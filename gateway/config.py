@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.options import config_from_options
-from gateway.auth import AuthConfig
+from gateway.auth import AuthConfig, is_loopback
 from gateway.messages import Limits
 
 #: fields with a structure of their own, set by the CLI (or, for limits, field by field)
@@ -39,8 +39,9 @@ class GatewayConfig:
     voice_assets: Path | None = None
     ws_ping_interval_s: float = 20.0
     shutdown_grace_s: float = 10.0
-    #: the part of the engine's talking contexts one key (auth off: one client address) may hold
-    max_engine_share: float = 0.5
+    #: the part of the engine's talking contexts one key (auth off: one client address) may hold;
+    #: 0 is "auto" (`engine_share`): 0.5 where clients are tenants, 1.0 in loopback mode
+    max_engine_share: float = 0.0
     #: a connection that has not sent a whole request head after this long is closed
     header_timeout_s: float = 10.0
     #: uvicorn's limit on open connections (0: max_sessions + 256 for HTTP); more get 503
@@ -60,13 +61,27 @@ class GatewayConfig:
             raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
         if not 0 < self.session_token_ttl_s <= 3600:
             raise ValueError(f"session_token_ttl_s must be within (0, 3600], got {self.session_token_ttl_s}")
-        if not 0.0 < self.max_engine_share <= 1.0:
-            raise ValueError(f"max_engine_share must be within (0, 1], got {self.max_engine_share}")
+        if not 0.0 <= self.max_engine_share <= 1.0:
+            raise ValueError(f"max_engine_share must be within [0, 1] (0: auto), got {self.max_engine_share}")
         if self.header_timeout_s <= 0:
             raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_connections < 0:
             raise ValueError(f"max_connections must be >= 0 (0: max_sessions + 256), got {self.max_connections}")
         self.data_dir = Path(self.data_dir)
+
+    @property
+    def engine_share(self) -> float:
+        """The fair share in force (gateway/fair_share.py; docs/operations.md, "Fair share").
+
+        Where keys name tenants (auth on), or any address may connect (`--no-auth`
+        on a public bind), one owner holds at most half the engine. In loopback mode
+        (auth off, bound to loopback) every client is a process of the operator's
+        own, one tenant as for voices, and a cap would only halve the capacity of
+        the usual set-up: one LLM service driving many sockets from one address.
+        """
+        if self.max_engine_share:
+            return self.max_engine_share
+        return 0.5 if self.auth.is_enabled or not is_loopback(self.host) else 1.0
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> GatewayConfig:

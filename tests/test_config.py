@@ -36,3 +36,15 @@ def test_structured_fields_are_never_read_whole_from_one_variable() -> None:
                                      "VOXGATE_ENGINE_OPTIONS": "z"})
     assert config.engine_options == {} and config.auth.api_keys == ()
     assert config.limits.max_open_contexts == 16
+
+
+def test_the_fair_share_caps_tenants_and_leaves_loopback_mode_uncapped_unless_asked() -> None:
+    from gateway.auth import AuthConfig
+
+    keyed = AuthConfig(api_keys=("key-one-12345",))
+    assert GatewayConfig(auth=keyed).engine_share == 0.5  # keys name tenants
+    assert GatewayConfig(host="0.0.0.0", auth=AuthConfig(allow_no_auth=True)).engine_share == 0.5
+    assert GatewayConfig().engine_share == 1.0  # loopback mode: the operator's own processes
+    assert GatewayConfig(max_engine_share=0.25).engine_share == 0.25
+    with pytest.raises(ValueError, match=r"max_engine_share must be within \[0, 1\]"):
+        GatewayConfig(max_engine_share=1.5)

@@ -293,9 +293,10 @@ LONG_INPUT = " ".join(f"Sentence number {n} is here to make a long answer for th
 
 @pytest.fixture(scope="module")
 def fair(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    """Auth off; 16 engine contexts, so a client's share is 8; 4 sockets per client address."""
+    """Auth off with a share set (loopback mode's own default is no cap); 16 engine contexts,
+    so a client's share is 8; 4 sockets per client address."""
     proc = start_server(tmp_path_factory.mktemp("fair"), "--max-contexts", "16",
-                        env={"VOXGATE_LIMIT_IDLE_TIMEOUT_S": "15", "VOXGATE_MAX_SOCKETS_PER_KEY": "4",
+                        env={"VOXGATE_MAX_ENGINE_SHARE": "0.5", "VOXGATE_LIMIT_IDLE_TIMEOUT_S": "15", "VOXGATE_MAX_SOCKETS_PER_KEY": "4",
                              "VOXGATE_LIMIT_SLOW_CONSUMER_TIMEOUT_S": "2"})
     yield proc
     proc.stop()
