@@ -148,8 +148,9 @@ def run_load(levels: str, duration: float, seed: int) -> dict[str, Any]:
 def _levels_table(results: dict[str, Any], target_ms: float = 300.0) -> None:
     print("| server | sessions | TTFA p50 ms | TTFA p95 ms | gaps | failed |")
     print("|---|---|---|---|---|---|")
-    for name, report in results.items():
-        for level in report.get("levels", []):
+    for name, result in results.items():
+        report = result["targets"]["voxgate"]  # the loadtest's sweep JSON, one target
+        for level in report["levels"]:
             summary = level["summary"]
             ttfa = summary["ttfa_segment_ms"]
             print(f"| {name} | {level['sessions']} | {ttfa.get('p50') or float('nan'):.0f} | "
