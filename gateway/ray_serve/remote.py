@@ -348,7 +348,9 @@ class RemoteEngine:
         return features
 
     async def _everywhere(self, method: str, *args: Any) -> list[dict[str, Any]]:
-        ready = [r.replica_id for r in self.replicas.values() if r.is_ready]
+        """Every ready replica's answer; before the first poll, any one replica's (the
+        voice is replayed onto each replica as it turns ready, so none misses it)."""
+        ready = [r.replica_id for r in self.replicas.values() if r.is_ready] or [""]
         answers: list[dict[str, Any]] = await asyncio.gather(
             *(self._ask(method, *args, replica=rid) for rid in ready))
         for answer in answers:
@@ -357,8 +359,16 @@ class RemoteEngine:
         return answers
 
     async def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
-        answers = await self._everywhere("add_voice", voice_id, features, meta)
-        self._added[voice_id] = (features, meta)
+        previous = self._added.get(voice_id)
+        self._added[voice_id] = (features, meta)  # first: a replica turning ready meanwhile gets it
+        try:
+            answers = await self._everywhere("add_voice", voice_id, features, meta)
+        except BaseException:
+            if previous is None:
+                self._added.pop(voice_id, None)
+            else:
+                self._added[voice_id] = previous
+            raise
         self._retired.discard(voice_id)
         info = wire.voice_from_wire(answers[0])
         self._voices = [v for v in self._voices if v.voice_id != voice_id] + [info]
