@@ -15,7 +15,7 @@ before it ends, if later): a message whose `pts_ms` is due `REALTIME_LEAD_MS`
 before its playback time is released.
 
 The outbox is bounded by what it is fed: the session hands it the audio of at
-most `session.MAX_SEGMENTS_AHEAD` segments at a time (docs/architecture.md,
+most `synthesis.MAX_SEGMENTS_AHEAD` segments at a time (docs/architecture.md,
 "The backpressure story").
 """
 

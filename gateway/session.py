@@ -15,27 +15,25 @@ Voices are held in the shared `VoiceCatalog`: the session's current voice
 and each open context's, released on change, at a context's end and on
 disconnect, so that a deleted voice stays speakable for whoever holds it.
 
-At about 440 lines this module is past the ~400 the style asks for, on
-purpose: it is the protocol's one state machine, and PROTOCOL.md's rules read
-best in one place. What is not protocol lives beside it: the media half in
-playout.py, the actions in actions.py, the wire messages in messages.py, a
-turn's bookkeeping in context.py.
+What is not protocol lives beside it: the engine half (segments submitted
+within the look-ahead window, admission, deadlines, audio routed back) in
+synthesis.py, the media half in playout.py, the actions in actions.py, the
+wire messages in messages.py, a turn's bookkeeping in context.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from engine.errors import VoxgateError
-from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
+from engine.types import AudioChunk, RequestId
 from gateway import messages
 from gateway.actions import Action, Cancel, Close, Observe, Send, Submit
 from gateway.audio import make_encoder
-from gateway.context import Context, ContextState, Segment
+from gateway.context import Context, ContextState
 from gateway.errors import ProtocolError, error_message
 from gateway.messages import (
     Limits,
@@ -49,15 +47,12 @@ from gateway.messages import (
 )
 from gateway.playout import Playout
 from gateway.segmenter import Segmenter, SegmenterConfig
+from gateway.synthesis import Synthesis, frame_ready_audio
 from gateway.voice_catalog import VoiceCatalog
 
 log = logging.getLogger("voxgate.gateway")
 
 MAX_REMEMBERED_CLOSED = 4096
-#: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
-#: segments per socket with the engine or waiting to be framed; the engine's
-#: look-ahead on each request's playback clock does the pacing within it.
-MAX_SEGMENTS_AHEAD = 4
 MAX_RECENT_DONE = 8
 
 __all__ = ["Action", "Cancel", "Close", "Observe", "Send", "Session", "Submit"]
@@ -78,13 +73,10 @@ class Session:
         self.limits = limits or Limits()
         catalog.hold(self.options.voice)
         self._is_holding_voice = True
-        self._admit = admit
-        self._release = release
+        self._synthesis = Synthesis(session_id, admit=admit, release=release)
         self.contexts: dict[str, Context] = {}     # open, in creation order
         self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
         self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
-        self._by_request: dict[RequestId, Context] = {}
-        self._request_ids = itertools.count()
         self._playback_end = 0.0  # when the audio of finished contexts ends playing
         self.is_closing = False
         self.last_activity = 0.0
@@ -112,24 +104,14 @@ class Session:
             return [Send(error_message(exc, context_id)), Observe("error:" + exc.code, 1)]
 
     def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]:
-        context = self._by_request.get(chunk.request_id)
-        if context is None or context.is_closed:
+        if not self._synthesis.receive_audio(chunk):
             return []
-        segment = context.segment_for(chunk.request_id)
-        if segment is None:
-            return []
-        segment.chunks.append(chunk)
-        if chunk.words is not None:
-            segment.words = chunk.words
-        if chunk.is_last:
-            segment.is_synthesized = True
-            self._by_request.pop(chunk.request_id, None)
         return self._pump(now)
 
     def receive_engine_error(self, request_id: RequestId, exc: BaseException,
                              now: float) -> list[Action]:
         """An engine failure ends that context only (PROTOCOL.md `internal`)."""
-        context = self._by_request.pop(request_id, None)
+        context = self._synthesis.pop_request(request_id)
         if context is None or context.is_closed:
             return []
         actions: list[Action] = [Send(error_message(exc, context.context_id)),
@@ -317,7 +299,7 @@ class Session:
             raise ProtocolError("too_many_contexts", f"this socket holds {self.limits.max_open_contexts} "
                                 "open contexts; flush or cancel one first", context_id=context_id)
         # Engine capacity is taken later, when the first segment goes to the
-        # engine (`_admit_context`): text that never makes a segment holds none.
+        # engine (`Synthesis.submit_ready`): text that never makes a segment holds none.
         key = f"{self.session_id}/{context_id}"
         options = self.options
         config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
@@ -346,79 +328,17 @@ class Session:
 
     def _submit_segments(self, context: Context, texts: list[str], now: float) -> list[Action]:
         """Queue released segments, then submit as many as the look-ahead window allows."""
-        for text in texts:
-            request_id = RequestId(f"{self.session_id}:{next(self._request_ids)}")
-            context.segments.append(Segment(len(context.segments), text, request_id, now))
+        self._synthesis.add_segments(context, texts, now)
         return self._submit_ready(now)
 
     def _submit_ready(self, now: float) -> list[Action]:
-        # Backpressure (docs/architecture.md, "The backpressure story"): at most
-        # MAX_SEGMENTS_AHEAD segments per socket are with the engine or waiting
-        # to be framed, so a socket's PCM is bounded however many contexts it
-        # opens; how far ahead each is made is the engine's look-ahead.
-        in_flight = sum(1 for c in self.contexts.values() for s in c.segments
-                        if s.is_submitted and not s.is_sent)
         actions: list[Action] = []
-        refused: list[Context] = []
-        for context in self.contexts.values():
-            options = context.options
-            for segment in context.segments:
-                if segment.is_submitted:
-                    continue
-                if in_flight >= MAX_SEGMENTS_AHEAD:
-                    break
-                if not context.is_admitted and not self._admit_context(context, actions):
-                    refused.append(context)
-                    break
-                segment.is_submitted = True
-                in_flight += 1
-                self._by_request[segment.request_id] = context
-                deadline = self._deadline(context, segment.segment_id, now)
-                actions.append(Submit(SynthesisRequest(
-                    segment.request_id, segment.text, options.voice, deadline, context_key=context.key,
-                    language=options.language, instructions=options.instructions,
-                    params=SamplingParams(speed=options.speed))))
-        for context in refused:
+        for context in self._synthesis.submit_ready(self.contexts, now, actions):
             actions += self._end_context(context, ContextState.FAILED)
         return actions
 
-    def _admit_context(self, context: Context, actions: list[Action]) -> bool:
-        """Take engine capacity for a context as its first segment goes to the engine.
-
-        Refused (the engine is full: `busy`; this client holds its fair share:
-        `rate_limited`), the context ends with that error; its later text is
-        answered `context_closed`.
-        """
-        try:
-            self._admit(context.key)
-        except VoxgateError as exc:
-            actions += [Send(error_message(exc, context.context_id)), Observe("error:" + exc.code, 1)]
-            return False
-        context.is_admitted = True
-        return True
-
-    def _deadline(self, context: Context, index: int, now: float) -> float:
-        """When segment `index` of `context` must have audio (DESIGN.md, Engine).
-
-        The first segment of a turn that nothing plays before is due now (its
-        TTFA); any other is due when the audio before it runs out: the
-        context's playback start (actual, or predicted after the contexts
-        queued before it) plus the durations of its earlier segments (actual
-        once synthesized, estimated from their text before).
-        """
-        start = context.playout.play_started_at
-        if start is None:
-            start = now
-            for other in self.contexts.values():
-                if other is context:
-                    break
-                start = max(start, other.predicted_end(now))
-        return start + context.audio_s(index)
-
     def _end_context(self, context: Context, state: ContextState) -> list[Action]:
-        actions: list[Action] = [Cancel(r) for r in context.pending_requests()]
-        for request_id in context.pending_requests():
-            self._by_request.pop(request_id, None)
+        actions = self._synthesis.cancel_pending(context)
         for segment in context.segments:
             segment.chunks.clear()
         context.playout.clear()
@@ -434,9 +354,7 @@ class Session:
         self._closed[context.context_id] = False
         while len(self._closed) > MAX_REMEMBERED_CLOSED:
             self._closed.popitem(last=False)
-        if context.is_admitted:
-            context.is_admitted = False
-            self._release(context.key)
+        self._synthesis.release(context)
         self.catalog.release(context.options.voice)
         return actions
 
@@ -448,7 +366,7 @@ class Session:
         """Frame ready audio of the active context, send what pacing allows, finish contexts."""
         actions: list[Action] = []
         while (context := self._active_context()) is not None:
-            self._frame_ready_audio(context, now, actions)
+            frame_ready_audio(context, now, actions)
             actions += self._submit_ready(now)
             if context.is_closed:
                 continue  # refused admission: it ended, the next context is active
@@ -465,30 +383,3 @@ class Session:
         if not self.contexts and self.is_closing:
             actions.append(Close(1000, "session closed by client"))
         return actions
-
-    def _frame_ready_audio(self, context: Context, now: float, actions: list[Action]) -> None:
-        """Hand the playout the received audio that may play next: segments in order."""
-        playout = context.playout
-        for segment in context.segments:
-            if segment.is_sent:
-                continue
-            while segment.chunks:
-                chunk = segment.chunks.popleft()
-                if not segment.is_started:
-                    segment.is_started = True
-                    segment.pts_ms = playout.pcm_ms_framed
-                    # A streamed segment's words tile its audio: the last one ends with it.
-                    duration = (chunk.duration_ms if chunk.is_last
-                                else chunk.words[-1].end_ms if chunk.words else None)
-                    actions.append(Send(messages.segment(context.context_id, segment.segment_id,
-                                                         segment.text, segment.pts_ms, duration,
-                                                         chunk.words)))
-                    if segment.segment_id == 0:
-                        actions.append(Observe("ttfa", now - segment.released_at))
-                segment.audio_ms += chunk.duration_ms
-                playout.push(chunk.pcm)
-            if not segment.is_synthesized:
-                return  # later segments wait: audio stays in playback order
-            segment.is_sent = True
-        if context.is_spoken():
-            playout.finish()
