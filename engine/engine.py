@@ -5,29 +5,20 @@ Public face (DESIGN.md): `submit(SynthesisRequest) -> AsyncIterator[AudioChunk]`
 (`admit`/`release_context`) and `stats` for metrics. Each loop iteration is
 prepare (new requests, most urgent first), schedule (EDF over each request's
 next piece), run (one backend step in the worker thread), route (chunks to
-each request's bounded queue).
-
-Each request has a playback clock (`_Clock`): it starts when its first audio
-is due (`request.deadline`, or when the audio before it in its context runs
-out, whichever is earlier) and never runs past what its consumer has taken.
-The lead, audio made but not yet heard, gives the next piece's deadline; a
-request whose lead reaches `look_ahead_s` only uses idle time
-(docs/architecture.md, "The backpressure story").
+each request's bounded queue). This module owns that loop, its lifecycle,
+cancel and failure; each request's playback clock and the look-ahead rules
+live in engine.clock, the counters in engine.stats, the voice verbs in
+engine.voice_verbs.
 
 Thread contract: `prepare`, `step` and `release` run only on the worker
 thread. `cancel` (event loop) marks the request and takes it out of the
 scheduler; the worker releases it before its next step, so a step never sees
-state freed under it.
-
-At about 540 lines this module is past the ~400 the style asks for, on
-purpose: the loop, the clocks it schedules by, cancel and the voice verbs all
-keep the one thread contract above, which reads best in one place.
+state freed under it. The voice verbs keep it too: they run on the same worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,16 +28,20 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from engine import clock
 from engine.backend import Backend, BackendRequest, StepResult
+from engine.clock import RequestHandle
 from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stats import STEP_BUCKETS, EngineStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
+from engine.voice_verbs import VoiceVerbs
+
+# EngineStats and STEP_BUCKETS live in engine.stats; they stay importable from here.
+__all__ = ["STEP_BUCKETS", "Engine", "EngineConfig", "EngineStats"]
 
 log = logging.getLogger("voxgate.engine")
 
-_QUEUE_DEPTH = 16
-#: Upper bounds (seconds) of the engine step-time histogram's buckets.
-STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 T = TypeVar("T")
 
 
@@ -72,77 +67,7 @@ class EngineConfig:
             raise ValueError(f"max_prepare_per_step must be >= 1, got {self.max_prepare_per_step}")
 
 
-@dataclass(slots=True)
-class EngineStats:
-    """Counters the gateway exports to /metrics."""
-
-    num_submitted: int = 0
-    num_finished: int = 0
-    num_cancelled: int = 0
-    num_failed: int = 0
-    num_steps: int = 0
-    audio_seconds: float = 0.0
-    busy_seconds: float = 0.0
-    last_step_seconds: float = 0.0
-    last_batch_size: int = 0
-    # Step durations as cumulative-ready bucket counts (STEP_BUCKETS; the last is +Inf),
-    # so /metrics exports a histogram and a remote gateway can sum its replicas'.
-    step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
-
-    def observe_step(self, seconds: float) -> None:
-        self.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
-
-
-class _Handle:
-    """One submitted request: its output queue and its playback clock.
-
-    The clock: audio `made_s` (routed), `taken_s` (read by the consumer), and
-    the start of playback (`start`). Before the consumer has taken anything,
-    the start is the request's deadline, or the predicted end of the request
-    before it in its context if that is earlier; once audio is taken it is
-    frozen no earlier than that moment. Heard audio is the time since the start,
-    never more than what was taken (a reader that stops reading stops its clock).
-    """
-
-    __slots__ = ("est_s", "is_cancelled", "is_done", "is_finished", "made_s", "prev", "queue",
-                 "request", "started_at", "taken_s")
-
-    def __init__(self, request: SynthesisRequest, prev: _Handle | None) -> None:
-        self.request = request
-        self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue(_QUEUE_DEPTH)
-        self.is_cancelled = False
-        self.is_done = False
-        self.is_finished = False  # its last audio was made
-        self.prev = prev  # the request before it in its context, until its clock is frozen
-        self.est_s = 0.0  # the backend's estimate of its audio, once prepared
-        self.made_s = 0.0
-        self.taken_s = 0.0
-        self.started_at: float | None = None  # frozen start, once audio was taken
-
-    def start(self) -> float:
-        if self.started_at is not None:
-            return self.started_at
-        start = self.request.deadline
-        prev = self.prev
-        if prev is not None and not prev.is_cancelled:
-            length = prev.made_s if prev.is_finished else max(prev.made_s, prev.est_s)
-            start = min(start, prev.start() + length)
-        return start
-
-    def took(self, chunk: AudioChunk, now: float) -> None:
-        if self.started_at is None:
-            self.started_at = max(self.start(), now)
-            self.prev = None  # the chain is no longer needed: let finished requests go
-        self.taken_s += chunk.duration_ms / 1000.0
-
-    def lead(self, now: float) -> float:
-        """Seconds until this request's listener runs out of audio (from now)."""
-        start = self.start()
-        heard = min(max(now - start, 0.0), self.taken_s)
-        return max(start - now, 0.0) + self.made_s - heard
-
-
-class Engine:
+class Engine(VoiceVerbs):
     """Runs one backend for all sessions with continuous batching."""
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
@@ -154,9 +79,9 @@ class Engine:
         self.config.scheduler.parallelism = max(1, getattr(backend, "parallelism", 1))
         self.scheduler = Scheduler(self.config.scheduler)
         self.stats = EngineStats()
-        self._handles: dict[RequestId, _Handle] = {}
-        self._incoming: list[_Handle] = []
-        self._last_of_context: dict[str, _Handle] = {}  # the newest request of each context
+        self._handles: dict[RequestId, RequestHandle] = {}
+        self._incoming: list[RequestHandle] = []
+        self._last_of_context: dict[str, RequestHandle] = {}  # the newest request of each context
         self._to_release: list[BackendRequest] = []  # released on the worker before the next step
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-engine")
@@ -169,13 +94,6 @@ class Engine:
     @property
     def sample_rate(self) -> int:
         return self.backend.sample_rate
-
-    @property
-    def voices(self) -> list[VoiceInfo]:
-        return self._voices
-
-    def refresh_voices(self) -> None:
-        self._voices = self.backend.voices()
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` in the worker thread, between steps (backends need no locks)."""
@@ -248,7 +166,7 @@ class Engine:
         if len(self._handles) >= self.config.max_pending:
             raise EngineBusyError(f"the engine holds {self.config.max_pending} requests already")
         key = request.context_key
-        handle = _Handle(request, self._last_of_context.get(key) if key else None)
+        handle = RequestHandle(request, self._last_of_context.get(key) if key else None)
         if key:
             self._last_of_context[key] = handle
         self._handles[request.request_id] = handle
@@ -257,7 +175,7 @@ class Engine:
         self._wake.set()
         return self._iterate(handle)
 
-    async def _iterate(self, handle: _Handle) -> AsyncIterator[AudioChunk]:
+    async def _iterate(self, handle: RequestHandle) -> AsyncIterator[AudioChunk]:
         try:
             while True:
                 item = await handle.queue.get()
@@ -298,7 +216,7 @@ class Engine:
         if item is not None:
             self._to_release.append(item)
 
-    def _forget_context(self, handle: _Handle) -> None:
+    def _forget_context(self, handle: RequestHandle) -> None:
         key = handle.request.context_key
         if key and self._last_of_context.get(key) is handle:
             del self._last_of_context[key]
@@ -366,19 +284,13 @@ class Engine:
                 log.exception("backend release failed for %s", item.request_id)
 
     # -- playback clocks ----------------------------------------------------
-    def _take_incoming(self, now: float) -> list[_Handle]:
+    def _take_incoming(self, now: float) -> list[RequestHandle]:
         """The new requests to prepare now: due within the look-ahead, most urgent first."""
-        live = [h for h in self._incoming if not h.is_cancelled]
-        live.sort(key=lambda h: h.lead(now))
-        horizon = self.config.look_ahead_s
-        urgent = [h for h in live if h.lead(now) < horizon]
-        # Work beyond the look-ahead is prepared only when nothing urgent waits.
-        fresh = (urgent or live)[: self.config.max_prepare_per_step]
-        taken = set(map(id, fresh))
-        self._incoming = [h for h in live if id(h) not in taken]
+        fresh, self._incoming = clock.take_incoming(
+            self._incoming, now, self.config.look_ahead_s, self.config.max_prepare_per_step)
         return fresh
 
-    def _admit_prepared(self, handle: _Handle, outcome: BackendRequest | BaseException) -> None:
+    def _admit_prepared(self, handle: RequestHandle, outcome: BackendRequest | BaseException) -> None:
         if handle.is_cancelled:
             if isinstance(outcome, BackendRequest):
                 self._to_release.append(outcome)
@@ -395,28 +307,15 @@ class Engine:
 
     def _set_dues(self, now: float) -> None:
         """Each request's next piece is due when its listener would run out of audio."""
-        for item in self.scheduler.items():
-            handle = self._handles.get(item.request_id)
-            if handle is not None:
-                item.due = now + handle.lead(now)
+        clock.set_dues(self.scheduler.items(), self._handles, now)
 
     def _is_ahead(self, item: BackendRequest) -> bool:
-        handle = self._handles.get(item.request_id)
-        return handle is not None and handle.lead(time.monotonic()) >= self.config.look_ahead_s
+        return clock.is_ahead(self._handles.get(item.request_id), time.monotonic(),
+                              self.config.look_ahead_s)
 
     def _next_wake_s(self, now: float) -> float | None:
         """Seconds until some request's lead falls under the look-ahead (None: only events wake)."""
-        horizon = self.config.look_ahead_s
-        waits = []
-        for item in self.scheduler.items():
-            handle = self._handles.get(item.request_id)
-            if handle is None or handle.queue.full():
-                continue
-            unread = handle.made_s - handle.taken_s
-            if unread >= horizon:
-                continue  # its reader must take audio first: the read wakes the loop
-            waits.append(handle.lead(now) - horizon)
-        return max(min(waits), 0.005) if waits else None
+        return clock.next_wake_s(self.scheduler.items(), self._handles, now, self.config.look_ahead_s)
 
     def _step_isolated(self, batch: list[BackendRequest]) -> list[StepResult]:
         results: list[StepResult] = []
@@ -428,7 +327,7 @@ class Engine:
             results.append(result)
         return results
 
-    def _prepare_all(self, handles: list[_Handle]) -> list[BackendRequest | BaseException]:
+    def _prepare_all(self, handles: list[RequestHandle]) -> list[BackendRequest | BaseException]:
         out: list[BackendRequest | BaseException] = []
         for handle in handles:
             try:
@@ -472,7 +371,7 @@ class Engine:
         self.stats.observe_step(elapsed)
         self.stats.last_batch_size = len(batch)
 
-    def _fail(self, handle: _Handle, exc: BaseException) -> None:
+    def _fail(self, handle: RequestHandle, exc: BaseException) -> None:
         handle.is_done = True
         self._handles.pop(handle.request.request_id, None)
         self._forget_context(handle)
@@ -485,63 +384,8 @@ class Engine:
         self._post(handle, exc)
 
     @staticmethod
-    def _post(handle: _Handle, item: BaseException | None) -> None:
+    def _post(handle: RequestHandle, item: BaseException | None) -> None:
         """Put a terminal item, displacing the oldest chunk if the queue is full."""
         if handle.queue.full():
             handle.queue.get_nowait()
         handle.queue.put_nowait(item)
-
-    # -- voices: the engine's verbs for registered voices (docs/voices.md) -------
-    # Each verb runs on the worker thread, between steps (backends need no locks),
-    # and refreshes `voices` itself, so callers never reach into the backend.
-
-    @property
-    def backend_name(self) -> str:
-        return self.backend.name
-
-    @property
-    def can_register_voices(self) -> bool:
-        """Whether `add_voice` can work (the backend declares it)."""
-        return self.backend.can_register_voices
-
-    @property
-    def needs_transcript(self) -> bool:
-        """Registration needs the reference audio's transcript (cosyvoice's prompt text)."""
-        return self.backend.needs_transcript
-
-    @property
-    def voice_features_version(self) -> str:
-        """Names the format of `make_voice_features`' output; stored features of another are stale."""
-        return self.backend.voice_features_version
-
-    async def make_voice_features(self, audio: np.ndarray, sample_rate: int,
-                                  transcript: str) -> bytes | None:
-        """A reference voice's prompt features (audio: [T] mono float32 at `sample_rate`).
-
-        Raises ValueError for audio the backend cannot use.
-        """
-        return await self._on_worker(self.backend.make_voice_features, audio, sample_rate, transcript)
-
-    async def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
-        """Make a registered voice speakable and listed (replacing one of the same id)."""
-        return await self._change_voices(self.backend.add_voice, voice_id, features, meta)
-
-    async def retire_voice(self, voice_id: str) -> None:
-        """Unlist a registered voice; requests that name it keep speaking until it is removed."""
-        await self._change_voices(self.backend.retire_voice, voice_id)
-
-    async def remove_voice(self, voice_id: str) -> None:
-        """Forget a registered or retired voice; raises UnknownVoiceError for any other id."""
-        await self._change_voices(self.backend.remove_voice, voice_id)
-
-    async def _change_voices(self, verb: Callable[..., T], *args: Any) -> T:
-        def change() -> tuple[T, list[VoiceInfo]]:  # worker thread: the verb, then the new listing
-            return verb(*args), self.backend.voices()
-
-        result, self._voices = await self._on_worker(change)
-        return result
-
-    async def _on_worker(self, fn: Callable[..., T], *args: Any) -> T:
-        """The one place the voice verbs meet the worker's executor."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, fn, *args)

@@ -32,21 +32,24 @@ Registered reference voices (docs/voices.md): piper cannot clone a voice from
 reference audio, so a registered voice computes no features and speaks with an
 installed base voice (`meta["base_voice"]`, the server's default voice unless
 the registration names another). It is a named alias with its own listing.
+
+This module owns the backend itself: voices, prepare, and how a step's items
+are split into onnxruntime calls and run. Its options are in piper_config, a
+segment's state and the finishing of its output in piper_segment.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from engine.backend import Backend, BackendRequest, StepResult
-from engine.backends.piper_align import align_words, word_timings
+from engine.backends.piper_align import align_words
+from engine.backends.piper_config import PiperBackendConfig
+from engine.backends.piper_segment import PiperState, finish_segment, segment_timings, silent_result
 from engine.backends.piper_voices import (
     DEFAULT_VOICE_ID,
     LoadedVoice,
@@ -55,100 +58,19 @@ from engine.backends.piper_voices import (
     discover_voices,
     load_voice,
 )
-from engine.backends.piper_windows import WindowPlan, decode_window
+from engine.backends.piper_windows import decode_window
 from engine.errors import (
     BackendFailure,
     EngineError,
     UnknownVoiceError,
     UnsupportedOptionError,
 )
-from engine.types import SynthesisRequest, VoiceInfo, WordTiming
+from engine.types import SynthesisRequest, VoiceInfo
+
+# The config and the segment state live in their own modules; tests import them from here.
+__all__ = ["PiperBackend", "PiperBackendConfig", "PiperState", "pack_by_length"]
 
 logger = logging.getLogger("voxgate.engine")
-
-
-def _default_num_threads() -> int:
-    # Half the cores, so the event loop (Opus encoding, sockets) keeps the rest.
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-@dataclass(slots=True)
-class PiperBackendConfig:
-    """Options of the piper backend (CLI/`VOXGATE_PIPER_*` map onto these)."""
-
-    voices_dir: Path | None = None
-    max_batch_size: int = 8
-    num_threads: int = field(default_factory=_default_num_threads)
-    # Peak of the voice's noise-free reference sentence after its fixed gain; sampled
-    # speech peaks up to ~1.8x higher (measured on joe), so 0.5 keeps it under 1.
-    # None keeps the model's raw level (gain 1).
-    target_peak: float | None = 0.5
-    # Items of a step share one onnxruntime call only while the padding adds at most
-    # this fraction of real phoneme ids (None: one call per voice and scales, however
-    # ragged). On CPU the work is linear in audio and a ragged call pays for its
-    # padding (1.7-2.7x the CPU of one call per item at 8-16 items), so only items of equal
-    # length share a call by default (docs/benchmarks.md, "piper backend batching").
-    max_padding_waste: float | None = 0.0
-    # On a CPU, items in one call run on one core while separate calls run side by
-    # side on the pool: 8 sentences took 6.0 s as one padded call plus singles and
-    # 2.9 s as 8 separate calls over 2 cores (bench in docs/benchmarks.md). So by
-    # default every item gets its own call; False packs by `max_padding_waste`.
-    one_call_per_item: bool = True
-    # Separate onnxruntime calls of one step run in parallel on this many threads
-    # (each call uses `num_threads` cores); 1 runs them one after another.
-    # Measured here (docs/benchmarks.md): calls one after another on a session with
-    # every core make 17.5x real time; the same calls side by side on 1-core
-    # sessions make 10x, so the default runs them one after another.
-    num_parallel_calls: int = 1
-    # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
-    # a segment's first window is small (first audio soon), the second medium, the rest
-    # `window_frames`; `window_context_frames` each side make each window equal the whole decode
-    # (16 is exact on joe; measurements in docs/benchmarks.md, "piper windows").
-    windowed: bool = True
-    window_first_frames: int = 24
-    window_second_frames: int = 48
-    window_frames: int = 128
-    window_context_frames: int = 16
-
-    def __post_init__(self) -> None:
-        if self.num_parallel_calls < 1:
-            raise ValueError(f"num_parallel_calls must be >= 1, got {self.num_parallel_calls}")
-        if self.voices_dir is not None:
-            self.voices_dir = Path(self.voices_dir)
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
-            raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
-        self.window_plan  # noqa: B018 - validates the window sizes
-        if self.max_padding_waste is not None and self.max_padding_waste < 0:
-            raise ValueError(
-                f"max_padding_waste must be >= 0 or None, got {self.max_padding_waste}"
-            )
-
-
-    @property
-    def window_plan(self) -> WindowPlan:
-        return WindowPlan(self.window_first_frames, self.window_second_frames,
-                          self.window_frames, self.window_context_frames)
-
-
-@dataclass(slots=True)
-class PiperState:
-    """What `prepare` computed for one segment, and where its windows stand."""
-
-    voice: LoadedVoice
-    phonemes: list[str]
-    ids: list[int]
-    phoneme_id_spans: list[tuple[int, int]]  # per phoneme: its range in `ids`
-    words: list[str]
-    word_spans: list[tuple[int, int]]  # per word: its range in `phonemes`
-    scales: tuple[float, float, float]  # noise_scale, length_scale, noise_w
-    latent: np.ndarray | None = None  # [1, C, T] after the front part, until the last window
-    num_frames: int = 0
-    cursor: int = 0  # frames decoded so far
-    num_windows: int = 0
 
 
 def pack_by_length(lengths: list[int], max_waste: float | None) -> list[list[int]]:
@@ -326,7 +248,7 @@ class PiperBackend(Backend):
                     error=BackendFailure(f"expected a prepared piper request, got {state!r}"),
                 )
             elif not state.phonemes:
-                results[index] = self._silent_result(state)  # nothing speakable
+                results[index] = silent_result(state, self.sample_rate)  # nothing speakable
             elif self.config.windowed and state.voice.is_split:
                 windowed.append(index)
             else:
@@ -379,7 +301,7 @@ class PiperBackend(Backend):
                     raise BackendFailure(
                         f"expected at most {latent.shape[2]} frames from durations, got {state.num_frames}")
                 state.latent = latent[:, :, : state.num_frames]  # [1, C, T]
-                words = self._timings(state, frames)
+                words = segment_timings(state, frames, self.sample_rate)
                 if state.num_frames == 0:
                     state.latent = None
                     return StepResult(words=words, is_finished=True)
@@ -412,10 +334,6 @@ class PiperBackend(Backend):
                 f"expected language {voice.info.language} or none, got {language!r}"
             )
 
-    def _silent_result(self, state: PiperState) -> StepResult:
-        words = word_timings(state.words, state.word_spans, np.zeros(0), 0, self.sample_rate)
-        return StepResult(words=words, is_finished=True)
-
     def _run_group(self, states: list[PiperState], is_solo: bool = False) -> list[StepResult]:
         """One onnxruntime call for items of one voice and one set of scales."""
         voice = states[0].voice
@@ -435,38 +353,6 @@ class PiperBackend(Backend):
             failure = BackendFailure(f"piper synthesis failed: {exc}")
             return [StepResult(is_finished=True, error=failure) for _ in states]
         return [
-            self._finish(state, audio[row], durations[row, : len(state.ids)])
+            finish_segment(state, audio[row], durations[row, : len(state.ids)], self.sample_rate)
             for row, state in enumerate(states)
         ]
-
-    def _timings(self, state: PiperState, frames: np.ndarray) -> list[WordTiming]:
-        """Word timings from the frames per phoneme id ([L_i]); they tile the segment's audio."""
-        hop = state.voice.config.hop_length
-        id_ends = np.cumsum(frames) * hop  # [L_i] end sample of each id
-        phoneme_ends = np.array(
-            [id_ends[end - 1] if end > 0 else 0 for _, end in state.phoneme_id_spans],
-            dtype=np.int64,
-        )  # [P]
-        num_samples = int(frames.sum()) * hop
-        return word_timings(state.words, state.word_spans, phoneme_ends, num_samples, self.sample_rate)
-
-    def _finish(self, state: PiperState, audio: np.ndarray, durations: np.ndarray) -> StepResult:
-        """Trim one item to its true length, apply the voice gain, time its words.
-
-        audio: [T] padded raw output; durations: [L_i] frames per phoneme id.
-        """
-        try:
-            hop = state.voice.config.hop_length
-            frames = np.rint(durations).astype(np.int64)  # [L_i]
-            num_samples = int(frames.sum()) * hop
-            if num_samples > audio.shape[0]:
-                raise BackendFailure(
-                    f"expected at most {audio.shape[0]} samples from durations, got {num_samples}"
-                )
-            pcm = np.clip(audio[:num_samples] * state.voice.gain, -1.0, 1.0).astype(np.float32)
-            words = self._timings(state, frames)
-            return StepResult(pcm=pcm, words=words, is_finished=True)
-        except Exception as exc:
-            logger.exception("piper postprocessing failed")
-            error = exc if isinstance(exc, BackendFailure) else BackendFailure(str(exc))
-            return StepResult(is_finished=True, error=error)

@@ -1,0 +1,85 @@
+"""The piper backend's options: `PiperBackendConfig`, what the CLI and `VOXGATE_PIPER_*` set.
+
+This module owns every knob of the piper backend and its validation: where
+extra voices live, batch size and onnxruntime threads, the fixed loudness
+target, how a step's items are packed into onnxruntime calls (padding waste,
+one call per item, calls in parallel), and the decoder window sizes, which it
+hands on as a `WindowPlan` (piper_windows). The order of its fields is the
+order of the option list (tests/test_options.py). The measurements behind the
+defaults are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.backends.piper_windows import WindowPlan
+
+
+def _default_num_threads() -> int:
+    # Half the cores, so the event loop (Opus encoding, sockets) keeps the rest.
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@dataclass(slots=True)
+class PiperBackendConfig:
+    """Options of the piper backend (CLI/`VOXGATE_PIPER_*` map onto these)."""
+
+    voices_dir: Path | None = None
+    max_batch_size: int = 8
+    num_threads: int = field(default_factory=_default_num_threads)
+    # Peak of the voice's noise-free reference sentence after its fixed gain; sampled
+    # speech peaks up to ~1.8x higher (measured on joe), so 0.5 keeps it under 1.
+    # None keeps the model's raw level (gain 1).
+    target_peak: float | None = 0.5
+    # Items of a step share one onnxruntime call only while the padding adds at most
+    # this fraction of real phoneme ids (None: one call per voice and scales, however
+    # ragged). On CPU the work is linear in audio and a ragged call pays for its
+    # padding (1.7-2.7x the CPU of one call per item at 8-16 items), so only items of equal
+    # length share a call by default (docs/benchmarks.md, "piper backend batching").
+    max_padding_waste: float | None = 0.0
+    # On a CPU, items in one call run on one core while separate calls run side by
+    # side on the pool: 8 sentences took 6.0 s as one padded call plus singles and
+    # 2.9 s as 8 separate calls over 2 cores (bench in docs/benchmarks.md). So by
+    # default every item gets its own call; False packs by `max_padding_waste`.
+    one_call_per_item: bool = True
+    # Separate onnxruntime calls of one step run in parallel on this many threads
+    # (each call uses `num_threads` cores); 1 runs them one after another.
+    # Measured here (docs/benchmarks.md): calls one after another on a session with
+    # every core make 17.5x real time; the same calls side by side on 1-core
+    # sessions make 10x, so the default runs them one after another.
+    num_parallel_calls: int = 1
+    # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
+    # a segment's first window is small (first audio soon), the second medium, the rest
+    # `window_frames`; `window_context_frames` each side make each window equal the whole decode
+    # (16 is exact on joe; measurements in docs/benchmarks.md, "piper windows").
+    windowed: bool = True
+    window_first_frames: int = 24
+    window_second_frames: int = 48
+    window_frames: int = 128
+    window_context_frames: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_parallel_calls < 1:
+            raise ValueError(f"num_parallel_calls must be >= 1, got {self.num_parallel_calls}")
+        if self.voices_dir is not None:
+            self.voices_dir = Path(self.voices_dir)
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
+            raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
+        self.window_plan  # noqa: B018 - validates the window sizes
+        if self.max_padding_waste is not None and self.max_padding_waste < 0:
+            raise ValueError(
+                f"max_padding_waste must be >= 0 or None, got {self.max_padding_waste}"
+            )
+
+
+    @property
+    def window_plan(self) -> WindowPlan:
+        return WindowPlan(self.window_first_frames, self.window_second_frames,
+                          self.window_frames, self.window_context_frames)

@@ -1,0 +1,37 @@
+"""The engine's counters: what one engine has done, as the gateway exports it to /metrics.
+
+This module owns `EngineStats` (requests submitted, finished, cancelled and
+failed; steps, audio and busy time; the step-time histogram) and the
+histogram's bucket bounds, `STEP_BUCKETS`. It is plain data with no engine
+behind it, so a remote gateway can build one from its replicas' counters and
+sum them (gateway.ray_serve) without importing the engine's loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+#: Upper bounds (seconds) of the engine step-time histogram's buckets.
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters the gateway exports to /metrics."""
+
+    num_submitted: int = 0
+    num_finished: int = 0
+    num_cancelled: int = 0
+    num_failed: int = 0
+    num_steps: int = 0
+    audio_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    last_step_seconds: float = 0.0
+    last_batch_size: int = 0
+    # Step durations as cumulative-ready bucket counts (STEP_BUCKETS; the last is +Inf),
+    # so /metrics exports a histogram and a remote gateway can sum its replicas'.
+    step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+
+    def observe_step(self, seconds: float) -> None:
+        self.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
