@@ -1,5 +1,11 @@
 """The voice registry's store: registered voices in SQLite, checksummed.
 
+This module owns the file and the access to it: `VoiceStore` opens it and reads
+and writes its rows (quotas, the disk reserve, deletes on a full disk), and
+`VoiceRegistry` is its async face. What a row is - the schema, its migrations,
+`VoiceRecord`, the checksums and the errors - lives in `registry_schema.py`;
+its names stay importable from here.
+
 One database file (`<data_dir>/voices.sqlite3`) holds two tables:
 
 - `voices`: one row per registered voice: its metadata, the reference audio
@@ -38,19 +44,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import sqlite3
-import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.errors import VoxgateError
+from gateway.registry_schema import (
+    SCHEMA_VERSION,
+    SQLITE_CORRUPT,
+    SQLITE_NOTADB,
+    VOICE_COLUMNS,
+    CorruptRecordError,
+    DamagedStoreError,
+    RegistryError,
+    StoredFeatures,
+    VoiceExistsError,
+    VoiceRecord,
+    digest,
+    migrate,
+    source_digest,
+    transaction,
+)
 from gateway.space import (
     DEFAULT_RESERVE_BYTES,
     RESERVE_NAME,
@@ -65,131 +83,8 @@ from gateway.space import (
 
 log = logging.getLogger("voxgate.gateway")
 
-SCHEMA_VERSION = 2
 DB_NAME = "voices.sqlite3"
 T = TypeVar("T")
-
-_SCHEMA = """
-CREATE TABLE voices (
-    voice_id      TEXT PRIMARY KEY,
-    name          TEXT NOT NULL,
-    language      TEXT NOT NULL,
-    transcript    TEXT NOT NULL,
-    audio         BLOB NOT NULL,
-    audio_format  TEXT NOT NULL,
-    sample_rate   INTEGER NOT NULL,
-    duration_s    REAL NOT NULL,
-    base_voice    TEXT,
-    source        TEXT NOT NULL,
-    source_digest TEXT NOT NULL,
-    created_at    REAL NOT NULL,
-    checksum      TEXT NOT NULL,
-    owner         TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE voice_features (
-    voice_id  TEXT NOT NULL REFERENCES voices(voice_id) ON DELETE CASCADE,
-    backend   TEXT NOT NULL,
-    version   TEXT NOT NULL,
-    features  BLOB,
-    checksum  TEXT NOT NULL,
-    PRIMARY KEY (voice_id, backend, version)
-);
-"""
-
-
-class RegistryError(VoxgateError):
-    """The store cannot be opened or used (unreadable file, newer schema)."""
-
-    code = "registry_unavailable"
-    status = 503
-
-
-class VoiceExistsError(RegistryError):
-    """A voice with that id is registered already."""
-
-    code = "voice_exists"
-    status = 409
-
-
-class DamagedStoreError(RegistryError):
-    """The file is not a readable SQLite database (a torn copy, a damaged disk, garbage)."""
-
-
-class CorruptRecordError(RegistryError):
-    """A stored record fails its checksum; it is reported, never served."""
-
-    code = "corrupt_voice"
-    status = 409
-
-
-def _digest(*parts: str | bytes | float | None) -> str:
-    """SHA-256 over typed, length-prefixed parts (no two field lists hash alike)."""
-    h = hashlib.sha256()
-    for part in parts:
-        if part is None:
-            h.update(b"N")
-            continue
-        if isinstance(part, str):
-            tag, data = b"S", part.encode("utf-8")
-        elif isinstance(part, bytes):
-            tag, data = b"B", part
-        elif isinstance(part, float):
-            tag, data = b"F", struct.pack("<d", part)
-        else:
-            tag, data = b"I", str(int(part)).encode()
-        h.update(tag + struct.pack("<Q", len(data)) + data)
-    return h.hexdigest()
-
-
-def source_digest(audio: bytes, transcript: str) -> str:
-    """What makes two registrations the same voice (assets are re-registered only on change)."""
-    return _digest(audio, transcript)
-
-
-@dataclass(slots=True, frozen=True)
-class VoiceRecord:
-    """A registered voice as stored: metadata, reference audio (as uploaded), transcript."""
-
-    voice_id: str
-    name: str
-    language: str
-    transcript: str
-    audio: bytes
-    audio_format: str
-    sample_rate: int
-    duration_s: float
-    base_voice: str | None = None
-    source: str = "upload"  # "upload" (POST /v1/voices) or "assets" (the assets folder)
-    source_digest: str = ""
-    created_at: float = field(default_factory=time.time)
-    owner: str = ""  # the registering tenant (a key hash); "": the operator's
-
-    def checksum(self) -> str:
-        # `owner` joins the digest only when set: version-1 rows (no owner) keep their checksums
-        owner = (self.owner,) if self.owner else ()
-        return _digest(self.voice_id, self.name, self.language, self.transcript, self.audio,
-                       self.audio_format, self.sample_rate, float(self.duration_s),
-                       self.base_voice, self.source, self.source_digest, float(self.created_at),
-                       *owner)
-
-    def summary(self) -> dict[str, Any]:
-        """The record without its audio, as JSON-ready values."""
-        return {"id": self.voice_id, "name": self.name, "language": self.language,
-                "transcript": self.transcript, "base_voice": self.base_voice,
-                "source": self.source, "created_at": self.created_at,
-                "reference": {"format": self.audio_format, "sample_rate": self.sample_rate,
-                              "duration_s": round(self.duration_s, 3), "bytes": len(self.audio)}}
-
-
-@dataclass(slots=True, frozen=True)
-class StoredFeatures:
-    features: bytes | None
-
-
-_VOICE_COLUMNS = ("voice_id, name, language, transcript, audio, audio_format, sample_rate, "
-                  "duration_s, base_voice, source, source_digest, created_at, owner")
-#: SQLite's primary result codes for a file that is not (or no longer) a database
-_SQLITE_CORRUPT, _SQLITE_NOTADB = 11, 26
 
 
 class VoiceStore:
@@ -211,43 +106,14 @@ class VoiceStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.execute("PRAGMA synchronous=FULL")  # an answered registration survives power loss
-            self._migrate()
+            migrate(self._db, self.path)
         except sqlite3.DatabaseError as exc:
             self._db.close()
             code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
-            kind = DamagedStoreError if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) else RegistryError
+            kind = DamagedStoreError if code in (SQLITE_CORRUPT, SQLITE_NOTADB) else RegistryError
             raise kind(f"voice store {str(self.path)!r} is unreadable ({exc}); "
                        "move it aside to start with an empty registry") from exc
         self.reserve.ensure()
-
-    def _migrate(self) -> None:
-        version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
-        if version > SCHEMA_VERSION:
-            raise RegistryError(f"voice store {str(self.path)!r} has schema version {version}; "
-                                f"this voxgate reads up to {SCHEMA_VERSION}: upgrade voxgate")
-        if version == SCHEMA_VERSION:
-            return
-        with self._transaction():
-            # Read again under the write lock: replicas sharing the file may start together.
-            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
-            if version == 0:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        self._db.execute(statement)
-            if version == 1:  # tenancy: who registered each voice ("" for those before it)
-                self._db.execute("ALTER TABLE voices ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[None]:
-        # IMMEDIATE takes the write lock up front: two writers queue instead of deadlocking.
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
 
     def close(self) -> None:
         self._db.close()
@@ -270,14 +136,14 @@ class VoiceStore:
         lacks room for it beyond the reserve kept for deletes.
         """
         self.reserve.check_room(len(record.audio) + len(features[2] or b"") if features else len(record.audio))
-        with self._transaction():
+        with transaction(self._db):
             if replace_existing:
                 self._db.execute("DELETE FROM voices WHERE voice_id = ?", (record.voice_id,))
             if quota is not None:
                 self._check_quota(record, quota)
             try:
                 self._db.execute(
-                    f"INSERT INTO voices ({_VOICE_COLUMNS}, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO voices ({VOICE_COLUMNS}, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (record.voice_id, record.name, record.language, record.transcript, record.audio,
                      record.audio_format, record.sample_rate, record.duration_s, record.base_voice,
                      record.source, record.source_digest, record.created_at, record.owner,
@@ -306,7 +172,7 @@ class VoiceStore:
 
     def get(self, voice_id: str) -> VoiceRecord | None:
         """A voice by id, None when absent; raises CorruptRecordError when it fails its checksum."""
-        row = self._db.execute(f"SELECT {_VOICE_COLUMNS}, checksum FROM voices WHERE voice_id = ?",
+        row = self._db.execute(f"SELECT {VOICE_COLUMNS}, checksum FROM voices WHERE voice_id = ?",
                                (voice_id,)).fetchone()
         return None if row is None else self._record(row)
 
@@ -314,7 +180,7 @@ class VoiceStore:
         """Every intact voice, and {voice_id: problem} for the corrupt ones."""
         records: list[VoiceRecord] = []
         corrupt: dict[str, str] = {}
-        for row in self._db.execute(f"SELECT {_VOICE_COLUMNS}, checksum FROM voices ORDER BY created_at"):
+        for row in self._db.execute(f"SELECT {VOICE_COLUMNS}, checksum FROM voices ORDER BY created_at"):
             try:
                 records.append(self._record(row))
             except CorruptRecordError as exc:
@@ -346,7 +212,7 @@ class VoiceStore:
         return deleted
 
     def _delete(self, voice_id: str) -> bool:
-        with self._transaction():
+        with transaction(self._db):
             cursor = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
         return cursor.rowcount > 0
 
@@ -367,14 +233,14 @@ class VoiceStore:
     # -- features -----------------------------------------------------------
 
     def put_features(self, voice_id: str, backend: str, version: str, features: bytes | None) -> None:
-        with self._transaction():
+        with transaction(self._db):
             self._put_features(voice_id, backend, version, features)
 
     def _put_features(self, voice_id: str, backend: str, version: str, features: bytes | None) -> None:
         self._db.execute(
             "INSERT OR REPLACE INTO voice_features (voice_id, backend, version, features, checksum) "
             "VALUES (?,?,?,?,?)",
-            (voice_id, backend, version, features, _digest(voice_id, backend, version, features)))
+            (voice_id, backend, version, features, digest(voice_id, backend, version, features)))
 
     def get_features(self, voice_id: str, backend: str, version: str) -> StoredFeatures | None:
         """Stored features, None when absent; raises CorruptRecordError when damaged."""
@@ -384,7 +250,7 @@ class VoiceStore:
         if row is None:
             return None
         features = None if row[0] is None else bytes(row[0])
-        if _digest(voice_id, backend, version, features) != row[1]:
+        if digest(voice_id, backend, version, features) != row[1]:
             raise CorruptRecordError(f"the {backend} features of voice {voice_id!r} fail their checksum")
         return StoredFeatures(features)
 

@@ -20,9 +20,8 @@ operator's (deleting those takes an admin key); an admin sees all. With auth
 off there is one tenant. Voice ids are one namespace: built-in names (OpenAI's
 voice names, installed voices and piper model names) cannot be registered.
 
-Replicas sharing one store: `sync()` picks up what other processes registered
-or deleted (SQLite's data_version, then a checksum per id); it runs every
-`sync_interval_s` while the service is started (docs/voices.md, "Replicas").
+Replicas sharing one store are kept in step by `ReplicaSync` (voice_sync.py),
+which `VoiceService` builds on.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from gateway.space import (
 )
 from gateway.voice_catalog import VoiceCatalog
 from gateway.voice_policy import VoiceConfig, is_reserved, is_visible, may_delete
+from gateway.voice_sync import ReplicaSync
 from gateway.voice_upload import (
     ReferenceAudio,
     VoiceUpload,
@@ -74,7 +74,7 @@ def _store_failed() -> VoiceUploadError:
                             "the server logged why; try again later")
 
 
-class VoiceService:
+class VoiceService(ReplicaSync):
     """Registered voices of this process: store, engine and catalog kept in step."""
 
     def __init__(self, config: VoiceConfig, engine: EngineClient, catalog: VoiceCatalog | None = None) -> None:
@@ -91,10 +91,8 @@ class VoiceService:
         self.installed: set[str] = set()
         self.num_features_computed = 0
         self.num_uploads = 0  # uploads being read, decoded or featurized now
-        self._data_version: int | None = None
         self._lock = asyncio.Lock()
         self._removals: set[asyncio.Task[None]] = set()  # retired voices whose last holder left
-        self._sync_task: asyncio.Task[None] | None = None
 
     @property
     def degraded(self) -> list[str]:
@@ -126,18 +124,12 @@ class VoiceService:
             await self._load(record)
         await self._register_assets()
         self.catalog.set_listed(v.voice_id for v in self.engine.voices)
-        self._checksums = await self.registry.checksums()
-        self._data_version = await self.registry.data_version()
-        if self.config.sync_interval_s > 0:
-            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
+        await self._start_sync()
         log.info("voice registry %s: %d registered, %d unavailable", self.registry.path,
                  len(self.registered), len(self.unavailable))
 
     async def stop(self) -> None:
-        if self._sync_task is not None:
-            self._sync_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sync_task
+        await self._stop_sync()
         if self._removals:
             await asyncio.gather(*self._removals, return_exceptions=True)
         await self.registry.close()
@@ -338,57 +330,6 @@ class VoiceService:
         await self.engine.retire_voice(voice_id)
         if self.catalog.retire(voice_id):  # nobody holds it: gone at once
             await self._remove(voice_id)
-
-    # -- replicas ---------------------------------------------------------------
-
-    async def sync(self) -> bool:
-        """Pick up voices other processes sharing the store registered or deleted since the
-        last call; True when anything changed. Cheap when nothing did (one PRAGMA)."""
-        if self.registry._store is None:
-            return False
-        version = await self.registry.data_version()
-        if version == self._data_version:
-            return False
-        self._data_version = version
-        changed = False
-        async with self._lock:
-            stored = await self.registry.checksums()
-            for voice_id in [v for v in self._checksums if v not in stored]:
-                if voice_id in self.registered or voice_id in self.unavailable:
-                    await self._forget(voice_id)
-                    changed = True
-                    log.info("voice %r was deleted by another replica", voice_id)
-            for voice_id, checksum in stored.items():
-                if self._checksums.get(voice_id) == checksum:
-                    continue
-                if voice_id in self.registered or voice_id in self.unavailable:
-                    await self._forget(voice_id)  # replaced elsewhere: load the new record
-                self._checksums[voice_id] = checksum
-                changed |= await self._load_from_store(voice_id)
-        return changed
-
-    async def _load_from_store(self, voice_id: str) -> bool:
-        try:
-            record = await self.registry.get(voice_id)
-        except CorruptRecordError as exc:
-            self.unavailable[voice_id] = ("corrupt_voice", str(exc))
-            self.owners[voice_id] = (await self.registry.owners()).get(voice_id, "")
-            return True
-        if record is None:
-            return False
-        await self._load(record)
-        if voice_id in self.registered:
-            self.catalog.add(voice_id)
-            log.info("voice %r was registered by another replica", voice_id)
-        return True
-
-    async def _sync_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.sync_interval_s)
-            try:
-                await self.sync()
-            except Exception:  # a locked or vanished store: try again next time
-                log.exception("voice registry sync failed")
 
     async def _delete_stored(self, voice_id: str) -> None:
         try:

@@ -18,6 +18,10 @@ session sends `error`), and the next turn is admitted on another replica.
 
 Voices are replayed: every voice added through this client is added to a
 replica that joins later, before the replica takes contexts.
+
+This module owns the calls: the poll, placement, requests and voice verbs.
+What it keeps of each replica's answer, and how the answers are summed and
+compared, is replicas.py's.
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -38,40 +41,12 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from engine.engine import EngineStats
 from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
-from engine.scheduler import SchedulerStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 from gateway.ray_serve import routing, wire
+from gateway.ray_serve.replicas import Replica, SchedulerTotals, roomiest, sum_reports
 
 log = logging.getLogger("voxgate.gateway")
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class _Replica:
-    replica_id: str
-    is_ready: bool = False  # answered a poll and holds every voice
-    max_contexts: int = 0
-    num_contexts: int = 0
-    num_placed: int = 0  # contexts placed here since its last answer
-    last_seen: float = 0.0
-    report: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def room(self) -> int:
-        return self.max_contexts - self.num_contexts - self.num_placed
-
-
-@dataclass(slots=True)
-class _SchedulerTotals:
-    """The replicas' scheduler counters summed (what /metrics reads as `scheduler`)."""
-
-    num_queued: int = 0
-    num_contexts: int = 0
-    total_contexts: int = 0
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
-
-    def max_contexts(self) -> int:
-        return self.total_contexts
 
 
 class RemoteEngine:
@@ -83,7 +58,7 @@ class RemoteEngine:
         self.deployment = deployment
         self.poll_s, self.stall_s, self.call_timeout_s = poll_s, stall_s, call_timeout_s
         self.gateway_id = uuid.uuid4().hex[:12]
-        self.replicas: dict[str, _Replica] = {}
+        self.replicas: dict[str, Replica] = {}
         self._placement: dict[str, str] = {}  # context key -> replica id
         self._streams: dict[RequestId, DeploymentResponseGenerator[Any]] = {}
         self._added: dict[str, tuple[bytes | None, dict[str, Any]]] = {}  # replayed on new replicas
@@ -93,7 +68,7 @@ class RemoteEngine:
         self._poller: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats = EngineStats()
-        self.scheduler = _SchedulerTotals()
+        self.scheduler = SchedulerTotals()
 
     # -- calls ---------------------------------------------------------------
     def _call(self, method: str, *args: Any, replica: str = "", **kwargs: Any) -> Any:
@@ -170,7 +145,7 @@ class RemoteEngine:
             return
         replica = self.replicas.get(answered)
         if replica is None:
-            replica = self.replicas[answered] = _Replica(answered)
+            replica = self.replicas[answered] = Replica(answered)
         elif not replica_id:
             return  # a known replica: its pinned poll reports it
         if not replica.is_ready:
@@ -187,21 +162,7 @@ class RemoteEngine:
 
     def _sum_reports(self) -> None:
         reports = [r.report for r in self.replicas.values() if r.report]
-        totals = _SchedulerTotals()
-        stats = EngineStats()
-        for report in reports:
-            totals.num_queued += report["num_queued"]
-            totals.num_contexts += report["num_contexts"]
-            totals.total_contexts += report["max_contexts"]
-            for name, value in report["scheduler"].items():
-                setattr(totals.stats, name, getattr(totals.stats, name) + value)
-            for name, value in report["stats"].items():
-                if name == "step_bucket_counts":
-                    stats.step_bucket_counts = [a + b for a, b in zip(stats.step_bucket_counts, value)]
-                elif name.startswith("last_"):
-                    setattr(stats, name, max(getattr(stats, name), value))
-                else:
-                    setattr(stats, name, getattr(stats, name) + value)
+        totals, stats = sum_reports(reports)
         # In place: callers hold bound methods of these (FairShare keeps `max_contexts`).
         for name in ("num_queued", "num_contexts", "total_contexts", "stats"):
             setattr(self.scheduler, name, getattr(totals, name))
@@ -236,10 +197,8 @@ class RemoteEngine:
         return str(self._info["voice_features_version"])
 
     # -- admission -------------------------------------------------------------------
-    def _roomiest(self, exclude: frozenset[str] | set[str] = frozenset()) -> _Replica | None:
-        ready = [r for r in self.replicas.values()
-                 if r.is_ready and r.replica_id not in exclude and r.room > 0]
-        return max(ready, key=lambda r: r.room, default=None)
+    def _roomiest(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
+        return roomiest(self.replicas.values(), exclude)
 
     def admit(self, context_key: str) -> None:
         replica = self._roomiest()

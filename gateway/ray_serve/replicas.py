@@ -1,0 +1,73 @@
+"""The gateway's view of the engine replicas: their room, and their reports summed.
+
+`RemoteEngine` (remote.py) polls every engine replica for its capacity; this
+module owns what it keeps of each answer and what it reads from them: a
+`Replica`'s room (its free contexts less those placed there since its last
+answer), the replica with the most room (`roomiest`, where a context goes), and
+the replicas' scheduler and engine counters summed into the one view that
+/metrics reads (`sum_reports`). It makes no calls: the polling, placement and
+requests are remote.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine import EngineStats
+from engine.scheduler import SchedulerStats
+
+
+@dataclass(slots=True)
+class Replica:
+    replica_id: str
+    is_ready: bool = False  # answered a poll and holds every voice
+    max_contexts: int = 0
+    num_contexts: int = 0
+    num_placed: int = 0  # contexts placed here since its last answer
+    last_seen: float = 0.0
+    report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def room(self) -> int:
+        return self.max_contexts - self.num_contexts - self.num_placed
+
+
+@dataclass(slots=True)
+class SchedulerTotals:
+    """The replicas' scheduler counters summed (what /metrics reads as `scheduler`)."""
+
+    num_queued: int = 0
+    num_contexts: int = 0
+    total_contexts: int = 0
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+
+    def max_contexts(self) -> int:
+        return self.total_contexts
+
+
+def roomiest(replicas: Iterable[Replica], exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
+    """The ready replica with the most room, outside `exclude`; None when none has room."""
+    ready = [r for r in replicas if r.is_ready and r.replica_id not in exclude and r.room > 0]
+    return max(ready, key=lambda r: r.room, default=None)
+
+
+def sum_reports(reports: list[dict[str, Any]]) -> tuple[SchedulerTotals, EngineStats]:
+    """The replicas' capacity reports summed (the `last_*` stats: their maximum)."""
+    totals = SchedulerTotals()
+    stats = EngineStats()
+    for report in reports:
+        totals.num_queued += report["num_queued"]
+        totals.num_contexts += report["num_contexts"]
+        totals.total_contexts += report["max_contexts"]
+        for name, value in report["scheduler"].items():
+            setattr(totals.stats, name, getattr(totals.stats, name) + value)
+        for name, value in report["stats"].items():
+            if name == "step_bucket_counts":
+                stats.step_bucket_counts = [a + b for a, b in zip(stats.step_bucket_counts, value)]
+            elif name.startswith("last_"):
+                setattr(stats, name, max(getattr(stats, name), value))
+            else:
+                setattr(stats, name, getattr(stats, name) + value)
+    return totals, stats
