@@ -23,6 +23,7 @@ gateway answers `unsupported_option`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,16 @@ class Backend(ABC):
         item.state = None
 
     # -- registered voices (optional) ---------------------------------------
+
+    def voice_features_executor(self) -> Executor | None:
+        """Where `make_voice_features` may run instead of the worker thread, or None.
+
+        Registration analyses up to 30 s of reference audio (cosyvoice: an ONNX
+        speech tokenizer and speaker model); on the worker thread that stalls
+        every stream's next step. A backend whose feature making touches no state
+        a step uses returns an executor of its own, and the engine runs it there.
+        """
+        return None
 
     def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
         """A reference voice's prompt features, serialized; None when the backend needs none.

@@ -63,7 +63,12 @@ class VoiceVerbs:
 
         Raises ValueError for audio the backend cannot use.
         """
-        return await self._on_worker(self.backend.make_voice_features, audio, sample_rate, transcript)
+        executor = self.backend.voice_features_executor()
+        if executor is None:
+            return await self._on_worker(self.backend.make_voice_features, audio, sample_rate, transcript)
+        loop = asyncio.get_running_loop()  # the backend's own executor: steps go on meanwhile
+        return await loop.run_in_executor(executor, self.backend.make_voice_features,
+                                          audio, sample_rate, transcript)
 
     async def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
         """Make a registered voice speakable and listed (replacing one of the same id)."""

@@ -186,6 +186,14 @@ def test_a_sampled_request_with_a_seed_speaks_the_same_alone_batched_or_preempte
     assert run(sampled, [unseeded])[unseeded.request_id][0] != want_tokens
 
 
+def test_voice_cloning_runs_on_the_cpu_executor_not_the_gpu_worker(backend: CosyVoiceBackend) -> None:
+    executor = backend.voice_features_executor()
+    assert executor is not None
+    features = executor.submit(backend.make_voice_features, voiced(1.0, 22050, f0=200.0), 22050,
+                               "Testing.").result(timeout=120)
+    assert features  # cloning is safe off the worker: it reads no stream state
+
+
 def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(backend: CosyVoiceBackend) -> None:
     features = backend.make_voice_features(voiced(2.0, 22050, f0=220.0), 22050, "Testing one two.")
     assert features is not None

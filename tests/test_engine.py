@@ -199,3 +199,42 @@ def test_admission_answers_busy_past_the_limit() -> None:
         await engine.stop()
 
     run(scenario())
+
+
+def test_voice_features_run_on_the_backends_own_executor_while_a_step_holds_the_worker() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    class CloningBackend(ScriptedBackend):
+        def __init__(self) -> None:
+            super().__init__(chunks_per_request=1)
+            self.cpu = ThreadPoolExecutor(1, thread_name_prefix="cloning-cpu")
+            self.feature_threads: list[str] = []
+
+        def voice_features_executor(self) -> ThreadPoolExecutor:
+            return self.cpu
+
+        def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes:
+            self.feature_threads.append(threading.current_thread().name)
+            return b"features"
+
+    async def scenario() -> tuple[bytes | None, CloningBackend]:
+        backend = CloningBackend()
+        backend.gate = threading.Event()
+        engine = await started(backend)
+        stream = engine.submit(request("speaking"))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.get_running_loop().run_in_executor(None, backend.step_started.wait, 5)
+        # The worker is inside a step (held by the gate): registration must not wait for it.
+        features = await asyncio.wait_for(
+            engine.make_voice_features(np.zeros(16000, np.float32), 16000, "Hi."), 5)
+        backend.gate.set()
+        await asyncio.wait_for(first, 5)
+        await engine.stop()
+        backend.cpu.shutdown()
+        return features, backend
+
+    features, backend = run(scenario())
+    assert features == b"features"
+    assert backend.feature_threads and backend.feature_threads[0].startswith("cloning-cpu")

@@ -213,6 +213,11 @@ class CosyVoiceBackend(Backend):
 
     # -- registered voices ----------------------------------------------------
 
+    def voice_features_executor(self) -> ThreadPoolExecutor:
+        # Cloning reads only the frontend's ONNX sessions and the mel filter (no stream state),
+        # so it runs on the CPU executor beside the steps, not on the GPU worker (issue 19, item 5).
+        return self._cpu
+
     def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
         model = self._loaded()
         return to_bytes(clone_voice(model.frontend, model.mel, audio, sample_rate, transcript))
