@@ -83,8 +83,11 @@ def available_formats() -> tuple[str, ...]:
     return _AVAILABLE
 
 
-class _Sink:
-    """A write-only, non-seekable file for the muxer; `drain` takes what it wrote."""
+class MuxSink:
+    """A write-only, non-seekable file for the muxer; `drain` takes what it wrote.
+
+    Shared by the HTTP bodies here and the vendor sockets' transcoder (gateway/compat/formats.py).
+    """
 
     def __init__(self) -> None:
         self._chunks: list[bytes] = []
@@ -115,7 +118,7 @@ class ContainerStreamEncoder:
         self.sample_rate = spec.sample_rate
         self.sample_rate_in = sample_rate_in
         self._is_finished = False
-        self._sink = _Sink()
+        self._sink = MuxSink()
         self._container: av.container.OutputContainer | None = None
         self._stream: av.AudioStream | None = None
         if spec.muxer:

@@ -357,17 +357,27 @@ async def stream_endpoint(websocket: WebSocket) -> None:
                           options=options, limits=config.limits,
                           admit=lambda context_key: fair_share.admit(owner, context_key),
                           release=fair_share.release)
-        try:
-            await websocket.accept()
-            connection = Connection(websocket, session, engine, state)
-            state.connections.add(connection)
-            state.metrics.sessions.inc()
-            try:
-                await connection.run()
-            finally:
-                state.connections.discard(connection)
-                state.metrics.sessions.dec()
-        finally:
-            session.disconnect()  # a no-op after run(): it lets go of the voice if run never did
+        await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
     finally:
         state.key_counter.release(key_slot)
+
+
+async def serve_session(websocket: WebSocket, session: Session, connection: Connection,
+                        state: Any) -> None:
+    """Accept the socket and run `connection` (native or a vendor adapter's) until it ends.
+
+    The connection is counted in the app's open connections and the sessions gauge
+    while it runs; the session lets go of its voice at the end even if `run` never
+    started (a no-op after `run`).
+    """
+    try:
+        await websocket.accept()
+        state.connections.add(connection)
+        state.metrics.sessions.inc()
+        try:
+            await connection.run()
+        finally:
+            state.connections.discard(connection)
+            state.metrics.sessions.dec()
+    finally:
+        session.disconnect()

@@ -25,6 +25,7 @@ from gateway.errors import (
     CLOSE_UNAUTHORIZED,
 )
 from gateway.messages import Limits, SessionOptions
+from gateway.ws import serve_session
 
 #: builds the adapter's session: (session id, catalog, engine rate, options, limits, admit,
 #: release, is_authorized) -> CompatSession
@@ -100,17 +101,7 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, key: str 
         session = make_session(uuid.uuid4().hex[:16], catalog=state.catalog,
                                sample_rate=engine.sample_rate, options=options, limits=limits,
                                admit=admit, release=release, is_authorized=authorized)
-        try:
-            await websocket.accept()
-            connection = CompatConnection(websocket, session, engine, state)
-            state.connections.add(connection)
-            state.metrics.sessions.inc()
-            try:
-                await connection.run()
-            finally:
-                state.connections.discard(connection)
-                state.metrics.sessions.dec()
-        finally:
-            session.disconnect()
+        await serve_session(websocket, session, CompatConnection(websocket, session, engine, state),
+                            state)
     finally:
         state.key_counter.release(owner)

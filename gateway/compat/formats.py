@@ -25,6 +25,7 @@ import av
 import numpy as np
 
 from gateway.audio import decode_pcm16, to_frame
+from gateway.containers import MuxSink
 from gateway.formats import SAMPLE_RATES
 
 KINDS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw", "mp3", "ogg_opus")
@@ -72,29 +73,13 @@ def native_format(fmt: OutputFormat) -> tuple[str, int, bool]:
     return "pcm16", TRANSCODE_FROM_RATE, True
 
 
-class _Sink:
-    """A non-seekable file for the muxer; `drain` takes what it wrote so far."""
-
-    def __init__(self) -> None:
-        self._chunks: list[bytes] = []
-
-    def write(self, data: bytes) -> int:
-        self._chunks.append(bytes(data))
-        return len(data)
-
-    def drain(self) -> bytes:
-        data = b"".join(self._chunks)
-        self._chunks.clear()
-        return data
-
-
 class Transcoder:
     """Native PCM16 at `TRANSCODE_FROM_RATE` in, one vendor format's bytes out (streaming)."""
 
     def __init__(self, fmt: OutputFormat) -> None:
         self.format = fmt
         self._is_finished = False
-        self._sink = _Sink()
+        self._sink = MuxSink()
         self._container: av.container.OutputContainer | None = None
         self._stream: av.AudioStream | None = None
         self._codec: av.AudioCodecContext | None = None
