@@ -31,6 +31,8 @@ from typing import Any
 
 import websockets
 
+from bench.bench_ttfa import native_turn
+
 SENTENCES = [
     "The quick answer is yes, and here is why.",
     "Paris has been the capital of France for a very long time.",
@@ -39,22 +41,6 @@ SENTENCES = [
     "Here is a short summary of the meeting notes.",
 ]
 Turn = Callable[[Any, str, str], Awaitable[float]]
-
-
-async def native_turn(ws: Any, context_id: str, sentence: str) -> float:
-    for word in sentence.split(" "):
-        await ws.send(json.dumps({"type": "text", "context_id": context_id, "text": word + " "}))
-    sent_at = time.perf_counter()
-    await ws.send(json.dumps({"type": "flush", "context_id": context_id}))
-    first: float | None = None
-    while True:
-        frame = await ws.recv()
-        if isinstance(frame, bytes):
-            if first is None:
-                first = time.perf_counter() - sent_at
-        elif json.loads(frame)["type"] == "context.done":
-            assert first is not None
-            return first
 
 
 async def elevenlabs_turn(ws: Any, context_id: str, sentence: str) -> float:

@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.bench_ray_serve import wait_ready
+
 Sample = dict[str, float]  # "name{label=value,...}" -> value
 
 
@@ -152,14 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "ray-serve", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        wait_ready(url, 240)
         load = subprocess.Popen([sys.executable, "-m", "loadtest", "run", "--url", url, "--sessions",
                                  str(args.sessions), "--duration", str(args.duration), "--seed",
                                  str(args.seed), "--barge-in-rate", "0.2", "--quiet"],

@@ -101,7 +101,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_ready(url: str, timeout_s: float) -> None:
+def wait_ready(url: str, timeout_s: float) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
@@ -134,7 +134,7 @@ def run_load(levels: str, duration: float, seed: int) -> dict[str, Any]:
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, 240)
+            wait_ready(url, 240)
             results[name] = _sweep(url, levels, duration, seed, Path(tempfile.mkdtemp()) / "r.json")
         finally:
             server.terminate()

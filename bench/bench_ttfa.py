@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import websockets
 
@@ -38,20 +39,27 @@ async def measure(url: str, turns: int) -> list[float]:
         for turn in range(turns + 2):  # two warm-up turns
             sentence = SENTENCES[turn % len(SENTENCES)]
             context_id = f"t{turn}"
-            for word in sentence.split(" "):
-                await ws.send(json.dumps({"type": "text", "context_id": context_id, "text": word + " "}))
-            sent_at = time.perf_counter()
-            await ws.send(json.dumps({"type": "flush", "context_id": context_id}))
-            first: float | None = None
-            while True:
-                frame = await ws.recv()
-                if isinstance(frame, bytes) and first is None:
-                    first = time.perf_counter() - sent_at
-                elif isinstance(frame, str) and json.loads(frame)["type"] == "context.done":
-                    break
-            if turn >= 2 and first is not None:
+            first = await native_turn(ws, context_id, sentence)
+            if turn >= 2:
                 timings.append(first)
     return timings
+
+
+async def native_turn(ws: Any, context_id: str, sentence: str) -> float:
+    """One turn on the native socket, word by word: seconds from `flush` to the first audio."""
+    for word in sentence.split(" "):
+        await ws.send(json.dumps({"type": "text", "context_id": context_id, "text": word + " "}))
+    sent_at = time.perf_counter()
+    await ws.send(json.dumps({"type": "flush", "context_id": context_id}))
+    first: float | None = None
+    while True:
+        frame = await ws.recv()
+        if isinstance(frame, bytes):
+            if first is None:
+                first = time.perf_counter() - sent_at
+        elif json.loads(frame)["type"] == "context.done":
+            assert first is not None, "the turn ended without audio"
+            return first
 
 
 def anchor(turns: int) -> list[float]:
