@@ -1,6 +1,7 @@
 """The box's raw piper limit against the engine's throughput at saturation.
 
-    python -m bench.bench_piper_limit [--seconds 20] [--streams 16] [--seed 1]
+    python -m bench.bench_piper_limit [--seconds 20] [--streams 16] [--seed 1] [--engine-option K=V]...
+                                      [--memory-profile compact|fast]
 
 Raw limit: a plain loop of piper calls with the joe voice (the whole graph, as
 piper ships it), one call at a time on every core, over sentences of the
@@ -13,7 +14,9 @@ concurrent readers that each submit the next sentence as soon as the last
 one finished, every request due now (more work than the box can do); audio
 seconds routed per wall second, over the same duration, after a warm-up.
 The ratio is the share of the raw limit the engine keeps. The machine may be
-shared: run both in one invocation and quote the ratio.
+shared: run both in one invocation and quote the ratio. `--memory-profile`
+applies `voxgate serve`'s malloc settings to the whole process first (the
+server's default is compact); without it glibc keeps its own.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backends.piper import PiperBackend, PiperBackendConfig
 from engine.engine import Engine, EngineConfig
+from engine.options import config_from_options
 from engine.types import RequestId, SynthesisRequest
 
 
@@ -85,8 +89,9 @@ def raw_limit(texts: list[str], seconds: float, threads: int) -> float:
     return made / config.sample_rate / (time.perf_counter() - start)
 
 
-async def engine_throughput(texts: list[str], seconds: float, streams: int) -> tuple[float, dict[str, Any]]:
-    backend = PiperBackend(PiperBackendConfig())
+async def engine_throughput(texts: list[str], seconds: float, streams: int,
+                            options: dict[str, str] | None = None) -> tuple[float, dict[str, Any]]:
+    backend = PiperBackend(config_from_options(PiperBackendConfig, "piper", options or {}))
     engine = Engine(backend, EngineConfig())
     await engine.start()
     counter = iter(range(10**9))
@@ -126,20 +131,30 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="a piper backend option for the engine run (as `voxgate serve` takes it)")
+    parser.add_argument("--memory-profile", choices=["compact", "fast"],
+                        help="glibc malloc settings as `voxgate serve --memory-profile` sets them")
     args = parser.parse_args()
+    options = dict(option.split("=", 1) for option in args.engine_option)
+    if args.memory_profile:
+        from gateway.cli import tune_malloc
+
+        tune_malloc(args.memory_profile)
     np.random.seed(args.seed)
     texts = corpus_sentences(args.seed)
     cores = os.cpu_count() or 1
     limit = raw_limit(texts, args.seconds, cores)
     one_core = raw_limit(texts, args.seconds, 1)
-    engine, extra = asyncio.run(engine_throughput(texts, args.seconds, args.streams))
+    engine, extra = asyncio.run(engine_throughput(texts, args.seconds, args.streams, options))
     print(f"{len(texts)} corpus sentences, {args.seconds:g} s per measurement, {cores} cores, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}, malloc {args.memory_profile or 'glibc defaults'}")
     print("| what | audio s per wall s | share of the raw limit |")
     print("|---|---:|---:|")
     print(f"| raw limit: plain piper loop, one call at a time, {cores} cores | {limit:.1f} | 100% |")
     print(f"| plain piper loop, 1 core | {one_core:.1f} | {one_core / limit:.0%} |")
-    print(f"| voxgate engine, {args.streams} streams due now (windows, defaults) | {engine:.1f} | "
+    label = ", ".join(args.engine_option) or "defaults"
+    print(f"| voxgate engine, {args.streams} streams due now (windows, {label}) | {engine:.1f} | "
           f"{engine / limit:.0%} |")
     print(f"engine steps per second: {extra['steps_per_s']:.1f}")
 

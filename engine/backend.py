@@ -79,6 +79,10 @@ class Backend(ABC):
     #: items a step can run side by side at the cost of one (e.g. one per core):
     #: the scheduler never sends fewer than this when that many are waiting
     parallelism: int = 1
+    #: a step's items share no work (each is a call of its own, `parallelism` at a time):
+    #: the scheduler then sends `parallelism` items per step, so that every step is as short
+    #: as one item's work and the earliest deadline is chosen again after each
+    serial_items: bool = False
     #: Implements `add_voice`, `retire_voice` and `remove_voice` (registered voices).
     can_register_voices: bool = False
     #: Registration refuses reference audio without its transcript (cosyvoice's prompt text).

@@ -35,6 +35,12 @@ class RequestHandle:
     before it in its context if that is earlier; once audio is taken it is
     frozen no earlier than that moment. Heard audio is the time since the start,
     never more than what was taken (a reader that stops reading stops its clock).
+
+    A listener that ran out of audio (everything made was taken and played)
+    waits: its lead is negative, how long ago it ran dry, so the earliest
+    deadline goes to whoever has waited longest (a new turn's first piece is
+    due at its deadline). When audio comes again the listener resumes there:
+    the start moves on by the wait, as a player does after a gap.
     """
 
     __slots__ = ("est_s", "is_cancelled", "is_done", "is_finished", "made_s", "prev", "queue",
@@ -66,13 +72,18 @@ class RequestHandle:
         if self.started_at is None:
             self.started_at = max(self.start(), now)
             self.prev = None  # the chain is no longer needed: let finished requests go
+        elif now - self.started_at > self.taken_s:
+            self.started_at = now - self.taken_s  # the listener ran dry and resumes now
         self.taken_s += chunk.duration_ms / 1000.0
 
     def lead(self, now: float) -> float:
-        """Seconds until this request's listener runs out of audio (from now)."""
+        """Seconds until this request's listener runs out of audio (negative: ran out that long ago)."""
         start = self.start()
-        heard = min(max(now - start, 0.0), self.taken_s)
-        return max(start - now, 0.0) + self.made_s - heard
+        elapsed = now - start
+        if elapsed > self.taken_s and self.made_s <= self.taken_s + 1e-9:
+            return self.taken_s - elapsed  # dry: everything made was taken and played
+        heard = min(max(elapsed, 0.0), self.taken_s)
+        return max(-elapsed, 0.0) + self.made_s - heard
 
 
 def take_incoming(incoming: list[RequestHandle], now: float, horizon: float,
@@ -97,7 +108,7 @@ def set_dues(items: Iterable[BackendRequest], handles: Mapping[RequestId, Reques
     for item in items:
         handle = handles.get(item.request_id)
         if handle is not None:
-            item.due = now + handle.lead(now)
+            item.due = now + handle.lead(now)  # in the past for a listener already waiting
 
 
 def is_ahead(handle: RequestHandle | None, now: float, horizon: float) -> bool:

@@ -77,6 +77,7 @@ class Engine(VoiceVerbs):
             self.config.scheduler.max_batch_size, backend.max_batch_size
         )
         self.config.scheduler.parallelism = max(1, getattr(backend, "parallelism", 1))
+        self.config.scheduler.serial_items = bool(getattr(backend, "serial_items", False))
         self.scheduler = Scheduler(self.config.scheduler)
         self.stats = EngineStats()
         self._handles: dict[RequestId, RequestHandle] = {}

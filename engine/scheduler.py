@@ -6,7 +6,9 @@ request's `due` is when its next piece must exist (the engine sets it from
 the request's playback clock; a turn's first piece is due "now"). The batch
 grows while the step it makes still ends before the most urgent deadline (a
 batch that would make the urgent request late is cut back); it never shrinks
-below one, so the most urgent request always runs.
+below one, so the most urgent request always runs. Where a step's items
+share no work (`serial_items`: the piper backend, one call per item) a
+bigger batch is only a longer step, so a step takes one item per core.
 
 Bounded look-ahead: a request already further ahead of its listener than the
 engine's look-ahead (`is_ahead`) runs only when no other request is
@@ -37,6 +39,9 @@ class SchedulerConfig:
     max_batch_size: int = 8
     #: items that run side by side in one step at the cost of one (Backend.parallelism)
     parallelism: int = 1
+    #: items of a step share no work (Backend.serial_items): a step takes `parallelism`
+    #: items, never more, so a new turn's first piece waits behind one item's work
+    serial_items: bool = False
     #: a batch of work that is not yet due stops growing at this predicted step
     #: length, so a new turn's first segment never waits behind a long step of
     #: look-ahead work (a step cannot be interrupted once it runs)
@@ -194,6 +199,8 @@ class Scheduler:
         ready.sort(key=lambda e: (due_of(e.item), e.seq))
         urgent_deadline = due_of(ready[0].item)
         limit = min(self.config.max_batch_size, len(ready))
+        if self.config.serial_items:
+            limit = min(limit, self.config.parallelism)
         # Items up to the backend's parallelism ride along for free (another core).
         size = max(1, min(self.config.parallelism, limit))
         while size < limit:

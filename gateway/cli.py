@@ -115,7 +115,7 @@ def _shorthand_options(args: argparse.Namespace) -> list[str]:
     return items
 
 
-def _tune_malloc(profile: str) -> None:
+def tune_malloc(profile: str) -> None:
     """glibc malloc settings: "compact" (default) keeps RSS flat, "fast" synthesizes faster.
 
     compact: a fixed 1 MiB mmap threshold and two arenas. glibc otherwise
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
-    _tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
+    tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     port = args.port if args.port is not None else (int(os.environ["PORT"]) if "PORT" in os.environ else None)

@@ -215,6 +215,7 @@ def test_many_sessions_with_barge_ins_leave_memory_near_where_it_started(tmp_pat
         run(scenario(range(2, 12)), timeout=600)   # 200 sessions
         time.sleep(1.0)
         after = proc.rss_mb()
+        print(f"server RSS {baseline:.0f} -> {after:.0f} MB over 200 barge-in sessions")  # docs/benchmarks.md
         assert after - baseline < 40, f"RSS {baseline:.0f} -> {after:.0f} MB after 200 sessions"
         assert proc.metric("voxgate_sessions") == 0
         assert proc.metric("voxgate_engine_active_contexts") == 0

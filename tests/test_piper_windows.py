@@ -38,11 +38,14 @@ def backends() -> dict[str, PiperBackend]:
     return made
 
 
-def stream(backend: PiperBackend, req: SynthesisRequest) -> tuple[list[StepResult], list[WordTiming] | None]:
+def stream(backend: PiperBackend, req: SynthesisRequest,
+           due_in: float = 0.0) -> tuple[list[StepResult], list[WordTiming] | None]:
+    """Every piece of one segment, each step's next audio due `due_in` s from then (0: urgent)."""
     item = backend.prepare(req)
     results: list[StepResult] = []
     words = None
     while not (results and results[-1].is_finished):
+        item.due = time.monotonic() + due_in  # what the engine's playback clock would set
         (result,) = backend.step([item])
         assert result.error is None
         results.append(result)
@@ -135,3 +138,82 @@ def test_a_cancel_stops_a_segment_within_one_window() -> None:
     steps, at_cancel = asyncio.run(asyncio.wait_for(scenario(), 120))
     after = [batch for batch in steps[at_cancel:] if "long" in batch]
     assert len(after) <= 1, "the segment kept being decoded after its cancel"
+
+
+def test_the_flow_on_a_slice_with_its_context_equals_the_whole_flow(backends: dict[str, PiperBackend]) -> None:
+    voice = backends["windows"].get_voice("joe")
+    assert voice.has_flow, "the joe voice's flow was not cut out"
+    state = backends["windows"].prepare(request(LONG)).state
+    scales = np.array(state.scales, dtype=np.float32)
+    outputs, durations = voice.run_front(np.array([state.ids]), np.array([len(state.ids)]), scales, None)
+    total = int(np.rint(durations).sum())
+    whole = voice.run_flow(voice.flow_feeds(outputs, None))  # [1, C, T]
+    context = PiperBackendConfig().window_flow_context_frames
+    for needed in (24, 40, 100):
+        part = voice.run_flow(piper_windows.flow_slice(outputs, 0, needed + context, total))
+        assert np.abs(part[:, :, :needed] - whole[:, :, :needed]).max() < 1e-4  # float rounding only
+    rest = voice.run_flow(piper_windows.flow_slice(outputs, 40 - context, total, total))
+    assert np.abs(rest[:, :, context:] - whole[:, :, 40:total]).max() < 1e-4
+
+
+def count_flow_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Frames of each flow call (a counting wrapper around the real run_flow)."""
+    from engine.backends.piper_voices import LoadedVoice
+
+    frames: list[int] = []
+    run_flow = LoadedVoice.run_flow
+
+    def counting(self: LoadedVoice, feeds: dict[str, np.ndarray], **kwargs: bool) -> np.ndarray:
+        latent = run_flow(self, feeds, **kwargs)
+        frames.append(latent.shape[2])
+        return latent
+
+    monkeypatch.setattr(LoadedVoice, "run_flow", counting)
+    return frames
+
+
+def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = count_flow_calls(monkeypatch)
+    windows, _ = stream(backends["windows"], request(LONG))  # each piece due now
+    plan = PiperBackendConfig().window_plan
+    hop = backends["windows"].get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == plan.first_frames * hop
+    assert len(windows[1].pcm) == plan.second_frames * hop
+    assert len(frames) == 2 and frames[0] == plan.first_frames + plan.context_frames + plan.flow_context_frames
+
+
+def test_a_segment_with_lead_to_spare_takes_long_windows_and_one_whole_flow(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    frames = count_flow_calls(monkeypatch)
+    windows, _ = stream(backends["windows"], request(LONG), due_in=60.0)
+    hop = backends["windows"].get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == PiperBackendConfig().window_frames * hop
+    assert len(frames) == 1, "the flow ran in pieces for a segment that had time"
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_a_graph_whose_flow_cannot_be_cut_out_still_streams_its_decoder(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        backends: dict[str, PiperBackend]) -> None:
+    monkeypatch.setattr(piper_windows, "_flow_cut", lambda model, latent: None)
+    piper = PiperBackend(PiperBackendConfig(num_threads=1))
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
+        piper.load()
+    assert any("the flow runs whole" in r.getMessage() for r in caplog.records)
+    voice = piper.get_voice("joe")
+    assert voice.is_split and not voice.has_flow
+    windows, _ = stream(piper, request(LONG))
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert len(windows) >= 3
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_a_segment_whose_listener_already_waits_long_takes_long_windows(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = count_flow_calls(monkeypatch)
+    windows, _ = stream(backends["windows"], request(LONG), due_in=-2.0)  # the box is behind
+    hop = backends["windows"].get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == PiperBackendConfig().window_frames * hop
+    assert len(frames) == 1

@@ -132,3 +132,12 @@ def test_look_ahead_work_runs_in_short_steps_so_a_new_turn_waits_little() -> Non
     for n in range(8):
         s.add(item(f"ahead{n}", 100.0))   # far from due: background work
     assert len(s.schedule(now=0.0)) == 2  # 0.21 s fits the 0.25 s cap, 0.31 s would not
+
+
+@pytest.mark.parametrize("parallelism", [1, 2])
+def test_items_that_share_no_work_run_one_per_core_per_step(parallelism: int) -> None:
+    s = Scheduler(SchedulerConfig(max_batch_size=8, parallelism=parallelism, serial_items=True))
+    s.cost.fixed_s, s.cost.per_item_s = 0.0, 0.05
+    for n in range(6):
+        s.add(item(f"due{n}", 0.0))  # all due: a batching backend would take all six
+    assert len(s.schedule(now=0.5)) == parallelism

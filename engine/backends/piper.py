@@ -41,6 +41,7 @@ segment's state and the finishing of its output in piper_segment.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -58,7 +59,7 @@ from engine.backends.piper_voices import (
     discover_voices,
     load_voice,
 )
-from engine.backends.piper_windows import decode_window
+from engine.backends.piper_windows import decode_window, flow_slice
 from engine.errors import (
     BackendFailure,
     EngineError,
@@ -120,6 +121,9 @@ class PiperBackend(Backend):
         self._retired: dict[str, tuple[VoiceInfo, str]] = {}
         self.sample_rate = 22050
         self.parallelism = self.config.num_parallel_calls
+        # One call per item: a bigger batch only makes a longer step (a new turn's first
+        # window would wait behind it), never a cheaper one.
+        self.serial_items = self.config.one_call_per_item
         self._plan = self.config.window_plan
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
                       if self.config.num_parallel_calls > 1 else None)
@@ -254,6 +258,16 @@ class PiperBackend(Backend):
             else:
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
+        # A segment whose next audio is due soon streams in short pieces (a flow slice, a
+        # small window); one with lead to spare takes long windows and runs its flow whole,
+        # which costs less (less context computed twice). So does one whose listener has
+        # waited longer than that already: the box is behind, and long windows, more audio
+        # per second of work, catch up sooner. `due` is on time.monotonic()'s clock.
+        now, config = time.monotonic(), self.config
+        for index in windowed:
+            item = batch[index]
+            due = item.request.deadline if item.due is None else item.due
+            item.state.is_urgent = -config.window_behind_s <= due - now <= config.window_urgent_lead_s
         calls: list[list[int]] = [[index] for index in windowed]
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]
@@ -294,21 +308,26 @@ class PiperBackend(Backend):
                 ids = np.array([state.ids], dtype=np.int64)  # [1, L]
                 lengths = np.array([len(state.ids)], dtype=np.int64)  # [1]
                 scales = np.array(state.scales, dtype=np.float32)  # [3]
-                latent, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo)
+                outputs, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo)
                 frames = np.rint(durations[0, : len(state.ids)]).astype(np.int64)  # [L]
-                state.num_frames = int(frames.sum())
-                if state.num_frames > latent.shape[2]:
-                    raise BackendFailure(
-                        f"expected at most {latent.shape[2]} frames from durations, got {state.num_frames}")
-                state.latent = latent[:, :, : state.num_frames]  # [1, C, T]
+                state.num_frames = total = int(frames.sum())
+                padded = next(iter(outputs.values())).shape[2]
+                if total > padded:
+                    raise BackendFailure(f"expected at most {padded} frames from durations, got {total}")
                 words = segment_timings(state, frames, self.sample_rate)
-                if state.num_frames == 0:
-                    state.latent = None
+                if total == 0:
                     return StepResult(words=words, is_finished=True)
+                if voice.has_flow:
+                    state.prior = flow_slice(voice.flow_feeds(outputs, sids), 0, total, padded)
+                    state.latent = np.zeros((1, state.prior[voice.flow_inputs[0]].shape[1], 0), np.float32)
+                else:
+                    state.latent = outputs[voice.latent_name][:, :, :total]  # [1, C, T]
             start = state.cursor
-            end = self._plan.window_end(start, state.num_windows, state.num_frames)
+            end = self._plan.window_end(start, state.num_windows, state.num_frames, state.is_urgent)
+            context = self._plan.context_frames
+            self._run_flow(state, min(state.num_frames, end + context), is_solo)
             raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), state.latent,
-                                start, end, self.config.window_context_frames, hop)
+                                start, end, context, hop)
             pcm = np.clip(raw * voice.gain, -1.0, 1.0).astype(np.float32)
             state.cursor, state.num_windows = end, state.num_windows + 1
             is_finished = end >= state.num_frames
@@ -319,6 +338,29 @@ class PiperBackend(Backend):
             logger.exception("piper window failed")
             error = exc if isinstance(exc, BackendFailure) else BackendFailure(f"piper synthesis failed: {exc}")
             return StepResult(is_finished=True, error=error)
+
+    def _run_flow(self, state: PiperState, needed: int, is_solo: bool) -> None:
+        """Grow the segment's latent to at least `needed` frames through the flow.
+
+        The first time, for a segment whose first audio is due soon (urgent) and that is
+        long (over twice the slice), on a slice: the needed frames plus the flow's
+        context after them. Then once over all the rest, from the flow's context
+        before it, since one long call costs less than slices.
+        """
+        prior, latent = state.prior, state.latent
+        if prior is None or latent is None or latent.shape[2] >= needed:
+            return
+        total, done = state.num_frames, latent.shape[2]
+        context = self._plan.flow_context_frames
+        if done == 0 and state.is_urgent and 2 * (needed + context) < total:
+            more = state.voice.run_flow(flow_slice(prior, 0, needed + context, total), is_solo=is_solo)
+            more = more[:, :, :needed]
+        else:
+            lo = max(0, done - context)
+            more = state.voice.run_flow(flow_slice(prior, lo, total, total), is_solo=is_solo)
+            more = more[:, :, done - lo:]
+            state.prior = None
+        state.latent = np.concatenate([latent, more], axis=2)
 
     # -- internals ------------------------------------------------------------
 

@@ -52,14 +52,26 @@ class PiperBackendConfig:
     # sessions make 10x, so the default runs them one after another.
     num_parallel_calls: int = 1
     # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
-    # a segment's first window is small (first audio soon), the second medium, the rest
-    # `window_frames`; `window_context_frames` each side make each window equal the whole decode
-    # (16 is exact on joe; measurements in docs/benchmarks.md, "piper windows").
+    # an urgent segment's first window is small (first audio soon), the second medium, the
+    # rest `window_frames`; `window_context_frames` each side make each window equal the whole
+    # decode (12 matches joe's to 2e-8 at 10% less decoding than 16; docs/benchmarks.md,
+    # "piper windows").
     windowed: bool = True
     window_first_frames: int = 24
     window_second_frames: int = 48
     window_frames: int = 128
-    window_context_frames: int = 16
+    window_context_frames: int = 12
+    # The flow runs on a slice for an urgent segment's first window, with this much context
+    # after it (its receptive field: exact on joe), then once over the rest.
+    window_flow_context_frames: int = 32
+    # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
+    # not later than `window_behind_s` already (a new turn's first segment, on a box that
+    # keeps up): it gets the small windows and the flow slice. One with more lead (a long
+    # window is ready in time), or whose listener has waited longer (the box is behind),
+    # takes `window_frames` windows and runs its flow whole, which makes more audio per
+    # second of work (less context computed twice).
+    window_urgent_lead_s: float = 0.1
+    window_behind_s: float = 0.3
 
     def __post_init__(self) -> None:
         if self.num_parallel_calls < 1:
@@ -73,6 +85,9 @@ class PiperBackendConfig:
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
         self.window_plan  # noqa: B018 - validates the window sizes
+        for name in ("window_urgent_lead_s", "window_behind_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_padding_waste is not None and self.max_padding_waste < 0:
             raise ValueError(
                 f"max_padding_waste must be >= 0 or None, got {self.max_padding_waste}"
@@ -82,4 +97,5 @@ class PiperBackendConfig:
     @property
     def window_plan(self) -> WindowPlan:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
-                          self.window_frames, self.window_context_frames)
+                          self.window_frames, self.window_context_frames,
+                          self.window_flow_context_frames)

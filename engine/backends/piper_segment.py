@@ -1,8 +1,8 @@
 """One piper segment: its prepared state, and how model output becomes its audio and word timings.
 
 This module owns `PiperState`, what `prepare` computes for a segment
-(phonemes, ids, word spans, synthesis scales) and where its decoder windows
-stand (the latent, frames decoded, windows so far), and the per-segment
+(phonemes, ids, word spans, synthesis scales) and where its windows stand
+(the flow's inputs still to run, the latent, frames decoded, windows so far), and the per-segment
 finishing the backend applies to onnxruntime's output: word timings from the
 frames per phoneme id (`segment_timings`), the result of a segment with
 nothing speakable (`silent_result`), and the trim to true length, fixed voice
@@ -37,10 +37,14 @@ class PiperState:
     words: list[str]
     word_spans: list[tuple[int, int]]  # per word: its range in `phonemes`
     scales: tuple[float, float, float]  # noise_scale, length_scale, noise_w
-    latent: np.ndarray | None = None  # [1, C, T] after the front part, until the last window
+    # After the front part, until the last window: the flow's inputs for the frames not yet
+    # through the flow (None once all are), and the latent of those that are ([1, C, <= T]).
+    prior: dict[str, np.ndarray] | None = None
+    latent: np.ndarray | None = None
     num_frames: int = 0
     cursor: int = 0  # frames decoded so far
     num_windows: int = 0
+    is_urgent: bool = True  # set per step: its next audio is due soon (piper.step)
 
 
 def silent_result(state: PiperState, sample_rate: int) -> StepResult:

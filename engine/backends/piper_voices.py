@@ -99,6 +99,10 @@ class LoadedVoice:
     solo_decoder: Any = None
     latent_name: str = ""
     decoder_needs_sid: bool = False
+    # The flow, where it could be cut out (then the front part stops at z_p and mask).
+    flow: Any = None
+    solo_flow: Any = None
+    flow_inputs: tuple[str, ...] = ()
     gain: float = 1.0
     sec_per_phoneme: float = 0.06
     sec_overhead: float = 0.0
@@ -161,7 +165,11 @@ class LoadedVoice:
         durations [B, L] in frames of `hop_length` samples (0 past each length).
         """
         if self.is_split:
-            latent, durations = self.run_front(ids, lengths, scales, sids, is_solo=is_solo)
+            outputs, durations = self.run_front(ids, lengths, scales, sids, is_solo=is_solo)
+            if self.has_flow:
+                latent = self.run_flow(self.flow_feeds(outputs, sids), is_solo=is_solo)
+            else:
+                latent = outputs[self.latent_name]
             return self.run_decoder(latent, sids, is_solo=is_solo), durations
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
         if sids is not None:
@@ -175,17 +183,40 @@ class LoadedVoice:
     def is_split(self) -> bool:
         return self.decoder is not None
 
+    @property
+    def has_flow(self) -> bool:
+        """Whether the flow is a graph of its own (it can run on a slice of the frames)."""
+        return self.flow is not None
+
     def run_front(
         self, ids: np.ndarray, lengths: np.ndarray, scales: np.ndarray, sids: np.ndarray | None,
         *, is_solo: bool = False,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """A split voice's front part: latent [B, C, T] (masked past each length), durations [B, L]."""
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """A split voice's front part: its outputs by name, and durations [B, L].
+
+        The outputs are z_p and the mask ([B, C, T], [B, 1, T]) where the flow is
+        a graph of its own, else the latent [B, C, T] (masked past each length).
+        """
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
         if sids is not None:
             feeds["sid"] = sids
         session = self.solo_session if is_solo and self.solo_session is not None else self.session
-        latent, durations = session.run(None, feeds)
-        return latent, durations.reshape(durations.shape[0], -1)
+        *outputs, durations = session.run(None, feeds)
+        names = self.flow_inputs[:2] if self.has_flow else (self.latent_name,)
+        return dict(zip(names, outputs, strict=True)), durations.reshape(durations.shape[0], -1)
+
+    def flow_feeds(self, outputs: dict[str, np.ndarray], sids: np.ndarray | None) -> dict[str, np.ndarray]:
+        """The flow's feeds: the front part's z_p and mask, and `sid` where the flow reads it."""
+        feeds = dict(outputs)
+        if "sid" in self.flow_inputs:
+            feeds["sid"] = sids if sids is not None else np.zeros(1, dtype=np.int64)
+        return feeds
+
+    def run_flow(self, feeds: dict[str, np.ndarray], *, is_solo: bool = False) -> np.ndarray:
+        """The flow over (a slice of) z_p: the masked latent [B, C, T]."""
+        session = self.solo_flow if is_solo and self.solo_flow is not None else self.flow
+        (latent,) = session.run(None, feeds)
+        return np.asarray(latent)
 
     def run_decoder(self, latent: np.ndarray, sids: np.ndarray | None, *, is_solo: bool = False) -> np.ndarray:
         """A split voice's decoder over latent [B, C, T]: audio [B, T * hop_length] (raw)."""
@@ -265,6 +296,10 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         voice.solo_decoder = open_session(cores, split.decoder) if cores > num_threads else None
         voice.latent_name = split.latent_name
         voice.decoder_needs_sid = "sid" in split.decoder_inputs
+        if split.flow is not None:
+            voice.flow = open_session(num_threads, split.flow)
+            voice.solo_flow = open_session(cores, split.flow) if cores > num_threads else None
+            voice.flow_inputs = split.flow_inputs
     _calibrate(voice, target_peak)
     return voice
 

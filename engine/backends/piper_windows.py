@@ -1,25 +1,33 @@
-"""Piper voices split at their decoder, so that a segment streams in windows.
+"""Piper voices split at their flow and decoder, so that a segment streams in windows.
 
-A Piper VITS graph is a front part (text encoder, duration predictor, flow)
-followed by a HiFi-GAN decoder that turns the masked latent [B, 192, T]
-(T frames of `hop_length` samples) into audio. The decoder begins at
-`/dec/conv_pre/Conv`; its input is the latent. Graph surgery (onnx's
-Extractor, the file on disk is never changed) gives two graphs:
+A Piper VITS graph is a text part (text encoder, duration predictor, the
+prior `z_p` drawn over the expanded frames), a flow (WaveNet coupling layers,
+`z_p` -> the latent), and a HiFi-GAN decoder that turns the masked latent
+[B, 192, T] (T frames of `hop_length` samples) into audio. The decoder begins
+at `/dec/conv_pre/Conv`; its input is `flow(z_p) * mask`. Graph surgery (onnx's
+Extractor, the file on disk is never changed) gives three graphs:
 
-- the front part: the voice's inputs -> (latent, durations), run once per segment;
+- the front part: the voice's inputs -> (z_p, mask, durations), once per segment;
+- the flow: (z_p, mask) -> latent, run on a short slice for a segment's first
+  window and then once over the rest;
 - the decoder: latent (plus `sid` for multi-speaker voices) -> audio, run over
   windows of the latent: W frames plus C frames of context on each side, the
   context's samples cut from the output.
 
-The decoder is convolutional with a finite receptive field, so a window with
-enough context equals the whole decode. Measured on joe (1 thread, a 4.4 s
+Flow and decoder are convolutional with finite receptive fields, so a slice
+with enough context equals the whole. Measured on joe (1 thread, a 4.4 s
 sentence, DESIGN.md "piper backend"): the decoder is ~70-78% of the cost;
 W=64, C=16 equals the whole decode exactly (max abs 0.0) and costs 1.16x the
-whole decode, W=128, C=16 1.03x; C=8 differs by 1e-4; W=16 costs 2.6x. So a
-segment's first window is small (first audio = front part + one short
-decode), later ones large (`WindowPlan`). A graph without the cut point (an
-unknown export) is not split: `split_voice` returns None, the caller logs it
-and synthesizes whole segments.
+whole decode, W=128, C=16 1.03x; C=8 differs by 1e-4; W=16 costs 2.6x. With
+both cores, W=128, C=12 matches to 2e-8 and decodes ~10% faster than C=16. The
+flow matches exactly with 32 frames of context and costs 36 ms over a whole
+2.7 s sentence against 13 ms over the 72 frames a first window needs
+(docs/benchmarks.md, "piper windows"). So a segment's first window is small
+(first audio = text part + a short flow slice + one short decode), later ones
+large (`WindowPlan`). A graph without the decoder cut (an unknown export) is
+not split: `split_voice` returns None, the caller logs it and synthesizes
+whole segments; one whose flow cannot be cut out keeps the flow in its front
+part (`SplitGraphs.flow` None) and streams the decoder alone.
 """
 
 from __future__ import annotations
@@ -38,23 +46,30 @@ DECODER_ENTRY = "/dec/conv_pre/Conv"
 
 @dataclass(slots=True, frozen=True)
 class WindowPlan:
-    """Window sizes in latent frames: the first small, the next ones growing to `frames`."""
+    """Window sizes in latent frames: an urgent segment's first small, the next ones growing to `frames`."""
 
     first_frames: int = 24
     second_frames: int = 48
     frames: int = 128
-    context_frames: int = 16
+    context_frames: int = 12
+    flow_context_frames: int = 32
 
     def __post_init__(self) -> None:
         for name in ("first_frames", "second_frames", "frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.context_frames < 0:
-            raise ValueError(f"context_frames must be >= 0, got {self.context_frames}")
+        for name in ("context_frames", "flow_context_frames"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
-    def window_end(self, start: int, index: int, total: int) -> int:
-        """Where window `index` (from 0) that begins at frame `start` ends."""
-        size = self.first_frames if index == 0 else self.second_frames if index == 1 else self.frames
+    def window_end(self, start: int, index: int, total: int, is_urgent: bool = True) -> int:
+        """Where window `index` (from 0) that begins at frame `start` ends.
+
+        Only an urgent segment (its next audio due soon) gets the small first windows.
+        """
+        size = self.frames
+        if is_urgent and index < 2:
+            size = self.first_frames if index == 0 else self.second_frames
         end = min(total, start + size)
         if total - end < max(1, size // 4):
             end = total  # no sliver of a last window: it would cost a whole call
@@ -63,16 +78,26 @@ class WindowPlan:
 
 @dataclass(slots=True)
 class SplitGraphs:
-    """The two serialized graphs and the tensor names that join them."""
+    """The serialized graphs and the tensor names that join them.
+
+    With `flow` the front part outputs (z_p, mask, durations) and the flow
+    graph takes `flow_inputs` (z_p, mask, then graph inputs it also needs);
+    without it the front part outputs (latent, durations).
+    """
 
     front: bytes
     decoder: bytes
     latent_name: str
     decoder_inputs: tuple[str, ...]  # latent first, then graph inputs it also needs (sid)
+    flow: bytes | None = None
+    flow_inputs: tuple[str, ...] = ()
 
 
 def split_voice(model: Any) -> SplitGraphs | None:
-    """Cut a patched piper graph (outputs: audio, durations) at its decoder; None if it cannot."""
+    """Cut a patched piper graph (outputs: audio, durations) at its flow and decoder.
+
+    None if the decoder cannot be cut out; `flow` None if only the flow cannot.
+    """
     from onnx.utils import Extractor
 
     graph = model.graph
@@ -82,8 +107,7 @@ def split_voice(model: Any) -> SplitGraphs | None:
     latent = entry.input[0]
     audio_name, durations_name = graph.output[0].name, graph.output[1].name
     inputs = [i.name for i in graph.input]
-    needed = _graph_inputs_reached(model, audio_name, stop=latent)
-    extra = tuple(name for name in inputs if name in needed)
+    extra = _inputs_needed(model, audio_name, {latent}, inputs)
     try:
         extractor = Extractor(model)
         front = extractor.extract_model(inputs, [latent, durations_name])
@@ -93,23 +117,68 @@ def split_voice(model: Any) -> SplitGraphs | None:
         return None
     if any(i.name == durations_name for i in decoder.graph.input):
         return None  # the decoder depends on the durations: not the graph we know
-    return SplitGraphs(front.SerializeToString(), decoder.SerializeToString(), latent, (latent, *extra))
+    split = SplitGraphs(front.SerializeToString(), decoder.SerializeToString(), latent, (latent, *extra))
+    cut = _flow_cut(model, latent)
+    if cut is None:
+        logger.warning("piper graph: no flow input found before %s; the flow runs whole", DECODER_ENTRY)
+        return split
+    flow_inputs = (*cut, *_inputs_needed(model, latent, set(cut), inputs))
+    try:
+        flow = extractor.extract_model(list(flow_inputs), [latent])
+        flow_front = extractor.extract_model(inputs, [*cut, durations_name])
+    except Exception as exc:  # noqa: BLE001 - as above
+        logger.warning("piper graph: the flow cannot be cut out (%s); it runs whole", exc)
+        return split
+    if {i.name for i in flow.graph.input} != set(flow_inputs):
+        logger.warning("piper graph: the flow reads more than (z_p, mask); it runs whole")
+        return split
+    split.front, split.flow, split.flow_inputs = flow_front.SerializeToString(), flow.SerializeToString(), flow_inputs
+    return split
 
 
-def _graph_inputs_reached(model: Any, output: str, stop: str) -> set[str]:
-    """Names reached walking back from `output` without passing `stop`."""
+def _flow_cut(model: Any, latent: str) -> tuple[str, str] | None:
+    """(z_p, mask): the flow's input and the frame mask, found by the graph's shape.
+
+    The latent is `Mul(flow(z_p), mask)`; z_p is `m_p + noise * exp(logs_p) * noise_scale`,
+    the first Add after the graph's last RandomNormalLike.
+    """
+    nodes = list(model.graph.node)
+    producer = {out: node for node in nodes for out in node.output}
+    product = producer.get(latent)
+    if product is None or product.op_type != "Mul" or len(product.input) != 2:
+        return None
+    mask = product.input[1]
+    noises = [n for n in nodes if n.op_type == "RandomNormalLike"]
+    if not noises:
+        return None
+    consumers: dict[str, list[Any]] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    frontier = [noises[-1].output[0]]
+    for _ in range(4):  # noise -> Mul(exp(logs_p)) -> Mul(noise_scale) -> Add(m_p)
+        following = [n for name in frontier for n in consumers.get(name, [])]
+        adds = [n for n in following if n.op_type == "Add"]
+        if adds:
+            return adds[0].output[0], mask
+        frontier = [out for n in following for out in n.output]
+    return None
+
+
+def _inputs_needed(model: Any, output: str, stops: set[str], inputs: list[str]) -> tuple[str, ...]:
+    """The graph inputs reached walking back from `output` without passing `stops`."""
     producer = {out: node for node in model.graph.node for out in node.output}
     seen: set[str] = set()
     todo = [output]
     while todo:
         name = todo.pop()
-        if name in seen or name == stop:
+        if name in seen or name in stops:
             continue
         seen.add(name)
         node = producer.get(name)
         if node is not None:
             todo.extend(i for i in node.input if i)
-    return seen
+    return tuple(name for name in inputs if name in seen)
 
 
 def decode_window(
@@ -126,3 +195,14 @@ def decode_window(
     audio = decode(latent[:, :, lo:hi]).reshape(-1)  # [(hi - lo) * hop]
     cut = (start - lo) * hop
     return audio[cut: cut + (end - start) * hop]
+
+
+def flow_slice(prior: dict[str, np.ndarray], start: int, end: int, total: int) -> dict[str, np.ndarray]:
+    """The flow's feeds for frames [start, end) of a segment of `total` frames.
+
+    Time-indexed tensors ([B, C, total]: z_p, mask) are sliced; the rest (a
+    speaker embedding) is passed whole.
+    """
+    return {name: np.ascontiguousarray(value[:, :, start:end])
+            if value.ndim == 3 and value.shape[2] == total else value
+            for name, value in prior.items()}

@@ -1,0 +1,89 @@
+"""Playback clocks (engine.clock) with a fake time: lead, a listener that ran dry, EDF across them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import clock
+from engine.backend import BackendRequest
+from engine.clock import RequestHandle
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.types import AudioChunk, RequestId, SynthesisRequest
+
+RATE = 1000  # samples per second: a chunk of n samples is n ms
+
+
+def handle(name: str, deadline: float, prev: RequestHandle | None = None) -> RequestHandle:
+    return RequestHandle(SynthesisRequest(RequestId(name), "text", "v", deadline), prev)
+
+
+def make_and_take(h: RequestHandle, seconds: float, now: float) -> None:
+    """The engine made `seconds` of audio and its consumer took it at `now`."""
+    chunk = AudioChunk(h.request.request_id, np.zeros(round(seconds * RATE), np.float32), RATE, False)
+    h.made_s += seconds
+    h.took(chunk, now)
+
+
+def test_a_playing_listener_leads_by_the_audio_it_has_not_heard() -> None:
+    h = handle("a", deadline=0.0)
+    make_and_take(h, 2.0, now=0.0)
+    assert h.lead(0.5) == pytest.approx(1.5)
+
+
+def test_a_listener_that_ran_dry_has_a_negative_lead_of_how_long_it_waited() -> None:
+    h = handle("a", deadline=0.0)
+    make_and_take(h, 1.0, now=0.0)
+    assert h.lead(1.0) == pytest.approx(0.0)
+    assert h.lead(1.75) == pytest.approx(-0.75)
+
+
+def test_a_first_piece_not_yet_made_is_due_at_its_deadline() -> None:
+    h = handle("new", deadline=5.0)
+    assert h.lead(4.0) == pytest.approx(1.0)
+    assert h.lead(5.5) == pytest.approx(-0.5)  # late: due half a second ago
+
+
+def test_after_a_gap_the_listener_resumes_where_it_stopped() -> None:
+    h = handle("a", deadline=0.0)
+    make_and_take(h, 1.0, now=0.0)
+    make_and_take(h, 1.0, now=1.5)  # dry from 1.0 to 1.5: playback resumes at 1.5
+    assert h.start() == pytest.approx(0.5)
+    assert h.lead(1.5) == pytest.approx(1.0)
+    assert h.lead(2.0) == pytest.approx(0.5)
+
+
+def test_a_reader_that_stops_reading_stops_its_clock() -> None:
+    h = handle("a", deadline=0.0)
+    make_and_take(h, 1.0, now=0.0)
+    h.made_s += 2.0  # made, never taken: the consumer stopped reading
+    assert h.lead(10.0) == pytest.approx(2.0)  # not negative: nobody is waiting on the engine
+
+
+def test_the_next_segment_starts_when_the_one_before_it_runs_out() -> None:
+    first = handle("s0", deadline=0.0)
+    make_and_take(first, 1.0, now=0.0)
+    first.is_finished = True
+    second = handle("s1", deadline=10.0, prev=first)
+    assert second.lead(0.25) == pytest.approx(0.75)
+    assert second.lead(1.5) == pytest.approx(-0.5)
+
+
+def test_the_listener_that_waited_longest_is_served_first_and_a_new_turn_before_none_waiting() -> None:
+    now = 10.0
+    dry = handle("dry", deadline=0.0)
+    make_and_take(dry, 9.5, now=0.0)  # ran out at 9.5
+    playing = handle("playing", deadline=0.0)
+    make_and_take(playing, 11.0, now=0.0)  # 1 s of audio still to hear
+    fresh = handle("fresh", deadline=9.9)  # a new turn's first segment, submitted at 9.9
+    handles = {h.request.request_id: h for h in (playing, fresh, dry)}
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=1))
+    for h in (playing, fresh, dry):  # arrival order: the dry stream is not the oldest
+        scheduler.add(BackendRequest(h.request))
+    clock.set_dues(scheduler.items(), handles, now)
+    order = []
+    for _ in range(3):
+        (picked,) = scheduler.schedule(now)
+        order.append(str(picked.request_id))
+        scheduler.remove(picked.request_id)
+    assert order == ["dry", "fresh", "playing"]
