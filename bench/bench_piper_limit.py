@@ -16,7 +16,7 @@ seconds routed per wall second, over the same duration, after a warm-up.
 The ratio is the share of the raw limit the engine keeps. The machine may be
 shared: run both in one invocation and quote the ratio. `--memory-profile`
 applies `voxgate serve`'s malloc settings to the whole process first (the
-server's default is compact); without it glibc keeps its own.
+server's default is fast); without it glibc keeps its own.
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float,
                        help="seconds open contexts may finish after SIGTERM (default 10)")
     serve.add_argument("--memory-profile", choices=["compact", "fast"],
-                       help="compact (default): RSS stays flat under session churn; fast: about 40%% "
-                       "more synthesis per CPU second, RSS grows to a higher plateau "
-                       "(VOXGATE_MEMORY_PROFILE)")
+                       help="fast (default): two malloc arenas; compact: also a fixed 1 MiB mmap "
+                       "threshold, ~70 MB less RSS for ~40%% less synthesis per second "
+                       "(VOXGATE_MEMORY_PROFILE; docs/operations.md)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ssl-certfile", help="serve https/wss with this PEM certificate (with --ssl-keyfile)")
     serve.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
@@ -116,14 +116,16 @@ def _shorthand_options(args: argparse.Namespace) -> list[str]:
 
 
 def tune_malloc(profile: str) -> None:
-    """glibc malloc settings: "compact" (default) keeps RSS flat, "fast" synthesizes faster.
+    """glibc malloc settings: "fast" (default) or "compact" (less RSS, slower synthesis).
 
-    compact: a fixed 1 MiB mmap threshold and two arenas. glibc otherwise
-    raises its mmap threshold as large blocks are freed, after which big PCM
-    and inference buffers come from the heap and are rarely returned, and RSS
-    ratchets up under session churn. The price is page faults: piper makes
-    about 30% less audio per CPU second (docs/operations.md has both numbers).
-    fast: two arenas only.
+    fast: two arenas. With piper's decoder windows every call has one of a
+    few shapes, so the heap stops growing: RSS stays within 10 MB over 200
+    barge-in sessions (docs/benchmarks.md, "piper windows", round two).
+    compact: also a fixed 1 MiB mmap threshold. glibc otherwise raises its
+    threshold as large blocks are freed and serves them from the heap; fixed,
+    big inference buffers are mapped and unmapped on every call instead,
+    which keeps RSS ~70 MB lower and costs page faults: the engine made 58%
+    of the raw limit against 95% with fast, measured on the same box.
     """
     try:
         import ctypes
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
         return 2
-    tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "compact"))
+    tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "fast"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     port = args.port if args.port is not None else (int(os.environ["PORT"]) if "PORT" in os.environ else None)
