@@ -1,10 +1,15 @@
 """The piper backend: Piper VITS voices on onnxruntime, streamed in decoder windows.
 
-Each voice's graph is split at its decoder (piper_windows): a segment's first
-step runs its front part (text encoder, durations, flow) once and decodes a
-small first window of the latent; each later step decodes the next, larger
-window. So the engine's unit of work is a window, a cancel stops a segment
-within one window, and a new turn's first audio waits behind one short step.
+Each voice's graph is split at its flow and decoder (piper_windows): a
+segment's first step runs its text part (encoder, durations, prior) once, the
+flow over the frames the first window needs, and decodes that window; later
+steps decode the next windows (the flow runs once over the rest). Window
+sizes follow the playback clock: a segment due now on a box that keeps up
+gets a small first window and the flow slice (first audio soon); one with
+lead, or whose listener already waits, gets long windows and the whole flow
+(more audio per second of work). So the engine's unit of work is a window, a
+cancel stops a segment within one window, and a new turn's first audio waits
+behind one window.
 Durations, word timings and the segment's length are known after the front
 part and travel with the first window; one fixed gain per voice is applied
 to every window, and windows with their context equal the whole decode.
