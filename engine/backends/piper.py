@@ -268,11 +268,14 @@ class PiperBackend(Backend):
         # which costs less (less context computed twice). So does one whose listener has
         # waited longer than that already: the box is behind, and long windows, more audio
         # per second of work, catch up sooner. `due` is on time.monotonic()'s clock.
+        # Decided at a segment's first window and kept for its second: the first window's
+        # audio is what the second must be ready within, so it stays short as well.
         now, config = time.monotonic(), self.config
         for index in windowed:
             item = batch[index]
-            due = item.request.deadline if item.due is None else item.due
-            item.state.is_urgent = -config.window_behind_s <= due - now <= config.window_urgent_lead_s
+            if item.state.num_windows == 0:
+                due = item.request.deadline if item.due is None else item.due
+                item.state.is_urgent = -config.window_behind_s <= due - now <= config.window_urgent_lead_s
         calls: list[list[int]] = [[index] for index in windowed]
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]

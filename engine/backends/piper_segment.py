@@ -44,7 +44,7 @@ class PiperState:
     num_frames: int = 0
     cursor: int = 0  # frames decoded so far
     num_windows: int = 0
-    is_urgent: bool = True  # set per step: its next audio is due soon (piper.step)
+    is_urgent: bool = True  # at its first window its audio was due soon (piper.step)
 
 
 def silent_result(state: PiperState, sample_rate: int) -> StepResult:
