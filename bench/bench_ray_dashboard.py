@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.bench_ray_serve import wait_ready
+from bench.bench_ray_serve import free_port, stop, wait_ready
 
 Sample = dict[str, float]  # "name{label=value,...}" -> value
 
@@ -132,12 +131,6 @@ def render(lines: dict[str, list[float]], dashboard: dict[str, Any], out: Path, 
     fig.savefig(out, dpi=90, facecolor=fig.get_facecolor())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, default=4)
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/img/grafana-voxgate.png")
     parser.add_argument("--dashboard", default="docs/grafana-voxgate.json")
     args = parser.parse_args(argv)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "XDG_DATA_HOME": tempfile.mkdtemp()}
     server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "ray-serve", "--port", str(port)],
@@ -164,11 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.period)
             scrapes.append((time.monotonic(), scrape(url)))
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
     lines = series(scrapes, args.window)
     dashboard = json.loads(Path(args.dashboard).read_text())
     render(lines, dashboard, Path(args.out),

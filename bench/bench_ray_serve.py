@@ -95,7 +95,7 @@ def run_hop(chunks: int, repeats: int) -> dict[str, float]:
         ray.shutdown()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -115,6 +115,15 @@ def wait_ready(url: str, timeout_s: float) -> None:
     raise RuntimeError(f"{url} was not ready within {timeout_s:.0f} s")
 
 
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    """Terminate a server, and kill it if it has not exited within `timeout_s`."""
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def _sweep(url: str, levels: str, duration: float, seed: int, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "loadtest", "sweep", "--url", url, "--levels", levels,
            "--all-levels", "--duration", str(duration), "--seed", str(seed), "--json", str(out),
@@ -129,7 +138,7 @@ def run_load(levels: str, duration: float, seed: int) -> dict[str, Any]:
     env = {**os.environ, "XDG_DATA_HOME": tempfile.mkdtemp()}
     for name, argv in (("serve", ["serve"]),
                        ("ray", ["ray-serve", "--gateway-replicas", "1", "--engine-replicas", "1"])):
-        port = _free_port()
+        port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "gateway.cli", *argv, "--port", str(port)],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
@@ -137,11 +146,7 @@ def run_load(levels: str, duration: float, seed: int) -> dict[str, Any]:
             wait_ready(url, 240)
             results[name] = _sweep(url, levels, duration, seed, Path(tempfile.mkdtemp()) / "r.json")
         finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server)
     return results
 
 

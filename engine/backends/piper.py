@@ -267,9 +267,9 @@ class PiperBackend(Backend):
         # small window); one with lead to spare takes long windows and runs its flow whole,
         # which costs less (less context computed twice). So does one whose listener has
         # waited longer than that already: the box is behind, and long windows, more audio
-        # per second of work, catch up sooner. `due` is on time.monotonic()'s clock.
-        # Decided at a segment's first window and kept for its second: the first window's
-        # audio is what the second must be ready within, so it stays short as well.
+        # per second of work, catch up sooner. Decided at a segment's first window and kept
+        # for its second, which must be ready within the first's audio. `due` is on
+        # time.monotonic()'s clock.
         now, config = time.monotonic(), self.config
         for index in windowed:
             item = batch[index]

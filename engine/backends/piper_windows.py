@@ -110,30 +110,43 @@ def split_voice(model: Any) -> SplitGraphs | None:
     extra = _inputs_needed(model, audio_name, {latent}, inputs)
     try:
         extractor = Extractor(model)
-        front = extractor.extract_model(inputs, [latent, durations_name])
         decoder = extractor.extract_model([latent, *extra], [audio_name])
     except Exception as exc:  # noqa: BLE001 - onnx raises its own types for a graph it cannot cut
         logger.warning("piper graph cannot be split at %s: %s", DECODER_ENTRY, exc)
         return None
     if any(i.name == durations_name for i in decoder.graph.input):
         return None  # the decoder depends on the durations: not the graph we know
-    split = SplitGraphs(front.SerializeToString(), decoder.SerializeToString(), latent, (latent, *extra))
+    split = SplitGraphs(b"", decoder.SerializeToString(), latent, (latent, *extra))
+    flow = _split_flow(extractor, model, latent, inputs, durations_name)
+    if flow is not None:
+        split.front, split.flow, split.flow_inputs = flow
+        return split
+    try:  # the flow stays in the front part
+        split.front = extractor.extract_model(inputs, [latent, durations_name]).SerializeToString()
+    except Exception as exc:  # noqa: BLE001 - as above
+        logger.warning("piper graph cannot be split at %s: %s", DECODER_ENTRY, exc)
+        return None
+    return split
+
+
+def _split_flow(extractor: Any, model: Any, latent: str, inputs: list[str],
+                durations_name: str) -> tuple[bytes, bytes, tuple[str, ...]] | None:
+    """(front part up to z_p and mask, the flow, the flow's inputs); None (logged) if it cannot."""
     cut = _flow_cut(model, latent)
     if cut is None:
         logger.warning("piper graph: no flow input found before %s; the flow runs whole", DECODER_ENTRY)
-        return split
+        return None
     flow_inputs = (*cut, *_inputs_needed(model, latent, set(cut), inputs))
     try:
         flow = extractor.extract_model(list(flow_inputs), [latent])
-        flow_front = extractor.extract_model(inputs, [*cut, durations_name])
-    except Exception as exc:  # noqa: BLE001 - as above
+        front = extractor.extract_model(inputs, [*cut, durations_name])
+    except Exception as exc:  # noqa: BLE001 - onnx raises its own types for a graph it cannot cut
         logger.warning("piper graph: the flow cannot be cut out (%s); it runs whole", exc)
-        return split
+        return None
     if {i.name for i in flow.graph.input} != set(flow_inputs):
         logger.warning("piper graph: the flow reads more than (z_p, mask); it runs whole")
-        return split
-    split.front, split.flow, split.flow_inputs = flow_front.SerializeToString(), flow.SerializeToString(), flow_inputs
-    return split
+        return None
+    return front.SerializeToString(), flow.SerializeToString(), flow_inputs
 
 
 def _flow_cut(model: Any, latent: str) -> tuple[str, str] | None:
