@@ -83,6 +83,10 @@ class Backend(ABC):
     #: the scheduler then sends `parallelism` items per step, so that every step is as short
     #: as one item's work and the earliest deadline is chosen again after each
     serial_items: bool = False
+    #: steps of different requests may run at once on separate threads, and prepare,
+    #: release and the voice methods while a step runs (they share no state with it):
+    #: the engine then runs `parallelism` one-request steps side by side (lanes)
+    concurrent_steps: bool = False
     #: Implements `add_voice`, `retire_voice` and `remove_voice` (registered voices).
     can_register_voices: bool = False
     #: Registration refuses reference audio without its transcript (cosyvoice's prompt text).

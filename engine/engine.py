@@ -14,6 +14,12 @@ Thread contract: `prepare`, `step` and `release` run only on the worker
 thread. `cancel` (event loop) marks the request and takes it out of the
 scheduler; the worker releases it before its next step, so a step never sees
 state freed under it. The voice verbs keep it too: they run on the same worker.
+A backend that declares `concurrent_steps` (piper: its calls share no state)
+has `parallelism` lanes instead: steps of different requests run side by
+side, each started the moment a lane is free (no step waits for a slower
+one beside it); prepare and the voice verbs run on the worker meanwhile,
+and releases on whichever thread steps next. A request is never in two
+steps at once, and is released only once no step holds it.
 """
 
 from __future__ import annotations
@@ -78,7 +84,6 @@ class Engine(VoiceVerbs):
         )
         self.config.scheduler.parallelism = max(1, getattr(backend, "parallelism", 1))
         self.config.scheduler.serial_items = bool(getattr(backend, "serial_items", False))
-        self.scheduler = Scheduler(self.config.scheduler)
         self.stats = EngineStats()
         self._handles: dict[RequestId, RequestHandle] = {}
         self._incoming: list[RequestHandle] = []
@@ -86,6 +91,18 @@ class Engine(VoiceVerbs):
         self._to_release: list[BackendRequest] = []  # released on the worker before the next step
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-engine")
+        # Lanes: a backend whose steps may run side by side (Backend.concurrent_steps) gets
+        # `parallelism` steps at once, each on a thread of its own, each started as soon as
+        # a lane is free; any other backend steps on the worker, one step at a time.
+        self._num_lanes = 1
+        self._lanes = self._executor
+        if getattr(backend, "concurrent_steps", False) and self.config.scheduler.parallelism > 1:
+            self._num_lanes = self.config.scheduler.parallelism
+            self._lanes = ThreadPoolExecutor(self._num_lanes, thread_name_prefix="voxgate-lane")
+            self.config.scheduler.parallelism = 1  # a step per lane, one request each
+            self.config.scheduler.serial_items = True
+        self._in_flight: set[RequestId] = set()  # requests in a running step
+        self.scheduler = Scheduler(self.config.scheduler)
         self._task: asyncio.Task[None] | None = None
         self._voices: list[VoiceInfo] = []
         self.is_ready = False
@@ -141,6 +158,9 @@ class Engine(VoiceVerbs):
         self._incoming = []
         for item in list(self.scheduler.items()):
             self._retire(item.request_id)
+        if self._lanes is not self._executor:
+            self._lanes.shutdown(wait=True, cancel_futures=False)  # no step runs after this
+        self._in_flight.clear()
         releases, self._to_release = self._to_release, []
         self._executor.submit(self._release_all, releases)
         self._executor.shutdown(wait=True, cancel_futures=False)
@@ -225,45 +245,83 @@ class Engine(VoiceVerbs):
     # -- the loop ---------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            now = time.monotonic()
-            fresh = self._take_incoming(now)
-            if fresh:
-                prepared = await loop.run_in_executor(self._executor, self._prepare_all, fresh)
-                for handle, outcome in zip(fresh, prepared):
-                    self._admit_prepared(handle, outcome)
-            now = time.monotonic()
-            self._set_dues(now)
-            batch = self.scheduler.schedule(now, self._is_runnable, self._is_ahead)
-            if not batch:
-                if self._to_release:
-                    releases, self._to_release = self._to_release, []
-                    await loop.run_in_executor(self._executor, self._release_all, releases)
+        running: dict[asyncio.Future[list[StepResult]], tuple[list[BackendRequest], float]] = {}
+        try:
+            while True:
+                now = time.monotonic()
+                fresh = self._take_incoming(now)
+                if fresh:
+                    prepared = await loop.run_in_executor(self._executor, self._prepare_all, fresh)
+                    for handle, outcome in zip(fresh, prepared):
+                        self._admit_prepared(handle, outcome)
+                now = time.monotonic()
+                self._set_dues(now)
+                while len(running) < self._num_lanes:
+                    batch = self.scheduler.schedule(now, self._is_runnable, self._is_ahead)
+                    if not batch:
+                        break
+                    self._in_flight.update(item.request_id for item in batch)
+                    future = loop.run_in_executor(self._lanes, self._work, self._take_releases(), batch)
+                    running[future] = (batch, time.monotonic())
+                if not running:
+                    if self._to_release:
+                        await loop.run_in_executor(self._executor, self._release_all, self._take_releases())
+                        continue
+                    self._wake.clear()
+                    if not self._incoming:  # else: prepare the next few first
+                        await self._sleep(self._next_wake_s(time.monotonic()))
                     continue
-                self._wake.clear()
-                if not self._incoming:  # else: prepare the next few first
-                    await self._sleep(self._next_wake_s(time.monotonic()))
-                continue
-            releases, self._to_release = self._to_release, []
-            started = time.monotonic()
-            try:
-                results = await loop.run_in_executor(self._executor, self._work, releases, batch)
-                if len(results) != len(batch):
-                    raise BackendFailure(f"backend returned {len(results)} results for {len(batch)} items")
-                self.num_failed_steps_in_row = 0
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.exception("backend step failed for %d requests", len(batch))
-                self.num_failed_steps_in_row += 1
-                if len(batch) == 1:
-                    results = [StepResult(error=exc)]
-                else:
-                    # Re-run the batch one request at a time so that a fault ends only
-                    # the request that causes it, not its batch-mates from other sessions.
-                    results = await loop.run_in_executor(self._executor, self._step_isolated, batch)
-            elapsed = time.monotonic() - started
-            self._route(batch, results, elapsed)
+                for future in await self._wait_steps(running):
+                    batch, started = running.pop(future)
+                    results = await self._results(future, batch)
+                    self._in_flight.difference_update(item.request_id for item in batch)
+                    self._route(batch, results, time.monotonic() - started)
+        finally:
+            for future in running:
+                future.cancel()
+
+    async def _wait_steps(
+        self, running: dict[asyncio.Future[list[StepResult]], tuple[list[BackendRequest], float]],
+    ) -> set[asyncio.Future[list[StepResult]]]:
+        """The steps that ended; back early for new work or a clock while a lane is free, or
+        with lanes at all (new requests are prepared on the worker while the lanes step)."""
+        if self._num_lanes == 1 and running:  # the worker is busy: nothing else could run
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            return done
+        self._wake.clear()
+        woken: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
+        waiting: list[asyncio.Future[Any]] = [*running, woken]
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=self._next_wake_s(time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        return {future for future in running if future in done}
+
+    async def _results(self, future: asyncio.Future[list[StepResult]],
+                       batch: list[BackendRequest]) -> list[StepResult]:
+        """A finished step's results; a failed step is re-run item by item (batch of two or more)."""
+        try:
+            results = future.result()
+            if len(results) != len(batch):
+                raise BackendFailure(f"backend returned {len(results)} results for {len(batch)} items")
+            self.num_failed_steps_in_row = 0
+            return results
+        except Exception as exc:
+            log.exception("backend step failed for %d requests", len(batch))
+            self.num_failed_steps_in_row += 1
+            if len(batch) == 1:
+                return [StepResult(error=exc)]
+            # Re-run the batch one request at a time so that a fault ends only
+            # the request that causes it, not its batch-mates from other sessions.
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._lanes, self._step_isolated, batch)
+
+    def _take_releases(self) -> list[BackendRequest]:
+        """What was cancelled or finished and may be freed now: not in a running step."""
+        releases = [item for item in self._to_release if item.request_id not in self._in_flight]
+        self._to_release = [item for item in self._to_release if item.request_id in self._in_flight]
+        return releases
 
     async def _sleep(self, timeout: float | None) -> None:
         """Wait for new work, a read, a cancel, or until a clock makes a request runnable."""
@@ -338,6 +396,8 @@ class Engine(VoiceVerbs):
         return out
 
     def _is_runnable(self, item: BackendRequest) -> bool:
+        if item.request_id in self._in_flight:
+            return False
         handle = self._handles.get(item.request_id)
         return handle is not None and not handle.queue.full()
 

@@ -238,3 +238,95 @@ def test_voice_features_run_on_the_backends_own_executor_while_a_step_holds_the_
     features, backend = run(scenario())
     assert features == b"features"
     assert backend.feature_threads and backend.feature_threads[0].startswith("cloning-cpu")
+
+
+class LaneBackend(ScriptedBackend):
+    """A scripted backend whose steps may run side by side (as piper's do): two lanes.
+
+    A request named in `gates` blocks in its step until its gate opens; `events`
+    records begin/end of each step and each release, and `violations` any
+    release of a request while a step of it runs.
+    """
+
+    concurrent_steps = True
+    parallelism = 2
+    serial_items = True
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.gates: dict[str, threading.Event] = {}
+        self.running: set[str] = set()
+        self.lock = threading.Lock()
+        self.log: list[str] = []
+        self.violations: list[str] = []
+
+    def step(self, batch):  # type: ignore[no-untyped-def]
+        names = [str(item.request_id) for item in batch]
+        with self.lock:
+            assert not self.running.intersection(names), "a request ran in two steps at once"
+            self.running.update(names)
+            self.log += [f"begin:{n}" for n in names]
+        try:
+            for name in names:
+                if name in self.gates:
+                    self.gates[name].wait(10)
+            return super().step(batch)
+        finally:
+            with self.lock:
+                self.running.difference_update(names)
+                self.log += [f"end:{n}" for n in names]
+
+    def release(self, item):  # type: ignore[no-untyped-def]
+        with self.lock:
+            if str(item.request_id) in self.running:
+                self.violations.append(str(item.request_id))
+            self.log.append(f"release:{item.request_id}")
+        super().release(item)
+
+
+def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
+    async def scenario() -> tuple[list[str], LaneBackend]:
+        backend = LaneBackend(chunks_per_request=5)
+        engine = await started(backend)
+        backend.gates["slow"] = threading.Event()
+        slow = asyncio.create_task(_collect(engine.submit(request("slow"))))
+        while "begin:slow" not in backend.log:
+            await asyncio.sleep(0.005)
+        fast = await asyncio.wait_for(_collect(engine.submit(request("fast"))), 5)  # slow still blocked
+        assert fast and fast[-1].is_last
+        log = list(backend.log)
+        backend.gates["slow"].set()
+        await asyncio.wait_for(slow, 5)
+        await engine.stop()
+        return log, backend
+
+    log, backend = run(scenario())
+    assert log.count("begin:fast") == 5 and "end:slow" not in log, "fast waited for the slow step beside it"
+    assert len(backend.step_threads) == 2, "steps did not run on two lanes"
+
+
+def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_nothing() -> None:
+    async def scenario() -> tuple[LaneBackend, Engine, list]:
+        backend = LaneBackend(chunks_per_request=5)
+        engine = await started(backend)
+        backend.gates["victim"] = threading.Event()
+        victim = asyncio.create_task(_collect(engine.submit(request("victim"))))
+        while "begin:victim" not in backend.log:
+            await asyncio.sleep(0.005)
+        engine.cancel(RequestId("victim"))  # its step is running in one lane
+        other = await asyncio.wait_for(_collect(engine.submit(request("other"))), 5)  # the other lane steps
+        backend.gates["victim"].set()
+        await asyncio.wait_for(victim, 5)
+        for _ in range(100):  # released by the next step or the idle loop
+            if "release:victim" in backend.log:
+                break
+            await asyncio.sleep(0.01)
+        await engine.stop()
+        return backend, engine, other
+
+    backend, engine, other = run(scenario())
+    assert other and other[-1].is_last
+    assert backend.violations == [], "a request was released while its step ran"
+    assert backend.log.index("release:victim") > backend.log.index("end:victim")
+    assert backend.log.count("begin:victim") == 1, "the cancelled request was stepped again"
+    assert engine.stats.num_failed == 0 and engine.num_failed_steps_in_row == 0

@@ -46,6 +46,7 @@ segment's state and the finishing of its output in piper_segment.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -129,6 +130,10 @@ class PiperBackend(Backend):
         # One call per item: a bigger batch only makes a longer step (a new turn's first
         # window would wait behind it), never a cheaper one.
         self.serial_items = self.config.one_call_per_item
+        # Calls share no state: the engine runs `parallelism` steps side by side (lanes).
+        self.concurrent_steps = self.config.one_call_per_item
+        self._num_running = 0  # steps running now (lanes); a lone one may use every core
+        self._running_lock = threading.Lock()
         self._plan = self.config.window_plan
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
                       if self.config.num_parallel_calls > 1 else None)
@@ -287,12 +292,19 @@ class PiperBackend(Backend):
         # onnxruntime releases the GIL: separate calls of one step run on separate cores.
         states_per_call = [[batch[i].state for i in indices] for indices in calls]
         num_windowed = len(windowed)
-        if len(calls) > 1 and self._pool is not None:
-            outputs = list(self._pool.map(
-                lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
-        else:  # one after another, each on every core
-            outputs = [self._run_call(states, k < num_windowed, True)
-                       for k, states in enumerate(states_per_call)]
+        with self._running_lock:
+            self._num_running += 1
+            is_alone = self._num_running == 1  # no other lane's step runs beside this one
+        try:
+            if len(calls) > 1 and self._pool is not None:
+                outputs = list(self._pool.map(
+                    lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
+            else:  # one after another, each on every core unless another lane runs beside it
+                outputs = [self._run_call(states, k < num_windowed, is_alone)
+                           for k, states in enumerate(states_per_call)]
+        finally:
+            with self._running_lock:
+                self._num_running -= 1
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
@@ -350,10 +362,11 @@ class PiperBackend(Backend):
     def _run_flow(self, state: PiperState, needed: int, is_solo: bool) -> None:
         """Grow the segment's latent to at least `needed` frames through the flow.
 
-        The first time, for a segment whose first audio is due soon (urgent) and that is
-        long (over twice the slice), on a slice: the needed frames plus the flow's
-        context after them. Then once over all the rest, from the flow's context
-        before it, since one long call costs less than slices.
+        On slices with the flow's context on each side, which equal the whole: for a
+        segment whose first audio is due soon (urgent) and that is long, the first slice
+        is only the needed frames; later ones run `flow_frames` ahead (`WindowPlan.flow_end`).
+        Running the flow over a whole long segment at its first window would make that
+        window, and every stream waiting behind it, pay for audio due seconds later.
         """
         prior, latent = state.prior, state.latent
         if prior is None or latent is None or latent.shape[2] >= needed:
@@ -361,14 +374,14 @@ class PiperBackend(Backend):
         total, done = state.num_frames, latent.shape[2]
         context = self._plan.flow_context_frames
         if done == 0 and state.is_urgent and 2 * (needed + context) < total:
-            more = state.voice.run_flow(flow_slice(prior, 0, needed + context, total), is_solo=is_solo)
-            more = more[:, :, :needed]
+            end = needed
         else:
-            lo = max(0, done - context)
-            more = state.voice.run_flow(flow_slice(prior, lo, total, total), is_solo=is_solo)
-            more = more[:, :, done - lo:]
+            end = self._plan.flow_end(done, needed, total)
+        lo, hi = max(0, done - context), min(total, end + context)
+        more = state.voice.run_flow(flow_slice(prior, lo, hi, total), is_solo=is_solo)
+        state.latent = np.concatenate([latent, more[:, :, done - lo: end - lo]], axis=2)
+        if end >= total:
             state.prior = None
-        state.latent = np.concatenate([latent, more], axis=2)
 
     # -- internals ------------------------------------------------------------
 

@@ -45,12 +45,13 @@ class PiperBackendConfig:
     # 2.9 s as 8 separate calls over 2 cores (bench in docs/benchmarks.md). So by
     # default every item gets its own call; False packs by `max_padding_waste`.
     one_call_per_item: bool = True
-    # Separate onnxruntime calls of one step run in parallel on this many threads
-    # (each call uses `num_threads` cores); 1 runs them one after another.
-    # Measured here (docs/benchmarks.md): calls one after another on a session with
-    # every core make 17.5x real time; the same calls side by side on 1-core
-    # sessions make 10x, so the default runs them one after another.
-    num_parallel_calls: int = 1
+    # Calls that run side by side, each on `num_threads` cores: the engine's lanes (one
+    # request per step, a step started whenever a lane is free), or, with
+    # `one_call_per_item` False, the calls of one step. A call that runs alone uses every
+    # core. 0 (default): as many as the cores hold, cores // num_threads
+    # (docs/benchmarks.md, "Round three": a 128-frame window took 100 ms alone on one core,
+    # 103-115 ms each with two side by side, 74 ms alone on both cores).
+    num_parallel_calls: int = 0
     # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
     # an urgent segment's first window is small (first audio soon), the second medium, the
     # rest `window_frames`; `window_context_frames` each side make each window equal the whole
@@ -61,9 +62,12 @@ class PiperBackendConfig:
     window_second_frames: int = 48
     window_frames: int = 128
     window_context_frames: int = 12
-    # The flow runs on a slice for an urgent segment's first window, with this much context
-    # after it (its receptive field: exact on joe), then once over the rest.
+    # The flow runs on slices with this much context each side (its receptive field: exact
+    # on joe): a short one for an urgent segment's first window, then `window_flow_frames`
+    # frames at a time as the windows need them, so a segment's first window never pays
+    # for the flow of audio due seconds later (docs/benchmarks.md, "Round three").
     window_flow_context_frames: int = 32
+    window_flow_frames: int = 256
     # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
     # keeps up): it gets the small windows and the flow slice. One with more lead (a long
@@ -74,14 +78,17 @@ class PiperBackendConfig:
     window_behind_s: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.num_parallel_calls < 1:
-            raise ValueError(f"num_parallel_calls must be >= 1, got {self.num_parallel_calls}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.num_parallel_calls < 0:
+            raise ValueError(f"num_parallel_calls must be >= 0 (0: cores // num_threads), "
+                             f"got {self.num_parallel_calls}")
+        if self.num_parallel_calls == 0:
+            self.num_parallel_calls = max(1, (os.cpu_count() or 1) // self.num_threads)
         if self.voices_dir is not None:
             self.voices_dir = Path(self.voices_dir)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
         self.window_plan  # noqa: B018 - validates the window sizes
@@ -98,4 +105,4 @@ class PiperBackendConfig:
     def window_plan(self) -> WindowPlan:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
                           self.window_frames, self.window_context_frames,
-                          self.window_flow_context_frames)
+                          self.window_flow_context_frames, self.window_flow_frames)

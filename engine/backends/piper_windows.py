@@ -53,14 +53,22 @@ class WindowPlan:
     frames: int = 128
     context_frames: int = 12
     flow_context_frames: int = 32
+    flow_frames: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("first_frames", "second_frames", "frames"):
+        for name in ("first_frames", "second_frames", "frames", "flow_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("context_frames", "flow_context_frames"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def flow_end(self, done: int, needed: int, total: int) -> int:
+        """Where the flow's next run ends: at least `needed`, `flow_frames` past `done`, no sliver left."""
+        end = min(total, max(needed, done + self.flow_frames))
+        if total - end < self.flow_frames // 2:
+            end = total  # one call over the last short stretch costs less than two
+        return end
 
     def window_end(self, start: int, index: int, total: int, is_urgent: bool = True) -> int:
         """Where window `index` (from 0) that begins at frame `start` ends.
@@ -192,6 +200,91 @@ def _inputs_needed(model: Any, output: str, stops: set[str], inputs: list[str]) 
         if node is not None:
             todo.extend(i for i in node.input if i)
     return tuple(name for name in inputs if name in seen)
+
+
+# Ops the 2-D form carries over unchanged: elementwise on same-shaped tensors or scalars.
+_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "LeakyRelu", "Relu", "Tanh", "Identity"})
+
+
+def decoder_as_2d(decoder: bytes) -> bytes | None:
+    """The decoder with every 1-D convolution as a 2-D one of height 1, or None.
+
+    onnxruntime runs 2-D convolutions on x86 in its blocked (NCHWc) kernels and
+    1-D ones through im2col: measured on joe with one thread, a 152-frame window
+    decodes in 91-95 ms against 114-115 ms, equal to 1.3e-7 (docs/benchmarks.md,
+    "Round three"). The latent [B, C, T] enters through an Unsqueeze to
+    [B, C, 1, T]; the output keeps its samples in order (callers reshape it).
+    None for a graph with any other op (a multi-speaker decoder's speaker
+    conditioning, say): that one runs as it is.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load_from_string(decoder)
+    graph = model.graph
+    if len(graph.input) != 1 or len(graph.output) != 1:
+        return None
+    weights = {init.name: init for init in graph.initializer}
+    constants = {node.output[0]: node for node in graph.node if node.op_type == "Constant"}
+
+    def is_scalar(name: str) -> bool:
+        if name in weights:
+            return int(np.prod(weights[name].dims)) == 1
+        node = constants.get(name)
+        return node is not None and int(np.prod(node.attribute[0].t.dims)) == 1
+
+    output = graph.output[0].name
+    for node in graph.node:
+        if node.op_type in ("Conv", "ConvTranspose"):
+            weight = weights.get(node.input[1])
+            if weight is None or len(weight.dims) != 3:
+                return None
+            for attr in node.attribute:
+                if attr.name in ("kernel_shape", "strides", "dilations", "output_padding"):
+                    attr.ints[:] = [1 if attr.name != "output_padding" else 0, *attr.ints]
+                elif attr.name == "pads":
+                    begin, end = list(attr.ints)
+                    attr.ints[:] = [0, begin, 0, end]
+                elif attr.name not in ("group",):
+                    return None  # auto_pad and the like: not the graph we know
+            array = numpy_helper.to_array(weight)
+            weight.CopyFrom(numpy_helper.from_array(array[:, :, None, :], weight.name))
+        elif node.op_type == "Unsqueeze" and node.output[0] == output:
+            node.op_type = "Identity"  # the samples are already in order: [B, 1, 1, T]
+            del node.input[1:]
+            del node.attribute[:]
+        elif node.op_type == "Constant" or (
+                node.op_type in _ELEMENTWISE and all(
+                    is_scalar(name) or name not in weights and name not in constants
+                    for name in node.input)):
+            continue
+        else:
+            return None
+    latent = graph.input[0].name
+    lifted = latent + "/as_2d"
+    for node in graph.node:
+        node.input[:] = [lifted if name == latent else name for name in node.input]
+    graph.initializer.append(numpy_helper.from_array(np.array([2], dtype=np.int64), lifted + "/axes"))
+    graph.node.insert(0, helper.make_node("Unsqueeze", [latent, lifted + "/axes"], [lifted], name=lifted))
+    used = {name for node in graph.node for name in node.input}
+    for init in [init for init in graph.initializer if init.name not in used]:
+        graph.initializer.remove(init)
+    del graph.value_info[:]  # the 3-D shapes recorded inside no longer hold
+    out_type = graph.output[0].type.tensor_type
+    out_type.ClearField("shape")
+    return model.SerializeToString()
+
+
+def latent_channels(decoder: bytes, latent_name: str) -> int | None:
+    """Channels of the decoder's latent input, read off the first convolution's weight."""
+    import onnx
+
+    graph = onnx.load_from_string(decoder).graph
+    weights = {init.name: init for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Conv" and node.input[0] == latent_name and node.input[1] in weights:
+            return int(weights[node.input[1]].dims[1])
+    return None
 
 
 def decode_window(
