@@ -8,6 +8,10 @@ decode step plus whatever token-to-wave chunks became ready. The engine calls
 `prepare`, `step` and `release` from one worker thread, never from the event
 loop, so a backend needs no locking of its own: a request cancelled while a
 step runs is released on that thread before the next step, never during it.
+A backend whose steps share no state says so (`concurrent_steps`, piper):
+the engine then runs `parallelism` one-request steps side by side on lane
+threads, and prepare, release and the voice methods may run while they do;
+a request is still never in two steps at once nor released during its step.
 
 Registered voices (docs/voices.md) use four optional methods, also called in
 that worker thread (the engine's voice verbs run them there):

@@ -4,7 +4,8 @@ This module owns how callers list, make, add, retire and remove voices
 without reaching into the backend: the backend's voice capabilities
 (`can_register_voices`, `needs_transcript`, `voice_features_version`), the
 cached `voices` listing, and the verbs themselves. Each verb runs on the
-engine's worker thread, between steps (backends need no locks; the thread
+engine's worker thread, between steps, or beside the lanes' steps for a
+backend that declares `concurrent_steps` (backends need no locks; the thread
 contract is engine.engine's), and refreshes `voices` itself. The engine
 supplies the backend, the listing and the worker's executor.
 """

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 import sys
+import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -115,12 +117,19 @@ def _shorthand_options(args: argparse.Namespace) -> list[str]:
     return items
 
 
+#: seconds between returns of freed heap memory to the system (`tune_malloc`)
+MALLOC_TRIM_PERIOD_S = 5.0
+
+
 def tune_malloc(profile: str) -> None:
     """glibc malloc settings: "fast" (default) or "compact" (less RSS, slower synthesis).
 
-    fast: two arenas. With piper's decoder windows every call has one of a
-    few shapes, so the heap stops growing: RSS stays within 10 MB over 200
-    barge-in sessions (docs/benchmarks.md, "piper windows", round two).
+    fast: two arenas, and freed heap pages handed back every
+    MALLOC_TRIM_PERIOD_S (malloc_trim). Two lanes of onnxruntime calls free
+    and allocate large buffers side by side, and without the trim the heap
+    fragments: RSS grew 42-53 MB over 200 barge-in sessions; with a trim every
+    2 s it grew 12 MB and sat ~130 MB lower, at a cost of ~3% of the engine's
+    throughput at saturation (docs/benchmarks.md, "Round three").
     compact: also a fixed 1 MiB mmap threshold. glibc otherwise raises its
     threshold as large blocks are freed and serves them from the heap; fixed,
     big inference buffers are mapped and unmapped on every call instead,
@@ -131,12 +140,21 @@ def tune_malloc(profile: str) -> None:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
         return  # not glibc
     m_mmap_threshold, m_arena_max = -3, -8
     libc.mallopt(m_arena_max, 2)
     if profile == "compact":
         libc.mallopt(m_mmap_threshold, 1 << 20)
+    threading.Thread(target=_trim_forever, args=(trim, MALLOC_TRIM_PERIOD_S),
+                     name="voxgate-malloc-trim", daemon=True).start()
+
+
+def _trim_forever(trim: Any, period_s: float) -> None:
+    while True:
+        time.sleep(period_s)
+        trim(0)  # releases free pages inside the heap too, not only at its top
 
 
 def main(argv: list[str] | None = None) -> int:

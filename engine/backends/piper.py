@@ -3,13 +3,14 @@
 Each voice's graph is split at its flow and decoder (piper_windows): a
 segment's first step runs its text part (encoder, durations, prior) once, the
 flow over the frames the first window needs, and decodes that window; later
-steps decode the next windows (the flow runs once over the rest). Window
+steps decode the next windows (the flow runs 256 frames ahead of them at a time). Window
 sizes follow the playback clock: a segment due now on a box that keeps up
 gets a small first window and the flow slice (first audio soon); one with
-lead, or whose listener already waits, gets long windows and the whole flow
-(more audio per second of work). So the engine's unit of work is a window, a
-cancel stops a segment within one window, and a new turn's first audio waits
-behind one window.
+lead, or whose listener already waits, gets long windows and the flow in long
+pieces (more audio per second of work). So the engine's unit of work is a
+window, a cancel stops a segment within one window, and a new turn's first
+audio waits behind one window (the engine runs one window per core side by
+side: lanes, `concurrent_steps`).
 Durations, word timings and the segment's length are known after the front
 part and travel with the first window; one fixed gain per voice is applied
 to every window, and windows with their context equal the whole decode.
@@ -269,8 +270,8 @@ class PiperBackend(Backend):
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
         # A segment whose next audio is due soon streams in short pieces (a flow slice, a
-        # small window); one with lead to spare takes long windows and runs its flow whole,
-        # which costs less (less context computed twice). So does one whose listener has
+        # small window); one with lead to spare takes long windows and the flow in long
+        # pieces, which costs less (less context computed twice). So does one whose listener has
         # waited longer than that already: the box is behind, and long windows, more audio
         # per second of work, catch up sooner. Decided at a segment's first window and kept
         # for its second, which must be ready within the first's audio. `due` is on

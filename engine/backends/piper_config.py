@@ -72,8 +72,8 @@ class PiperBackendConfig:
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
     # keeps up): it gets the small windows and the flow slice. One with more lead (a long
     # window is ready in time), or whose listener has waited longer (the box is behind),
-    # takes `window_frames` windows and runs its flow whole, which makes more audio per
-    # second of work (less context computed twice).
+    # takes `window_frames` windows and the flow in `window_flow_frames` pieces, which
+    # makes more audio per second of work (less context computed twice).
     window_urgent_lead_s: float = 0.1
     window_behind_s: float = 0.3
 

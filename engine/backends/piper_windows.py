@@ -8,8 +8,9 @@ at `/dec/conv_pre/Conv`; its input is `flow(z_p) * mask`. Graph surgery (onnx's
 Extractor, the file on disk is never changed) gives three graphs:
 
 - the front part: the voice's inputs -> (z_p, mask, durations), once per segment;
-- the flow: (z_p, mask) -> latent, run on a short slice for a segment's first
-  window and then once over the rest;
+- the flow: (z_p, mask) -> latent, run on a short slice for an urgent
+  segment's first window and then `flow_frames` (256) ahead of the windows
+  at a time, never over a whole long segment at once;
 - the decoder: latent (plus `sid` for multi-speaker voices) -> audio, run over
   windows of the latent: W frames plus C frames of context on each side, the
   context's samples cut from the output.
@@ -24,7 +25,9 @@ flow matches exactly with 32 frames of context and costs 36 ms over a whole
 2.7 s sentence against 13 ms over the 72 frames a first window needs
 (docs/benchmarks.md, "piper windows"). So a segment's first window is small
 (first audio = text part + a short flow slice + one short decode), later ones
-large (`WindowPlan`). A graph without the decoder cut (an unknown export) is
+large (`WindowPlan`). The decoder runs as 2-D convolutions of height 1
+(`decoder_as_2d`): onnxruntime's blocked x86 kernels take 2-D ones, ~20%
+faster on joe and equal to float rounding. A graph without the decoder cut (an unknown export) is
 not split: `split_voice` returns None, the caller logs it and synthesizes
 whole segments; one whose flow cannot be cut out keeps the flow in its front
 part (`SplitGraphs.flow` None) and streams the decoder alone.
