@@ -38,7 +38,7 @@ from engine import clock
 from engine.backend import Backend, BackendRequest, StepResult
 from engine.clock import RequestHandle
 from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, due_of
 from engine.stats import STEP_BUCKETS, EngineStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 from engine.voice_verbs import VoiceVerbs
@@ -63,6 +63,11 @@ class EngineConfig:
     #: requests prepared per loop iteration, most urgent first: a new turn's
     #: segment waits behind at most this many other prepares and one step
     max_prepare_per_step: int = 4
+    #: with lanes, a step starts beside a running one only for work due within this:
+    #: work that can wait runs after it, when a lone step may use every core (a first
+    #: window then runs undisturbed); under load everything is due sooner and every
+    #: lane runs
+    lane_slack_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -71,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"look_ahead_s must be within 0.05-60, got {self.look_ahead_s}")
         if self.max_prepare_per_step < 1:
             raise ValueError(f"max_prepare_per_step must be >= 1, got {self.max_prepare_per_step}")
+        if not 0.0 <= self.lane_slack_s <= 60.0:
+            raise ValueError(f"lane_slack_s must be within 0-60, got {self.lane_slack_s}")
 
 
 class Engine(VoiceVerbs):
@@ -257,7 +264,8 @@ class Engine(VoiceVerbs):
                 now = time.monotonic()
                 self._set_dues(now)
                 while len(running) < self._num_lanes:
-                    batch = self.scheduler.schedule(now, self._is_runnable, self._is_ahead)
+                    due_by = now + self.config.lane_slack_s if running else None
+                    batch = self.scheduler.schedule(now, self._is_runnable, self._is_ahead, due_by)
                     if not batch:
                         break
                     self._in_flight.update(item.request_id for item in batch)
@@ -291,9 +299,14 @@ class Engine(VoiceVerbs):
         self._wake.clear()
         woken: asyncio.Future[Any] = asyncio.ensure_future(self._wake.wait())
         waiting: list[asyncio.Future[Any]] = [*running, woken]
+        now = time.monotonic()
+        timeout = self._next_wake_s(now)
+        if running and len(running) < self._num_lanes:  # back when held work falls due
+            held = self._held_s(now)
+            if held is not None:
+                timeout = held if timeout is None else min(timeout, held)
         try:
-            done, _ = await asyncio.wait(waiting, timeout=self._next_wake_s(time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             woken.cancel()
         return {future for future in running if future in done}
@@ -316,6 +329,11 @@ class Engine(VoiceVerbs):
             # the request that causes it, not its batch-mates from other sessions.
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self._lanes, self._step_isolated, batch)
+
+    def _held_s(self, now: float) -> float | None:
+        """Seconds until work held back from a free lane (`lane_slack_s`) falls due."""
+        dues = [due_of(item) for item in self.scheduler.items() if self._is_runnable(item)]
+        return max(min(dues) - self.config.lane_slack_s - now, 0.005) if dues else None
 
     def _take_releases(self) -> list[BackendRequest]:
         """What was cancelled or finished and may be freed now: not in a running step."""

@@ -178,9 +178,16 @@ class Scheduler:
     def schedule(
         self, now: float, is_runnable: Callable[[BackendRequest], bool] = lambda _: True,
         is_ahead: Callable[[BackendRequest], bool] = lambda _: False,
+        due_by: float | None = None,
     ) -> list[BackendRequest]:
-        """The next batch: earliest deadline first, sized so the urgent one is on time."""
+        """The next batch: earliest deadline first, sized so the urgent one is on time.
+
+        With `due_by`, nothing unless the most urgent request is due by then (the
+        engine's second lane takes only work that cannot wait for the first).
+        """
         runnable = [e for e in self._entries.values() if is_runnable(e.item)]
+        if due_by is not None:
+            runnable = [e for e in runnable if due_of(e.item) <= due_by]
         ready = [e for e in runnable if not is_ahead(e.item)]
         if not ready:
             if not runnable:

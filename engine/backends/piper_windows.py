@@ -25,9 +25,10 @@ flow matches exactly with 32 frames of context and costs 36 ms over a whole
 2.7 s sentence against 13 ms over the 72 frames a first window needs
 (docs/benchmarks.md, "piper windows"). So a segment's first window is small
 (first audio = text part + a short flow slice + one short decode), later ones
-large (`WindowPlan`). The decoder runs as 2-D convolutions of height 1
-(`decoder_as_2d`): onnxruntime's blocked x86 kernels take 2-D ones, ~20%
-faster on joe and equal to float rounding. A graph without the decoder cut (an unknown export) is
+large (`WindowPlan`). On one thread the decoder runs as 2-D convolutions
+of height 1 (`decoder_as_2d`): onnxruntime's blocked x86 kernels take 2-D
+ones, ~20% faster on joe and equal to float rounding (on several threads
+they are slower, and the 1-D graph stays). A graph without the decoder cut (an unknown export) is
 not split: `split_voice` returns None, the caller logs it and synthesizes
 whole segments; one whose flow cannot be cut out keeps the flow in its front
 part (`SplitGraphs.flow` None) and streams the decoder alone.
@@ -214,8 +215,9 @@ def decoder_as_2d(decoder: bytes) -> bytes | None:
 
     onnxruntime runs 2-D convolutions on x86 in its blocked (NCHWc) kernels and
     1-D ones through im2col: measured on joe with one thread, a 152-frame window
-    decodes in 91-95 ms against 114-115 ms, equal to 1.3e-7 (docs/benchmarks.md,
-    "Round three"). The latent [B, C, T] enters through an Unsqueeze to
+    decodes in 90-95 ms against 112-115 ms, equal to 1.3e-7; with two threads
+    the blocked kernels are slower (80 against 60 ms), so the loader uses this
+    form for one-thread sessions only (docs/benchmarks.md, "Round three"). The latent [B, C, T] enters through an Unsqueeze to
     [B, C, 1, T]; the output keeps its samples in order (callers reshape it).
     None for a graph with any other op (a multi-speaker decoder's speaker
     conditioning, say): that one runs as it is.
