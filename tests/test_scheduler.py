@@ -141,3 +141,13 @@ def test_items_that_share_no_work_run_one_per_core_per_step(parallelism: int) ->
     for n in range(6):
         s.add(item(f"due{n}", 0.0))  # all due: a batching backend would take all six
     assert len(s.schedule(now=0.5)) == parallelism
+
+
+def test_due_by_holds_back_work_that_can_wait_for_a_running_step() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=4))
+    scheduler.add(item("soon", deadline=100.2))
+    scheduler.add(item("later", deadline=102.0))
+    assert [str(i.request_id) for i in scheduler.schedule(100.0, due_by=100.5)] == ["soon"]
+    scheduler.remove(RequestId("soon"))
+    assert scheduler.schedule(100.0, due_by=100.5) == [], "work due in 2 s took a second lane"
+    assert [str(i.request_id) for i in scheduler.schedule(100.0)] == ["later"]
