@@ -121,7 +121,7 @@ class Engine(VoiceVerbs):
         return self.backend.sample_rate
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in the worker thread, between steps (backends need no locks)."""
+        """Run `fn(*args)` in the worker thread: between steps, or beside the lanes' steps (engine docstring)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, *args)
 
