@@ -291,9 +291,9 @@ class Engine(VoiceVerbs):
     async def _wait_steps(
         self, running: dict[asyncio.Future[list[StepResult]], tuple[list[BackendRequest], float]],
     ) -> set[asyncio.Future[list[StepResult]]]:
-        """The steps that ended; back early for new work or a clock while a lane is free, or
-        with lanes at all (new requests are prepared on the worker while the lanes step)."""
-        if self._num_lanes == 1 and running:  # the worker is busy: nothing else could run
+        """The steps that ended (`running` holds one or more); back early for new work or a
+        clock with lanes (new requests are prepared on the worker while the lanes step)."""
+        if self._num_lanes == 1:  # the worker is busy: nothing else could run
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             return done
         self._wake.clear()
@@ -301,7 +301,7 @@ class Engine(VoiceVerbs):
         waiting: list[asyncio.Future[Any]] = [*running, woken]
         now = time.monotonic()
         timeout = self._next_wake_s(now)
-        if running and len(running) < self._num_lanes:  # back when held work falls due
+        if len(running) < self._num_lanes:  # back when held work falls due
             held = self._held_s(now)
             if held is not None:
                 timeout = held if timeout is None else min(timeout, held)

@@ -284,14 +284,20 @@ class LaneBackend(ScriptedBackend):
         super().release(item)
 
 
+async def blocked_in_a_lane(name: str) -> tuple[LaneBackend, Engine, asyncio.Task]:
+    """A lane engine whose request `name` is blocked inside its first step (until its gate opens)."""
+    backend = LaneBackend(chunks_per_request=5)
+    engine = await started(backend)
+    backend.gates[name] = threading.Event()
+    task = asyncio.create_task(_collect(engine.submit(request(name))))
+    while f"begin:{name}" not in backend.log:
+        await asyncio.sleep(0.005)
+    return backend, engine, task
+
+
 def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
     async def scenario() -> tuple[list[str], LaneBackend]:
-        backend = LaneBackend(chunks_per_request=5)
-        engine = await started(backend)
-        backend.gates["slow"] = threading.Event()
-        slow = asyncio.create_task(_collect(engine.submit(request("slow"))))
-        while "begin:slow" not in backend.log:
-            await asyncio.sleep(0.005)
+        backend, engine, slow = await blocked_in_a_lane("slow")
         fast = await asyncio.wait_for(_collect(engine.submit(request("fast"))), 5)  # slow still blocked
         assert fast and fast[-1].is_last
         log = list(backend.log)
@@ -307,12 +313,7 @@ def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
 
 def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_nothing() -> None:
     async def scenario() -> tuple[LaneBackend, Engine, list]:
-        backend = LaneBackend(chunks_per_request=5)
-        engine = await started(backend)
-        backend.gates["victim"] = threading.Event()
-        victim = asyncio.create_task(_collect(engine.submit(request("victim"))))
-        while "begin:victim" not in backend.log:
-            await asyncio.sleep(0.005)
+        backend, engine, victim = await blocked_in_a_lane("victim")
         engine.cancel(RequestId("victim"))  # its step is running in one lane
         other = await asyncio.wait_for(_collect(engine.submit(request("other"))), 5)  # the other lane steps
         backend.gates["victim"].set()
