@@ -391,8 +391,14 @@ class Engine(VoiceVerbs):
                               self.config.look_ahead_s)
 
     def _next_wake_s(self, now: float) -> float | None:
-        """Seconds until some request's lead falls under the look-ahead (None: only events wake)."""
-        return clock.next_wake_s(self.scheduler.items(), self._handles, now, self.config.look_ahead_s)
+        """Seconds until some request's lead falls under the look-ahead (None: only events wake).
+
+        A request in a running step is left out: the step's end wakes the loop for it
+        (else its lead, below the look-ahead until the step routes audio, would wake the
+        loop every few milliseconds for the whole step).
+        """
+        idle = [item for item in self.scheduler.items() if item.request_id not in self._in_flight]
+        return clock.next_wake_s(idle, self._handles, now, self.config.look_ahead_s)
 
     def _step_isolated(self, batch: list[BackendRequest]) -> list[StepResult]:
         results: list[StepResult] = []

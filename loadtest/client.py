@@ -137,6 +137,7 @@ class TurnState:
                 # negative when the server spoke a clause before the sentence was complete
                 r.ttfa_segment_ms = (self.first_frame_at - self.segment_complete_at) * 1000.0
         r.num_gaps, r.gap_ms, r.gaps_ms = self.clock.num_gaps, self.clock.gap_ms, self.clock.gaps
+        r.gaps_at_ms = list(self.clock.gaps_at)
         if self.cancel_sent_at is not None and self.cancelled_at is not None:
             r.cancel_latency_ms = (self.cancelled_at - self.cancel_sent_at) * 1000.0
             last = self.last_frame_at

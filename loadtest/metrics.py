@@ -58,6 +58,7 @@ class PlaybackClock:
         "audio_ms",
         "gap_ms",
         "gaps",
+        "gaps_at",
         "num_frames",
         "num_gaps",
         "playout_delay_s",
@@ -76,6 +77,7 @@ class PlaybackClock:
         self.num_gaps = 0
         self.gap_ms = 0.0
         self.gaps: list[float] = []
+        self.gaps_at: list[float] = []  # where each gap fell: ms of the turn's audio before it
 
     def on_frame(self, now: float, duration_ms: float) -> float:
         """Account a frame that arrived at `now`; return the gap it ended (0 if none)."""
@@ -90,6 +92,7 @@ class PlaybackClock:
             self.num_gaps += 1
             self.gap_ms += gap_ms
             self.gaps.append(gap_ms)
+            self.gaps_at.append(self.audio_ms)
             self.run_out_at = now
         self.run_out_at += duration_ms / 1000.0
         self.audio_ms += duration_ms
@@ -136,6 +139,7 @@ class TurnRecord:
     num_gaps: int = 0
     gap_ms: float = 0.0
     gaps_ms: list[float] = field(default_factory=list)
+    gaps_at_ms: list[float] = field(default_factory=list)  # audio heard before each gap
     cancel_latency_ms: float | None = None  # cancel sent -> cancelled received
     cancel_to_last_frame_ms: float | None = None  # cancel sent -> last frame (0: none after)
     played_ms_at_cancel: float | None = None

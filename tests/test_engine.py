@@ -311,6 +311,28 @@ def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
     assert len(backend.step_threads) == 2, "steps did not run on two lanes"
 
 
+def test_with_lanes_the_loop_sleeps_while_the_only_request_is_in_its_step() -> None:
+    # The request's lead stays under the look-ahead until its step routes audio; that
+    # must not wake the loop every few milliseconds for as long as the step runs.
+    async def scenario() -> int:
+        backend, engine, slow = await blocked_in_a_lane("slow")
+        schedule, calls = engine.scheduler.schedule, [0]
+
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            return schedule(*args, **kwargs)
+
+        engine.scheduler.schedule = counted  # type: ignore[method-assign]
+        await asyncio.sleep(0.3)
+        during = calls[0]
+        backend.gates["slow"].set()
+        await asyncio.wait_for(slow, 5)
+        await engine.stop()
+        return during
+
+    assert run(scenario()) <= 2, "the loop kept waking while the step ran"
+
+
 def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_nothing() -> None:
     async def scenario() -> tuple[LaneBackend, Engine, list]:
         backend, engine, victim = await blocked_in_a_lane("victim")

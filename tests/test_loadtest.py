@@ -71,6 +71,7 @@ def test_a_late_frame_is_one_gap_of_its_lateness_and_playback_resumes_from_it() 
     assert clock.on_frame(10.5, 100.0) == 0.0  # queued behind the late one
     assert clock.num_gaps == 1
     assert clock.gaps == [pytest.approx(250.0)]
+    assert clock.gaps_at == [200.0]  # after the first two frames' audio
     assert clock.run_out_at == pytest.approx(10.65)
     assert clock.time_at_played(250.0) == pytest.approx(10.5)
     assert clock.time_at_played(401.0) is None

@@ -185,6 +185,29 @@ def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
     assert len(frames) >= 2 and max(frames[1:]) <= longest, frames
 
 
+@pytest.mark.parametrize("beside", ["work due soon", "look-ahead work"])
+def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, beside: str) -> None:
+    # Under load small windows cost every stream (context decoded twice, a step each):
+    # only a step that runs alone, or beside look-ahead work that can wait, gets them.
+    # Here another lane's step runs throughout.
+    piper = backends["windows"]
+    frames = count_flow_calls(monkeypatch)
+    monkeypatch.setattr(piper, "_num_running", 1)
+    monkeypatch.setattr(piper, "_num_busy", 1 if beside == "work due soon" else 0)
+    windows, _ = stream(piper, request(LONG))  # each piece due now
+    plan = PiperBackendConfig().window_plan
+    hop = piper.get_voice("joe").config.hop_length
+    if beside == "work due soon":
+        assert len(windows[0].pcm) == plan.frames * hop
+        assert frames[0] == plan.flow_frames + plan.flow_context_frames  # no short flow slice
+    else:
+        assert len(windows[0].pcm) == plan.first_frames * hop
+        assert frames[0] == plan.first_frames + plan.context_frames + plan.flow_context_frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
 def test_the_flow_runs_ahead_of_the_windows_in_pieces_not_over_the_whole_segment(
         backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
     frames = count_flow_calls(monkeypatch)

@@ -66,7 +66,7 @@ from engine.backends.piper_voices import (
     discover_voices,
     load_voice,
 )
-from engine.backends.piper_windows import decode_window, flow_slice
+from engine.backends.piper_windows import Pace, decode_window, flow_slice
 from engine.errors import (
     BackendFailure,
     EngineError,
@@ -134,6 +134,7 @@ class PiperBackend(Backend):
         # Calls share no state: the engine runs `parallelism` steps side by side (lanes).
         self.concurrent_steps = self.config.one_call_per_item
         self._num_running = 0  # steps running now (lanes); a lone one may use every core
+        self._num_busy = 0  # of them, steps of work due soon (`window_busy_lead_s`)
         self._running_lock = threading.Lock()
         self._plan = self.config.window_plan
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
@@ -269,19 +270,19 @@ class PiperBackend(Backend):
             else:
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
-        # A segment whose next audio is due soon streams in short pieces (a flow slice, a
-        # small window); one with lead to spare takes long windows and the flow in long
-        # pieces, which costs less (less context computed twice). So does one whose listener has
-        # waited longer than that already: the box is behind, and long windows, more audio
-        # per second of work, catch up sooner. Decided at a segment's first window and kept
-        # for its second, which must be ready within the first's audio. `due` is on
-        # time.monotonic()'s clock.
-        now, config = time.monotonic(), self.config
+        now = time.monotonic()
+        leads = [self._lead(item, now) for item in batch]
+        # Busy: this step's work is due soon (not look-ahead that could wait).
+        is_busy = min(leads, default=0.0) <= self.config.window_busy_lead_s
+        with self._running_lock:
+            self._num_running += 1
+            self._num_busy += is_busy
+            is_alone = self._num_running == 1  # no other lane's step runs beside this one
+            is_contended = self._num_busy - is_busy > 0  # another lane's step is due soon too
         for index in windowed:
             item = batch[index]
             if item.state.num_windows == 0:
-                due = item.request.deadline if item.due is None else item.due
-                item.state.is_urgent = -config.window_behind_s <= due - now <= config.window_urgent_lead_s
+                item.state.pace = self._pace(leads[index], is_contended)
         calls: list[list[int]] = [[index] for index in windowed]
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]
@@ -293,9 +294,6 @@ class PiperBackend(Backend):
         # onnxruntime releases the GIL: separate calls of one step run on separate cores.
         states_per_call = [[batch[i].state for i in indices] for indices in calls]
         num_windowed = len(windowed)
-        with self._running_lock:
-            self._num_running += 1
-            is_alone = self._num_running == 1  # no other lane's step runs beside this one
         try:
             if len(calls) > 1 and self._pool is not None:
                 outputs = list(self._pool.map(
@@ -306,10 +304,34 @@ class PiperBackend(Backend):
         finally:
             with self._running_lock:
                 self._num_running -= 1
+                self._num_busy -= is_busy
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
         return [r if r is not None else StepResult(is_finished=True) for r in results]
+
+    @staticmethod
+    def _lead(item: BackendRequest, now: float) -> float:
+        """Seconds until the item's next audio is due (`due` is on time.monotonic()'s clock)."""
+        return (item.request.deadline if item.due is None else item.due) - now
+
+    def _pace(self, lead: float, is_contended: bool) -> Pace:
+        """How a segment's windows are cut, decided at its first window (WindowPlan).
+
+        Short pieces (a small first window, a flow slice) only for a segment whose
+        next audio is due soon (`lead` seconds from now) and whose step runs alone
+        or beside look-ahead work only: light load, where first audio is what
+        counts. Beside another lane's step of work due soon, long windows: small ones cost context decoded twice and a step each, and
+        a stream with 0.1-0.5 s of audio comes back for more while others wait;
+        under load every stream pays for that (docs/benchmarks.md, "Round four":
+        at 14 sessions this rule left a third to a tenth of the silence of short
+        pieces for every urgent segment). So does a segment with lead to spare, or
+        whose listener has waited longer than `window_behind_s` already: the box is
+        behind, and long windows, more audio per second of work, catch up sooner.
+        """
+        config = self.config
+        is_urgent = -config.window_behind_s <= lead <= config.window_urgent_lead_s
+        return Pace.SHORT if is_urgent and not is_contended else Pace.LONG
 
     def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
         if is_window:
@@ -344,7 +366,7 @@ class PiperBackend(Backend):
                 else:
                     state.latent = outputs[voice.latent_name][:, :, :total]  # [1, C, T]
             start = state.cursor
-            end = self._plan.window_end(start, state.num_windows, state.num_frames, state.is_urgent)
+            end = self._plan.window_end(start, state.num_windows, state.num_frames, state.pace)
             context = self._plan.context_frames
             self._run_flow(state, min(state.num_frames, end + context), is_solo)
             raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), state.latent,
@@ -364,8 +386,8 @@ class PiperBackend(Backend):
         """Grow the segment's latent to at least `needed` frames through the flow.
 
         On slices with the flow's context on each side, which equal the whole: for a
-        segment whose first audio is due soon (urgent) and that is long, the first slice
-        is only the needed frames; later ones run `flow_frames` ahead (`WindowPlan.flow_end`).
+        long segment whose first audio is due soon and whose step runs alone
+        (`Pace.SHORT`), the first slice is only the needed frames; later ones run `flow_frames` ahead (`WindowPlan.flow_end`).
         Running the flow over a whole long segment at its first window would make that
         window, and every stream waiting behind it, pay for audio due seconds later.
         """
@@ -374,7 +396,7 @@ class PiperBackend(Backend):
             return
         total, done = state.num_frames, latent.shape[2]
         context = self._plan.flow_context_frames
-        if done == 0 and state.is_urgent and 2 * (needed + context) < total:
+        if done == 0 and state.pace is Pace.SHORT and 2 * (needed + context) < total:
             end = needed
         else:
             end = self._plan.flow_end(done, needed, total)

@@ -53,13 +53,14 @@ class PiperBackendConfig:
     # 103-115 ms each with two side by side, 74 ms alone on both cores).
     num_parallel_calls: int = 0
     # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
-    # an urgent segment's first window is small (first audio soon), the second medium, the
-    # rest `window_frames`; `window_context_frames` each side make each window equal the whole
-    # decode (12 matches joe's to 2e-8 at 10% less decoding than 16; docs/benchmarks.md,
-    # "piper windows").
+    # an urgent segment whose step runs alone has a small first window (first audio soon)
+    # and a medium second, the rest are `window_frames` (so are all of any other segment's:
+    # see `window_urgent_lead_s`). `window_context_frames` each
+    # side make each window equal the whole decode (12 matches joe's to 2e-8 at 10% less
+    # decoding than 16; docs/benchmarks.md, "piper windows").
     windowed: bool = True
-    window_first_frames: int = 24
-    window_second_frames: int = 48
+    window_first_frames: int = 12
+    window_second_frames: int = 36
     window_frames: int = 128
     window_context_frames: int = 12
     # The flow runs on slices with this much context each side (its receptive field: exact
@@ -70,12 +71,19 @@ class PiperBackendConfig:
     window_flow_frames: int = 256
     # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
-    # keeps up): it gets the small windows and the flow slice. One with more lead (a long
-    # window is ready in time), or whose listener has waited longer (the box is behind),
-    # takes `window_frames` windows and the flow in `window_flow_frames` pieces, which
-    # makes more audio per second of work (less context computed twice).
+    # keeps up): if its step runs alone it gets the small windows and the flow slice; beside
+    # another lane's step long windows (docs/benchmarks.md, "Round four": at 14 sessions
+    # small windows for every urgent segment, or a medium first window beside other work,
+    # left 3-10x the silence of this rule). One with more lead, or whose listener has
+    # waited longer (the box is behind), takes `window_frames` windows and the flow in
+    # `window_flow_frames` pieces, which makes more audio per second of work (less context
+    # computed twice). A step beside look-ahead work (due later than `window_busy_lead_s`)
+    # counts as alone: that work can wait, and a turn's second segment due 114 ms after its
+    # text came, cut long beside it, was 23 ms late. (0.3 s here instead of 0.1 made more
+    # urgent segments short and, at 12 sessions, 11-26 gaps where 0.1 had 1-3.)
     window_urgent_lead_s: float = 0.1
     window_behind_s: float = 0.3
+    window_busy_lead_s: float = 0.5
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -92,7 +100,7 @@ class PiperBackendConfig:
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
         self.window_plan  # noqa: B018 - validates the window sizes
-        for name in ("window_urgent_lead_s", "window_behind_s"):
+        for name in ("window_urgent_lead_s", "window_behind_s", "window_busy_lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_padding_waste is not None and self.max_padding_waste < 0:

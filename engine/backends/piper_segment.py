@@ -20,6 +20,7 @@ import numpy as np
 from engine.backend import StepResult
 from engine.backends.piper_align import word_timings
 from engine.backends.piper_voices import LoadedVoice
+from engine.backends.piper_windows import Pace
 from engine.errors import BackendFailure
 from engine.types import WordTiming
 
@@ -44,7 +45,7 @@ class PiperState:
     num_frames: int = 0
     cursor: int = 0  # frames decoded so far
     num_windows: int = 0
-    is_urgent: bool = True  # at its first window its audio was due soon (piper.step)
+    pace: Pace = Pace.SHORT  # how its windows are cut, set at its first window (piper.step)
 
 
 def silent_result(state: PiperState, sample_rate: int) -> StepResult:

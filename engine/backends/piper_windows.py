@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import numpy as np
@@ -48,12 +49,26 @@ logger = logging.getLogger("voxgate.engine")
 DECODER_ENTRY = "/dec/conv_pre/Conv"
 
 
+class Pace(Enum):
+    """How a segment's windows are cut (WindowPlan), decided at its first window."""
+
+    SHORT = "short"  # due now and its step runs alone: small first windows, the flow sliced
+    LONG = "long"  # anything else: long windows, the flow in long pieces
+
+
 @dataclass(slots=True, frozen=True)
 class WindowPlan:
-    """Window sizes in latent frames: an urgent segment's first small, the next ones growing to `frames`."""
+    """Window sizes in latent frames, by a segment's pace (`Pace`).
 
-    first_frames: int = 24
-    second_frames: int = 48
+    A segment whose first audio is due now and whose step runs alone (no other
+    lane busy: light load) takes a small first window and a medium second one,
+    so first audio comes soon; any other takes long windows throughout. Small
+    windows cost context decoded twice and a step each, and under load every
+    other stream pays for that (docs/benchmarks.md, "Round four").
+    """
+
+    first_frames: int = 12
+    second_frames: int = 36
     frames: int = 128
     context_frames: int = 12
     flow_context_frames: int = 32
@@ -74,13 +89,10 @@ class WindowPlan:
             end = total  # one call over the last short stretch costs less than two
         return end
 
-    def window_end(self, start: int, index: int, total: int, is_urgent: bool = True) -> int:
-        """Where window `index` (from 0) that begins at frame `start` ends.
-
-        Only an urgent segment (its next audio due soon) gets the small first windows.
-        """
+    def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT) -> int:
+        """Where window `index` (from 0) that begins at frame `start` ends, at `pace`."""
         size = self.frames
-        if is_urgent and index < 2:
+        if pace is Pace.SHORT and index < 2:
             size = self.first_frames if index == 0 else self.second_frames
         end = min(total, start + size)
         if total - end < max(1, size // 4):
