@@ -208,6 +208,23 @@ def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
     assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
 
 
+def test_a_later_segment_due_soon_beside_work_due_soon_takes_one_medium_first_window(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its listener hears the turn (its audio is due in 0.2 s, not already): a long first
+    # window might be late, which would be a gap; a medium one is ready in time.
+    piper = backends["windows"]
+    frames = count_flow_calls(monkeypatch)
+    monkeypatch.setattr(piper, "_num_running", 1)
+    monkeypatch.setattr(piper, "_num_busy", 1)
+    windows, _ = stream(piper, request(LONG), due_in=0.2)
+    plan = PiperBackendConfig().window_plan
+    hop = piper.get_voice("joe").config.hop_length
+    assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
+    assert frames[0] == plan.medium_first_frames + plan.context_frames + plan.flow_context_frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
 def test_the_flow_runs_ahead_of_the_windows_in_pieces_not_over_the_whole_segment(
         backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
     frames = count_flow_calls(monkeypatch)

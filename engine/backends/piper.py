@@ -321,17 +321,26 @@ class PiperBackend(Backend):
         Short pieces (a small first window, a flow slice) only for a segment whose
         next audio is due soon (`lead` seconds from now) and whose step runs alone
         or beside look-ahead work only: light load, where first audio is what
-        counts. Beside another lane's step of work due soon, long windows: small ones cost context decoded twice and a step each, and
-        a stream with 0.1-0.5 s of audio comes back for more while others wait;
-        under load every stream pays for that (docs/benchmarks.md, "Round four":
-        at 14 sessions this rule left a third to a tenth of the silence of short
-        pieces for every urgent segment). So does a segment with lead to spare, or
-        whose listener has waited longer than `window_behind_s` already: the box is
-        behind, and long windows, more audio per second of work, catch up sooner.
+        counts. Beside another lane's step of work due soon, long windows: small
+        ones cost context decoded twice and a step each, and a stream with
+        0.1-0.5 s of audio comes back for more while others wait; under load every
+        stream pays for that (docs/benchmarks.md, "Round four": at 14 sessions this
+        rule left a third to a tenth of the silence of short pieces for every
+        urgent segment). A late first segment costs first audio; a later segment
+        due within `window_medium_lead_s` (its lead is positive: its listener
+        hears the turn) that does not get short pieces would be a gap if late, so
+        it gets one medium first window, ready in time where a long one might not be. A segment with lead to spare, or
+        whose listener has waited longer than `window_behind_s` already, takes
+        long windows: the box is behind, and long windows, more audio per second
+        of work, catch up sooner.
         """
         config = self.config
         is_urgent = -config.window_behind_s <= lead <= config.window_urgent_lead_s
-        return Pace.SHORT if is_urgent and not is_contended else Pace.LONG
+        if is_urgent and not is_contended:
+            return Pace.SHORT
+        if 0.0 < lead <= config.window_medium_lead_s:
+            return Pace.MEDIUM
+        return Pace.LONG
 
     def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
         if is_window:
@@ -387,7 +396,7 @@ class PiperBackend(Backend):
 
         On slices with the flow's context on each side, which equal the whole: for a
         long segment whose first audio is due soon and whose step runs alone
-        (`Pace.SHORT`), the first slice is only the needed frames; later ones run `flow_frames` ahead (`WindowPlan.flow_end`).
+        (`Pace.SHORT`, `Pace.MEDIUM`), the first slice is only the needed frames; later ones run `flow_frames` ahead (`WindowPlan.flow_end`).
         Running the flow over a whole long segment at its first window would make that
         window, and every stream waiting behind it, pay for audio due seconds later.
         """
@@ -396,7 +405,7 @@ class PiperBackend(Backend):
             return
         total, done = state.num_frames, latent.shape[2]
         context = self._plan.flow_context_frames
-        if done == 0 and state.pace is Pace.SHORT and 2 * (needed + context) < total:
+        if done == 0 and state.pace is not Pace.LONG and 2 * (needed + context) < total:
             end = needed
         else:
             end = self._plan.flow_end(done, needed, total)

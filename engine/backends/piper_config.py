@@ -61,6 +61,7 @@ class PiperBackendConfig:
     windowed: bool = True
     window_first_frames: int = 12
     window_second_frames: int = 36
+    window_medium_first_frames: int = 48
     window_frames: int = 128
     window_context_frames: int = 12
     # The flow runs on slices with this much context each side (its receptive field: exact
@@ -84,6 +85,11 @@ class PiperBackendConfig:
     window_urgent_lead_s: float = 0.1
     window_behind_s: float = 0.3
     window_busy_lead_s: float = 0.5
+    # A later segment due within this (not yet) that gets no short pieces gets a medium
+    # first window (`window_medium_first_frames`, the flow sliced): a long one (100-150 ms
+    # on this box) might be late, and its listener, hearing the turn already, would hear
+    # a gap (a turn's second segment due 151 ms after its text came was 29 ms late so).
+    window_medium_lead_s: float = 0.3
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -100,7 +106,7 @@ class PiperBackendConfig:
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
         self.window_plan  # noqa: B018 - validates the window sizes
-        for name in ("window_urgent_lead_s", "window_behind_s", "window_busy_lead_s"):
+        for name in ("window_urgent_lead_s", "window_behind_s", "window_busy_lead_s", "window_medium_lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_padding_waste is not None and self.max_padding_waste < 0:
@@ -112,5 +118,5 @@ class PiperBackendConfig:
     @property
     def window_plan(self) -> WindowPlan:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
-                          self.window_frames, self.window_context_frames,
+                          self.window_medium_first_frames, self.window_frames, self.window_context_frames,
                           self.window_flow_context_frames, self.window_flow_frames)

@@ -53,6 +53,9 @@ class Pace(Enum):
     """How a segment's windows are cut (WindowPlan), decided at its first window."""
 
     SHORT = "short"  # due now and its step runs alone: small first windows, the flow sliced
+    # due soon, not yet, beside work due soon: its listener hears the turn, and a long first
+    # window would be late (a gap); one medium first window, the flow sliced
+    MEDIUM = "medium"
     LONG = "long"  # anything else: long windows, the flow in long pieces
 
 
@@ -62,20 +65,23 @@ class WindowPlan:
 
     A segment whose first audio is due now and whose step runs alone (no other
     lane busy: light load) takes a small first window and a medium second one,
-    so first audio comes soon; any other takes long windows throughout. Small
+    so first audio comes soon; one due soon (not yet: its listener hears the
+    turn) beside other work one medium first window, which is ready in time
+    where a long one might not be; any other takes long windows throughout. Small
     windows cost context decoded twice and a step each, and under load every
     other stream pays for that (docs/benchmarks.md, "Round four").
     """
 
     first_frames: int = 12
     second_frames: int = 36
+    medium_first_frames: int = 48
     frames: int = 128
     context_frames: int = 12
     flow_context_frames: int = 32
     flow_frames: int = 256
 
     def __post_init__(self) -> None:
-        for name in ("first_frames", "second_frames", "frames", "flow_frames"):
+        for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("context_frames", "flow_context_frames"):
@@ -94,6 +100,8 @@ class WindowPlan:
         size = self.frames
         if pace is Pace.SHORT and index < 2:
             size = self.first_frames if index == 0 else self.second_frames
+        elif pace is Pace.MEDIUM and index == 0:
+            size = self.medium_first_frames
         end = min(total, start + size)
         if total - end < max(1, size // 4):
             end = total  # no sliver of a last window: it would cost a whole call
