@@ -181,6 +181,9 @@ def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
     assert len(windows[0].pcm) == plan.first_frames * hop
     assert len(windows[1].pcm) == plan.second_frames * hop
     assert frames[0] == plan.first_frames + plan.context_frames + plan.flow_context_frames
+    # The second window, due within the first's ~120 ms of playback, runs only its own flow.
+    done, needed = plan.first_frames + plan.context_frames, plan.first_frames + plan.second_frames + plan.context_frames
+    assert frames[1] == needed + plan.flow_context_frames - max(0, done - plan.flow_context_frames)
     longest = plan.flow_frames + plan.flow_frames // 2 + 2 * plan.flow_context_frames
     assert len(frames) >= 2 and max(frames[1:]) <= longest, frames
 
