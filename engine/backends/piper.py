@@ -270,19 +270,6 @@ class PiperBackend(Backend):
             else:
                 key = (state.voice.info.voice_id, state.scales)
                 groups.setdefault(key, []).append(index)
-        now = time.monotonic()
-        leads = [self._lead(item, now) for item in batch]
-        # Busy: this step's work is due soon (not look-ahead that could wait).
-        is_busy = min(leads, default=0.0) <= self.config.window_busy_lead_s
-        with self._running_lock:
-            self._num_running += 1
-            self._num_busy += is_busy
-            is_alone = self._num_running == 1  # no other lane's step runs beside this one
-            is_contended = self._num_busy - is_busy > 0  # another lane's step is due soon too
-        for index in windowed:
-            item = batch[index]
-            if item.state.num_windows == 0:
-                item.state.pace = self._pace(leads[index], is_contended)
         calls: list[list[int]] = [[index] for index in windowed]
         for group in groups.values():
             lengths = [len(batch[i].state.ids) for i in group]
@@ -294,7 +281,19 @@ class PiperBackend(Backend):
         # onnxruntime releases the GIL: separate calls of one step run on separate cores.
         states_per_call = [[batch[i].state for i in indices] for indices in calls]
         num_windowed = len(windowed)
+        now = time.monotonic()
+        leads = [self._lead(item, now) for item in batch]
+        # Busy: this step's work is due soon (not look-ahead that could wait).
+        is_busy = min(leads, default=0.0) <= self.config.window_busy_lead_s
+        with self._running_lock:
+            self._num_running += 1
+            self._num_busy += is_busy
+            is_alone = self._num_running == 1  # no other lane's step runs beside this one
+            is_contended = self._num_busy - is_busy > 0  # another lane's step is due soon too
         try:
+            for index in windowed:
+                if batch[index].state.num_windows == 0:
+                    batch[index].state.pace = self._pace(leads[index], is_contended)
             if len(calls) > 1 and self._pool is not None:
                 outputs = list(self._pool.map(
                     lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
@@ -329,10 +328,10 @@ class PiperBackend(Backend):
         urgent segment). A late first segment costs first audio; a later segment
         due within `window_medium_lead_s` (its lead is positive: its listener
         hears the turn) that does not get short pieces would be a gap if late, so
-        it gets one medium first window, ready in time where a long one might not be. A segment with lead to spare, or
-        whose listener has waited longer than `window_behind_s` already, takes
-        long windows: the box is behind, and long windows, more audio per second
-        of work, catch up sooner.
+        it gets one medium first window, ready in time where a long one might not
+        be. A segment with lead to spare, or whose listener has waited longer than
+        `window_behind_s` already, takes long windows: the box is behind, and long
+        windows, more audio per second of work, catch up sooner.
         """
         config = self.config
         is_urgent = -config.window_behind_s <= lead <= config.window_urgent_lead_s
@@ -409,8 +408,7 @@ class PiperBackend(Backend):
             return
         total, done = state.num_frames, latent.shape[2]
         context = self._plan.flow_context_frames
-        sliced = state.num_windows < (2 if state.pace is Pace.SHORT else 1 if state.pace is Pace.MEDIUM else 0)
-        if sliced and 2 * (needed + context) < total - done:
+        if self._plan.is_flow_sliced(state.pace, state.num_windows) and 2 * (needed + context) < total - done:
             end = needed
         else:
             end = self._plan.flow_end(done, needed, total)

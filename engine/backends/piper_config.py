@@ -54,10 +54,10 @@ class PiperBackendConfig:
     num_parallel_calls: int = 0
     # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
     # an urgent segment whose step runs alone has a small first window (first audio soon)
-    # and a medium second, the rest are `window_frames` (so are all of any other segment's:
-    # see `window_urgent_lead_s`). `window_context_frames` each
-    # side make each window equal the whole decode (12 matches joe's to 2e-8 at 10% less
-    # decoding than 16; docs/benchmarks.md, "piper windows").
+    # and a medium second, a later segment due soon beside other work one medium first
+    # window, and the rest are `window_frames` (see `window_urgent_lead_s`).
+    # `window_context_frames` each side make each window equal the whole decode (12 matches
+    # joe's to 2e-8 at 10% less decoding than 16; docs/benchmarks.md, "piper windows").
     windowed: bool = True
     window_first_frames: int = 12
     window_second_frames: int = 36
@@ -106,7 +106,8 @@ class PiperBackendConfig:
         if self.target_peak is not None and not 0.0 < self.target_peak <= 1.0:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
         self.window_plan  # noqa: B018 - validates the window sizes
-        for name in ("window_urgent_lead_s", "window_behind_s", "window_busy_lead_s", "window_medium_lead_s"):
+        for name in ("window_urgent_lead_s", "window_behind_s", "window_busy_lead_s",
+                     "window_medium_lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_padding_waste is not None and self.max_padding_waste < 0:
@@ -118,5 +119,6 @@ class PiperBackendConfig:
     @property
     def window_plan(self) -> WindowPlan:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
-                          self.window_medium_first_frames, self.window_frames, self.window_context_frames,
-                          self.window_flow_context_frames, self.window_flow_frames)
+                          self.window_medium_first_frames, self.window_frames,
+                          self.window_context_frames, self.window_flow_context_frames,
+                          self.window_flow_frames)

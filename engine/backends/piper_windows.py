@@ -95,6 +95,11 @@ class WindowPlan:
             end = total  # one call over the last short stretch costs less than two
         return end
 
+    @staticmethod
+    def is_flow_sliced(pace: Pace, index: int) -> bool:
+        """Whether window `index` at `pace` runs only the flow it needs (the short windows)."""
+        return index < {Pace.SHORT: 2, Pace.MEDIUM: 1, Pace.LONG: 0}[pace]
+
     def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT) -> int:
         """Where window `index` (from 0) that begins at frame `start` ends, at `pace`."""
         size = self.frames
