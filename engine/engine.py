@@ -117,6 +117,11 @@ class Engine(VoiceVerbs):
 
     # -- lifecycle --------------------------------------------------------
     @property
+    def num_lanes(self) -> int:
+        """Steps that may run side by side (1 for a backend without concurrent steps)."""
+        return self._num_lanes
+
+    @property
     def sample_rate(self) -> int:
         return self.backend.sample_rate
 
