@@ -58,11 +58,8 @@ class PiperBackendConfig:
     # window, and the rest are `window_frames` (see `window_urgent_lead_s`).
     # `window_context_frames` each side make each window equal the whole decode (12 matches
     # joe's to 2e-8 at 10% less decoding than 16; docs/benchmarks.md, "piper windows").
-    # The first is 4 frames (46 ms, two Opus frames): its flow slice and decode took 9.6 ms
-    # against 13.3 at 12 frames, and the second window (36) follows in ~17 ms, well within
-    # the 46 ms it has (docs/benchmarks.md, "Round five").
     windowed: bool = True
-    window_first_frames: int = 4
+    window_first_frames: int = 12
     window_second_frames: int = 36
     window_medium_first_frames: int = 48
     window_frames: int = 128

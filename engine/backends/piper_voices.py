@@ -256,7 +256,7 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
             f"got {len(model.graph.output)}"
         )
 
-    def open_session(threads: int, graph: bytes, *, spin: bool = False) -> Any:
+    def open_session(threads: int, graph: bytes) -> Any:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
@@ -265,15 +265,8 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         # 200 barge-in sessions: 600 -> 990 MB). Plain malloc returns memory instead.
         options.enable_cpu_mem_arena = False
         options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        # The event loop shares these cores: between calls inference threads must sleep, not
-        # spin. A lone call on every core (`spin`) lets its threads spin while it runs and
-        # stop when it returns (`force_spinning_stop`): the text part's ~2,200 small ops
-        # each woke a sleeping thread, and spinning took it from 17.7 to 12.8 ms on joe
-        # (docs/benchmarks.md, "Round five"). Spinning past the call's end burned a core
-        # for ~40 ms after each and slowed the next session's call, so it stops there.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-        if spin:
-            options.add_session_config_entry("session.force_spinning_stop", "1")
+        # The event loop shares these cores: idle inference threads must sleep, not spin.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return onnxruntime.InferenceSession(
             graph, sess_options=options, providers=["CPUExecutionProvider"]
         )
@@ -286,7 +279,7 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     session = open_session(num_threads, front)
     cores = os.cpu_count() or 1
     # A lone call (light load: the first segment of a turn) may use every core.
-    solo_session = open_session(cores, front, spin=True) if cores > num_threads else None
+    solo_session = open_session(cores, front) if cores > num_threads else None
     name = config_dict.get("dataset") or files.voice_id
     info = VoiceInfo(
         voice_id=files.voice_id,
@@ -304,12 +297,12 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         lifted = _fastest_decoder(split.decoder, split.latent_name, lambda graph: open_session(1, graph),
                                   files.voice_id)
         voice.decoder = open_session(num_threads, lifted if num_threads == 1 else split.decoder)
-        voice.solo_decoder = open_session(cores, split.decoder, spin=True) if cores > num_threads else None
+        voice.solo_decoder = open_session(cores, split.decoder) if cores > num_threads else None
         voice.latent_name = split.latent_name
         voice.decoder_needs_sid = "sid" in split.decoder_inputs
         if split.flow is not None:
             voice.flow = open_session(num_threads, split.flow)
-            voice.solo_flow = open_session(cores, split.flow, spin=True) if cores > num_threads else None
+            voice.solo_flow = open_session(cores, split.flow) if cores > num_threads else None
             voice.flow_inputs = split.flow_inputs
     _calibrate(voice, target_peak)
     return voice

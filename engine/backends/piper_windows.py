@@ -72,7 +72,7 @@ class WindowPlan:
     other stream pays for that (docs/benchmarks.md, "Round four").
     """
 
-    first_frames: int = 4
+    first_frames: int = 12
     second_frames: int = 36
     medium_first_frames: int = 48
     frames: int = 128
