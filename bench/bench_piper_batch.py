@@ -56,6 +56,8 @@ def run_step(
     wall, cpu = time.perf_counter(), time.process_time()
     results = backend.step(items)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    for item in items:
+        backend.release(item)  # as the engine does with a finished request
     return wall, cpu, sum(len(r.pcm) for r in results) / backend.sample_rate
 
 

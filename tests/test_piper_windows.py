@@ -20,9 +20,10 @@ LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away 
 SHORT = "Yes, okay."
 
 
-def request(text: str, voice: str = "joe", speed: float = 1.0) -> SynthesisRequest:
+def request(text: str, voice: str = "joe", speed: float = 1.0, context: str = "") -> SynthesisRequest:
     params = SamplingParams(speed=speed, noise_scale=0.0, noise_w_scale=0.0)  # VITS samples otherwise
-    return SynthesisRequest(RequestId(text[:8]), text, voice, deadline=0.0, params=params)
+    return SynthesisRequest(RequestId(text[:8]), text, voice, deadline=0.0, context_key=context,
+                            params=params)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,21 @@ def stream(backend: PiperBackend, req: SynthesisRequest,
         assert result.error is None
         results.append(result)
         words = words or result.words
+    backend.release(item)  # as the engine does with a finished request
     return results, words
+
+
+class AnotherSession:
+    """Another talking session: a segment of another context prepared (and held) meanwhile."""
+
+    def __init__(self, backend: PiperBackend) -> None:
+        self.backend = backend
+
+    def __enter__(self) -> None:
+        self.item = self.backend.prepare(request(SHORT, context="another session"))
+
+    def __exit__(self, *exc: object) -> None:
+        self.backend.release(self.item)
 
 
 @pytest.mark.parametrize("text", [LONG, SHORT])
@@ -143,7 +158,9 @@ def test_a_cancel_stops_a_segment_within_one_window() -> None:
 def test_the_flow_on_a_slice_with_its_context_equals_the_whole_flow(backends: dict[str, PiperBackend]) -> None:
     voice = backends["windows"].get_voice("joe")
     assert voice.has_flow, "the joe voice's flow was not cut out"
-    state = backends["windows"].prepare(request(LONG)).state
+    item = backends["windows"].prepare(request(LONG))
+    state = item.state
+    backends["windows"].release(item)  # only its ids are read here
     scales = np.array(state.scales, dtype=np.float32)
     outputs, durations = voice.run_front(np.array([state.ids]), np.array([len(state.ids)]), scales, None)
     total = int(np.rint(durations).sum())
@@ -172,20 +189,105 @@ def count_flow_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return frames
 
 
+@pytest.mark.parametrize("talking", ["alone", "beside another session"])
 def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
-        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, talking: str) -> None:
+    # One talking session gets the smaller first window (nobody else's work can delay its
+    # second); beside another talking session the small one.
+    piper = backends["windows"]
     frames = count_flow_calls(monkeypatch)
-    windows, _ = stream(backends["windows"], request(LONG))  # each piece due now
     plan = PiperBackendConfig().window_plan
-    hop = backends["windows"].get_voice("joe").config.hop_length
-    assert len(windows[0].pcm) == plan.first_frames * hop
+    first = plan.lone_first_frames if talking == "alone" else plan.first_frames
+    assert plan.lone_first_frames < plan.first_frames
+    if talking == "alone":
+        windows, _ = stream(piper, request(LONG, context="s1"))  # each piece due now
+    else:
+        with AnotherSession(piper):
+            windows, _ = stream(piper, request(LONG, context="s1"))
+    hop = piper.get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == first * hop
     assert len(windows[1].pcm) == plan.second_frames * hop
-    assert frames[0] == plan.first_frames + plan.context_frames + plan.flow_context_frames
-    # The second window, due within the first's ~120 ms of playback, runs only its own flow.
-    done, needed = plan.first_frames + plan.context_frames, plan.first_frames + plan.second_frames + plan.context_frames
+    assert frames[0] == first + plan.context_frames + plan.flow_context_frames
+    # The second window, due within the first's playback, runs only its own flow.
+    done, needed = first + plan.context_frames, first + plan.second_frames + plan.context_frames
     assert frames[1] == needed + plan.flow_context_frames - max(0, done - plan.flow_context_frames)
     longest = plan.flow_frames + plan.flow_frames // 2 + 2 * plan.flow_context_frames
     assert len(frames) >= 2 and max(frames[1:]) <= longest, frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_only_the_one_talking_context_counts_as_alone(backends: dict[str, PiperBackend]) -> None:
+    # Its own later segments (the turn's look-ahead) leave it alone; another context's
+    # prepared segment does not, until it is released.
+    piper = backends["windows"]
+    mine = [piper.prepare(request(text, context="s1")) for text in (LONG, SHORT)]
+    assert piper._is_lone(mine[0].request)
+    other = piper.prepare(request(SHORT, context="s2"))
+    assert not piper._is_lone(mine[0].request) and not piper._is_lone(other.request)
+    piper.release(other)
+    piper.release(other)  # a second release of the same item changes nothing
+    assert piper._is_lone(mine[0].request)
+    for item in mine:
+        piper.release(item)
+    assert piper._live == {}
+
+
+@pytest.mark.parametrize("talking", ["alone", "beside another session"])
+def test_only_the_one_talking_sessions_front_part_spins(
+        backends: dict[str, PiperBackend], talking: str) -> None:
+    # Spinning threads would take the core of another lane's step: only the one talking
+    # session's front part runs the spinning session on every core, any other the
+    # one-thread session (spied on: a counting wrapper around each real session).
+    piper = backends["windows"]
+    voice = piper.get_voice("joe")
+    if voice.lone_session is None:
+        pytest.skip("one core: no session runs on every core")  # CI and this box have two
+    assert voice.solo_session is None, "a split voice keeps no non-spinning front on every core"
+    calls: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str, session: object) -> None:
+            self.name, self.session = name, session
+
+        def run(self, *args: object) -> object:
+            calls.append(self.name)
+            return self.session.run(*args)  # type: ignore[attr-defined]
+
+    sessions = {name: getattr(voice, name) for name in ("session", "lone_session")}
+    try:
+        for name, session in sessions.items():
+            setattr(voice, name, Spy(name, session))
+        if talking == "alone":
+            windows, _ = stream(piper, request(LONG, context="s1"))
+        else:
+            with AnotherSession(piper):
+                windows, _ = stream(piper, request(LONG, context="s1"))
+    finally:
+        for name, session in sessions.items():
+            setattr(voice, name, session)
+    assert len(windows) > 2
+    assert calls == ["lone_session" if talking == "alone" else "session"]
+
+
+def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> None:
+    # The lone count lives on release: a leak would leave one session never alone again.
+    async def scenario() -> dict[str, int]:
+        piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        engine = Engine(piper, EngineConfig(warmup_text=""))
+        await engine.start()
+        done = [chunk async for chunk in engine.submit(SynthesisRequest(
+            RequestId("a"), SHORT, "joe", deadline=time.monotonic(), context_key="s1"))]
+        assert done and done[-1].is_last
+        async for _chunk in engine.submit(SynthesisRequest(
+                RequestId("b"), LONG * 2, "joe", deadline=time.monotonic(), context_key="s2")):
+            engine.cancel(RequestId("b"))
+        await asyncio.sleep(0.3)
+        live = dict(piper._live)
+        await engine.stop()
+        return live
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 120)) == {}
 
 
 @pytest.mark.parametrize("beside", ["work due soon", "look-ahead work"])
@@ -198,7 +300,8 @@ def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
     frames = count_flow_calls(monkeypatch)
     monkeypatch.setattr(piper, "_num_running", 1)
     monkeypatch.setattr(piper, "_num_busy", 1 if beside == "work due soon" else 0)
-    windows, _ = stream(piper, request(LONG))  # each piece due now
+    with AnotherSession(piper):  # whose step it is
+        windows, _ = stream(piper, request(LONG))  # each piece due now
     plan = PiperBackendConfig().window_plan
     hop = piper.get_voice("joe").config.hop_length
     if beside == "work due soon":

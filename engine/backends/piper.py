@@ -5,7 +5,9 @@ segment's first step runs its text part (encoder, durations, prior) once, the
 flow over the frames the first window needs, and decodes that window; later
 steps decode the next windows (the flow runs 256 frames ahead of them at a time). Window
 sizes follow the playback clock: a segment due now on a box that keeps up
-gets a small first window and the flow slice (first audio soon); one with
+gets a small first window and the flow slice (first audio soon; a smaller
+one, its front part on threads that spin while it runs, when its session is
+the only one talking: `Pace.LONE`); one with
 lead, or whose listener already waits, gets long windows and the flow in long
 pieces (more audio per second of work). So the engine's unit of work is a
 window, a cancel stops a segment within one window, and a new turn's first
@@ -136,6 +138,9 @@ class PiperBackend(Backend):
         self._num_running = 0  # steps running now (lanes); a lone one may use every core
         self._num_busy = 0  # of them, steps of work due soon (`window_busy_lead_s`)
         self._running_lock = threading.Lock()
+        # Segments prepared and not yet released, by context (`_context_of`): one context
+        # alone means one talking session, whose first audio may take `Pace.LONE`.
+        self._live: dict[str, int] = {}
         self._plan = self.config.window_plan
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
                       if self.config.num_parallel_calls > 1 else None)
@@ -250,7 +255,31 @@ class PiperBackend(Backend):
         if phonemes:
             est = voice.sec_overhead + len(phonemes) * voice.sec_per_phoneme
             est *= length_scale / config.length_scale
+        key = self._context_of(request)
+        with self._running_lock:
+            self._live[key] = self._live.get(key, 0) + 1
         return BackendRequest(request=request, state=state, est_audio_s=est)
+
+    def release(self, item: BackendRequest) -> None:
+        if isinstance(item.state, PiperState):
+            key = self._context_of(item.request)
+            with self._running_lock:
+                left = self._live.get(key, 0) - 1
+                if left > 0:
+                    self._live[key] = left
+                else:
+                    self._live.pop(key, None)
+        item.state = None
+
+    @staticmethod
+    def _context_of(request: SynthesisRequest) -> str:
+        """The talking context a request belongs to (a request without one is its own)."""
+        return request.context_key or f"request:{request.request_id}"
+
+    def _is_lone(self, request: SynthesisRequest) -> bool:
+        """Whether the request's context is the only one with prepared work."""
+        with self._running_lock:
+            return self._live.keys() <= {self._context_of(request)}
 
     def step(self, batch: list[BackendRequest]) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(batch)
@@ -293,7 +322,8 @@ class PiperBackend(Backend):
         try:
             for index in windowed:
                 if batch[index].state.num_windows == 0:
-                    batch[index].state.pace = self._pace(leads[index], is_contended)
+                    is_lone = not is_contended and self._is_lone(batch[index].request)
+                    batch[index].state.pace = self._pace(leads[index], is_contended, is_lone)
             if len(calls) > 1 and self._pool is not None:
                 outputs = list(self._pool.map(
                     lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
@@ -314,7 +344,7 @@ class PiperBackend(Backend):
         """Seconds until the item's next audio is due (`due` is on time.monotonic()'s clock)."""
         return (item.request.deadline if item.due is None else item.due) - now
 
-    def _pace(self, lead: float, is_contended: bool) -> Pace:
+    def _pace(self, lead: float, is_contended: bool, is_lone: bool = False) -> Pace:
         """How a segment's windows are cut, decided at its first window (WindowPlan).
 
         Short pieces (a small first window, a flow slice) only for a segment whose
@@ -331,12 +361,15 @@ class PiperBackend(Backend):
         it gets one medium first window, ready in time where a long one might not
         be. A segment with lead to spare, or whose listener has waited longer than
         `window_behind_s` already, takes long windows: the box is behind, and long
-        windows, more audio per second of work, catch up sooner.
+        windows, more audio per second of work, catch up sooner. An urgent segment
+        whose context is the only one with work (`is_lone`: one talking session)
+        starts with a smaller window: no other stream's work is there to delay
+        its second.
         """
         config = self.config
         is_urgent = -config.window_behind_s <= lead <= config.window_urgent_lead_s
         if is_urgent and not is_contended:
-            return Pace.SHORT
+            return Pace.LONE if is_lone else Pace.SHORT
         if 0.0 < lead <= config.window_medium_lead_s:
             return Pace.MEDIUM
         return Pace.LONG
@@ -359,7 +392,8 @@ class PiperBackend(Backend):
                 ids = np.array([state.ids], dtype=np.int64)  # [1, L]
                 lengths = np.array([len(state.ids)], dtype=np.int64)  # [1]
                 scales = np.array(state.scales, dtype=np.float32)  # [3]
-                outputs, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo)
+                outputs, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo,
+                                                     is_lone=state.pace is Pace.LONE)
                 frames = np.rint(durations[0, : len(state.ids)]).astype(np.int64)  # [L]
                 state.num_frames = total = int(frames.sum())
                 padded = next(iter(outputs.values())).shape[2]

@@ -70,6 +70,12 @@ class PiperBackendConfig:
     # for the flow of audio due seconds later (docs/benchmarks.md, "Round three").
     window_flow_context_frames: int = 32
     window_flow_frames: int = 256
+    # The first window of an urgent segment whose context is the only one with work (one
+    # talking session; `Pace.LONE`): 8 frames (93 ms). At 4 (46 ms) first audio came ~2 ms
+    # sooner, but at 8 sessions a turn that began alone and met another's turn before its
+    # second window left 1-3 short gaps a run where 8 left none; with other sessions talking
+    # the 12-frame first window stays (docs/benchmarks.md, "Round five" and "Round six").
+    window_lone_first_frames: int = 8
     # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
     # keeps up): if its step runs alone it gets the small windows and the flow slice; beside
@@ -121,4 +127,4 @@ class PiperBackendConfig:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
                           self.window_medium_first_frames, self.window_frames,
                           self.window_context_frames, self.window_flow_context_frames,
-                          self.window_flow_frames)
+                          self.window_flow_frames, self.window_lone_first_frames)

@@ -93,6 +93,11 @@ class LoadedVoice:
     session: Any  # onnxruntime.InferenceSession, `num_threads` cores: calls run side by side
     frontend: Any  # piper.voice.PiperVoice (used for phonemize only)
     solo_session: Any = None  # every core, for a step with a single call (lowest latency)
+    # A split voice's front part on every core, its threads spinning while a call runs
+    # (`load_voice`): for the only talking context's first window (`Pace.LONE`). Such a
+    # voice has no `solo_session`: without spinning, two threads ran its front part no
+    # faster than one.
+    lone_session: Any = None
     # Split voices (piper_windows): `session`/`solo_session` run the front part and
     # these the decoder; None for a voice synthesized whole.
     decoder: Any = None
@@ -190,17 +195,20 @@ class LoadedVoice:
 
     def run_front(
         self, ids: np.ndarray, lengths: np.ndarray, scales: np.ndarray, sids: np.ndarray | None,
-        *, is_solo: bool = False,
+        *, is_solo: bool = False, is_lone: bool = False,
     ) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """A split voice's front part: its outputs by name, and durations [B, L].
 
         The outputs are z_p and the mask ([B, C, T], [B, 1, T]) where the flow is
         a graph of its own, else the latent [B, C, T] (masked past each length).
+        `is_lone` (with `is_solo`): the spinning session, for the only talking context.
         """
         feeds: dict[str, np.ndarray] = {"input": ids, "input_lengths": lengths, "scales": scales}
         if sids is not None:
             feeds["sid"] = sids
         session = self.solo_session if is_solo and self.solo_session is not None else self.session
+        if is_solo and is_lone and self.lone_session is not None:
+            session = self.lone_session  # the only talking context, alone on every core
         *outputs, durations = session.run(None, feeds)
         names = self.flow_inputs[:2] if self.has_flow else (self.latent_name,)
         return dict(zip(names, outputs, strict=True)), durations.reshape(durations.shape[0], -1)
@@ -231,7 +239,6 @@ class LoadedVoice:
 def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -> LoadedVoice:
     """Load, patch and calibrate one voice; raises ModelLoadError when it cannot."""
     import onnx
-    import onnxruntime
     from piper.config import PiperConfig
     from piper.patch_voice_with_alignment import add_alignment_output
     from piper.voice import PiperVoice
@@ -256,21 +263,6 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
             f"got {len(model.graph.output)}"
         )
 
-    def open_session(threads: int, graph: bytes) -> Any:
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # Every batch has a different padded shape: the CPU arena would keep the high-water
-        # mark of each and grow the process by hundreds of MB under load (measured with
-        # 200 barge-in sessions: 600 -> 990 MB). Plain malloc returns memory instead.
-        options.enable_cpu_mem_arena = False
-        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        # The event loop shares these cores: idle inference threads must sleep, not spin.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        return onnxruntime.InferenceSession(
-            graph, sess_options=options, providers=["CPUExecutionProvider"]
-        )
-
     split = split_voice(model)
     if split is None:
         logger.warning("piper voice %r: its graph has no %s to split at; it synthesizes whole "
@@ -279,7 +271,7 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     session = open_session(num_threads, front)
     cores = os.cpu_count() or 1
     # A lone call (light load: the first segment of a turn) may use every core.
-    solo_session = open_session(cores, front) if cores > num_threads else None
+    solo_session = open_session(cores, front) if cores > num_threads and split is None else None
     name = config_dict.get("dataset") or files.voice_id
     info = VoiceInfo(
         voice_id=files.voice_id,
@@ -292,6 +284,11 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     voice = LoadedVoice(files, info, session, PiperVoice(session=session, config=piper_config),
                         solo_session=solo_session)
     if split is not None:
+        # Spinning only for the only talking context (`Pace.LONE`): beside another lane's
+        # step its threads would take that step's core (a gap at 12 sessions when every
+        # lone call spun; docs/benchmarks.md, "Round five"). On joe's front part: one
+        # thread 19.3 ms, both cores 20.0, both spinning 17.0 (docs/benchmarks.md, "Round six").
+        voice.lone_session = open_session(cores, front, spin=True) if cores > num_threads else None
         # The 2-D form is faster on one thread and slower on several (measured on joe with
         # both cores: 1-D 15.5 and 60 ms, 2-D 18.8 and 80 ms for 36 and 152 frames).
         lifted = _fastest_decoder(split.decoder, split.latent_name, lambda graph: open_session(1, graph),
@@ -306,6 +303,31 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
             voice.flow_inputs = split.flow_inputs
     _calibrate(voice, target_peak)
     return voice
+
+
+def open_session(threads: int, graph: bytes, *, spin: bool = False) -> Any:
+    """An onnxruntime session over a serialized graph on `threads` cores (CPU)."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    # Every batch has a different padded shape: the CPU arena would keep the high-water
+    # mark of each and grow the process by hundreds of MB under load (measured with
+    # 200 barge-in sessions: 600 -> 990 MB). Plain malloc returns memory instead.
+    options.enable_cpu_mem_arena = False
+    options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+    # The event loop shares these cores: idle inference threads must sleep, not spin.
+    # `spin` lets them spin while a call runs and stop when it returns
+    # (`force_spinning_stop`): the front part's ~2,200 small ops each woke a sleeping
+    # thread; spinning past the call's end burned a core for ~40 ms after each
+    # (docs/benchmarks.md, "Round five").
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:
+        options.add_session_config_entry("session.force_spinning_stop", "1")
+    return onnxruntime.InferenceSession(
+        graph, sess_options=options, providers=["CPUExecutionProvider"]
+    )
 
 
 def _fastest_decoder(decoder: bytes, latent_name: str, open_session: Any, voice_id: str) -> bytes:

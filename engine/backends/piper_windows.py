@@ -52,6 +52,9 @@ DECODER_ENTRY = "/dec/conv_pre/Conv"
 class Pace(Enum):
     """How a segment's windows are cut (WindowPlan), decided at its first window."""
 
+    # due now, and its context is the only one with work (one talking session): a smaller
+    # first window, then as SHORT; nobody else's work is there to delay the second
+    LONE = "lone"
     SHORT = "short"  # due now and its step runs alone: small first windows, the flow sliced
     # due soon, not yet, beside work due soon: its listener hears the turn, and a long first
     # window would be late (a gap); one medium first window, the flow sliced
@@ -69,7 +72,10 @@ class WindowPlan:
     turn) beside other work one medium first window, which is ready in time
     where a long one might not be; any other takes long windows throughout. Small
     windows cost context decoded twice and a step each, and under load every
-    other stream pays for that (docs/benchmarks.md, "Round four").
+    other stream pays for that (docs/benchmarks.md, "Round four"). A segment
+    due now whose context is the only one with work (`Pace.LONE`) starts with a
+    smaller window (`lone_first_frames`): no other stream's work is there to come
+    before its second (docs/benchmarks.md, "Round six").
     """
 
     first_frames: int = 12
@@ -79,9 +85,11 @@ class WindowPlan:
     context_frames: int = 12
     flow_context_frames: int = 32
     flow_frames: int = 256
+    lone_first_frames: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames"):
+        for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames",
+                     "lone_first_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("context_frames", "flow_context_frames"):
@@ -98,13 +106,14 @@ class WindowPlan:
     @staticmethod
     def is_flow_sliced(pace: Pace, index: int) -> bool:
         """Whether window `index` at `pace` runs only the flow it needs (the short windows)."""
-        return index < {Pace.SHORT: 2, Pace.MEDIUM: 1, Pace.LONG: 0}[pace]
+        return index < {Pace.LONE: 2, Pace.SHORT: 2, Pace.MEDIUM: 1, Pace.LONG: 0}[pace]
 
     def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT) -> int:
         """Where window `index` (from 0) that begins at frame `start` ends, at `pace`."""
         size = self.frames
-        if pace is Pace.SHORT and index < 2:
-            size = self.first_frames if index == 0 else self.second_frames
+        if pace in (Pace.SHORT, Pace.LONE) and index < 2:
+            first = self.lone_first_frames if pace is Pace.LONE else self.first_frames
+            size = first if index == 0 else self.second_frames
         elif pace is Pace.MEDIUM and index == 0:
             size = self.medium_first_frames
         end = min(total, start + size)
