@@ -287,7 +287,8 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         # Spinning only for the only talking context (`Pace.LONE`): beside another lane's
         # step its threads would take that step's core (a gap at 12 sessions when every
         # lone call spun; docs/benchmarks.md, "Round five"). On joe's front part: one
-        # thread 19.3 ms, both cores 20.0, both spinning 17.0 (docs/benchmarks.md, "Round six").
+        # thread 25.8 ms, both cores 27.5, both spinning 21.8 (`bench.bench_piper_first_audio`,
+        # docs/benchmarks.md, "Round six").
         voice.lone_session = open_session(cores, front, spin=True) if cores > num_threads else None
         # The 2-D form is faster on one thread and slower on several (measured on joe with
         # both cores: 1-D 15.5 and 60 ms, 2-D 18.8 and 80 ms for 36 and 152 frames).
