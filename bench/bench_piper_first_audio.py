@@ -6,9 +6,12 @@ Two measurements in one process, each alternating its variants call by call
 (the box is shared: compare only inside a run), medians after two warm-up
 rounds, over `bench.bench_ttfa`'s sentences:
 
-1. The front part (text encoder, durations, prior) on three onnxruntime
-   sessions: one thread (what the lanes run), every core, and every core with
-   its threads spinning while the call runs (what `Pace.LONE` runs).
+1. The front part (text encoder, durations, prior) on onnxruntime sessions:
+   one thread (what the lanes run), every core, and every core with its
+   threads spinning while the call runs (what `Pace.LONE` runs), each with its
+   LayerNorms fused as the server loads it (piper_fuse); and one thread and
+   every core spinning on the graph as piper ships it (unfused), the anchors
+   for that rewrite.
 2. First audio through the engine, no gateway: `Engine.submit` of one
    sentence, due now, in a context of its own, to its first chunk, one at a
    time. The engine's defaults (the one talking session: a 4-frame first
@@ -35,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_ttfa import SENTENCES
 from engine.backends.piper import PiperBackend, PiperBackendConfig
+from engine.backends.piper_fuse import fuse_layer_norms
 from engine.backends.piper_voices import LoadedVoice, open_session
 from engine.backends.piper_windows import split_voice
 from engine.engine import Engine, EngineConfig
@@ -42,7 +46,7 @@ from engine.types import RequestId, SynthesisRequest
 
 
 def front_sessions(voice: LoadedVoice, cores: int) -> dict[str, Any]:
-    """The voice's front part on one thread, on every core, and on every core spinning."""
+    """The voice's front part on one thread, every core and every core spinning (some unfused too)."""
     import onnx
     from piper.patch_voice_with_alignment import add_alignment_output
 
@@ -51,10 +55,13 @@ def front_sessions(voice: LoadedVoice, cores: int) -> dict[str, Any]:
     split = split_voice(model)
     if split is None:
         raise SystemExit("the joe voice did not split at its decoder")
+    fused, _count = fuse_layer_norms(split.front)
     return {
+        "1 thread, LayerNorms unfused": open_session(1, split.front),
         "1 thread": voice.session,
-        f"{cores} cores": open_session(cores, split.front),
-        f"{cores} cores, spinning": open_session(cores, split.front, spin=True),
+        f"{cores} cores": open_session(cores, fused),
+        f"{cores} cores, spinning, LayerNorms unfused": open_session(cores, split.front, spin=True),
+        f"{cores} cores, spinning": open_session(cores, fused, spin=True),
     }
 
 
