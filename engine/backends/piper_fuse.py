@@ -54,6 +54,13 @@ def fuse_layer_norms(graph: bytes) -> tuple[bytes, int]:
     if not fused:
         return graph, 0
     kept = [fused.get(node.name, node) for node in nodes if node.name in fused or node.name not in dropped]
+    # The epsilons and exponents the LayerNorms no longer read go too (onnxruntime
+    # would warn about each unused initializer at every session it opens).
+    read = {name for node in kept for name in node.input} | {out.name for out in model.graph.output}
+    kept = [node for node in kept if node.op_type != "Constant" or node.output[0] in read]
+    unused = [init for init in model.graph.initializer if init.name not in read]
+    for init in unused:
+        model.graph.initializer.remove(init)
     del model.graph.node[:]
     model.graph.node.extend(kept)
     return model.SerializeToString(), len(fused)
