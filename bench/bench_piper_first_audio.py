@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_ttfa import SENTENCES
 from engine.backends.piper import PiperBackend, PiperBackendConfig
 from engine.backends.piper_fuse import fuse_layer_norms
-from engine.backends.piper_voices import LoadedVoice, open_session
+from engine.backends.piper_voices import LoadedVoice, open_session, read_patched_model
 from engine.backends.piper_windows import split_voice
 from engine.engine import Engine, EngineConfig
 from engine.types import RequestId, SynthesisRequest
@@ -47,12 +47,7 @@ from engine.types import RequestId, SynthesisRequest
 
 def front_sessions(voice: LoadedVoice, cores: int) -> dict[str, Any]:
     """The voice's front part on one thread, every core and every core spinning (some unfused too)."""
-    import onnx
-    from piper.patch_voice_with_alignment import add_alignment_output
-
-    model = onnx.load(str(voice.files.model_path))
-    add_alignment_output(model)
-    split = split_voice(model)
+    split = split_voice(read_patched_model(voice.files))
     if split is None:
         raise SystemExit("the joe voice did not split at its decoder")
     fused, _count = fuse_layer_norms(split.front)

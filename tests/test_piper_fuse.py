@@ -12,7 +12,7 @@ from onnx import helper
 from engine.backends import piper_voices
 from engine.backends.piper import PiperBackend, PiperBackendConfig
 from engine.backends.piper_fuse import fuse_layer_norms
-from engine.backends.piper_voices import default_voice_files, open_session
+from engine.backends.piper_voices import default_voice_files, open_session, read_patched_model
 from engine.backends.piper_windows import SplitGraphs, split_voice
 from engine.types import RequestId, SamplingParams, SynthesisRequest
 
@@ -22,11 +22,7 @@ SENTENCES = ["The quick answer is yes, and here is why.",
 
 @pytest.fixture(scope="module")
 def split() -> SplitGraphs:
-    from piper.patch_voice_with_alignment import add_alignment_output
-
-    model = onnx.load(str(default_voice_files().model_path))
-    add_alignment_output(model)
-    graphs = split_voice(model)
+    graphs = split_voice(read_patched_model(default_voice_files()))
     assert graphs is not None
     return graphs
 

@@ -379,14 +379,9 @@ def test_a_segment_whose_listener_already_waits_long_takes_long_windows(
 
 
 def _joe_split() -> piper_windows.SplitGraphs:
-    import onnx
-    from piper.patch_voice_with_alignment import add_alignment_output
+    from engine.backends.piper_voices import default_voice_files, read_patched_model
 
-    from engine.backends.piper_voices import default_voice_files
-
-    model = onnx.load(str(default_voice_files().model_path))
-    add_alignment_output(model)
-    split = piper_windows.split_voice(model)
+    split = piper_windows.split_voice(read_patched_model(default_voice_files()))
     assert split is not None
     return split
 

@@ -239,38 +239,21 @@ class LoadedVoice:
 
 def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -> LoadedVoice:
     """Load, patch and calibrate one voice; raises ModelLoadError when it cannot."""
-    import onnx
     from piper.config import PiperConfig
-    from piper.patch_voice_with_alignment import add_alignment_output
     from piper.voice import PiperVoice
 
     try:
         config_dict = json.loads(files.config_path.read_text(encoding="utf-8"))
         piper_config = PiperConfig.from_dict(config_dict)
-        model = onnx.load(str(files.model_path))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read piper voice {files.voice_id!r}: {exc}") from exc
-    try:
-        add_alignment_output(model)
-    except ValueError as exc:
-        # Already patched on disk is fine; no duration tensor at all is not.
-        if not any(node.op_type == "Ceil" for node in model.graph.node):
-            raise ModelLoadError(
-                f"piper voice {files.voice_id!r} has no duration (Ceil) tensor: {exc}"
-            ) from exc
-    if len(model.graph.output) != 2:
-        raise ModelLoadError(
-            f"expected piper voice {files.voice_id!r} to have 2 outputs (audio, durations), "
-            f"got {len(model.graph.output)}"
-        )
-
+    model = read_patched_model(files)
     split = split_voice(model)
     if split is None:
         logger.warning("piper voice %r: its graph has no %s to split at; it synthesizes whole "
                        "segments (no decoder windows)", files.voice_id, DECODER_ENTRY)
-    front = _fused_front(model.SerializeToString() if split is None else split.front, piper_config,
-                         files.voice_id)
-    session = open_session(num_threads, front)
+    front, session = _fused_front(model.SerializeToString() if split is None else split.front,
+                                  piper_config, files.voice_id, num_threads)
     cores = os.cpu_count() or 1
     # A lone call (light load: the first segment of a turn) may use every core.
     solo_session = open_session(cores, front) if cores > num_threads and split is None else None
@@ -308,6 +291,34 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     return voice
 
 
+def read_patched_model(files: VoiceFiles) -> Any:
+    """The voice's ONNX graph with piper's duration output patched in (onnx.ModelProto).
+
+    Raises ModelLoadError when it cannot be read or has no durations.
+    """
+    import onnx
+    from piper.patch_voice_with_alignment import add_alignment_output
+
+    try:
+        model = onnx.load(str(files.model_path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read piper voice {files.voice_id!r}: {exc}") from exc
+    try:
+        add_alignment_output(model)
+    except ValueError as exc:
+        # Already patched on disk is fine; no duration tensor at all is not.
+        if not any(node.op_type == "Ceil" for node in model.graph.node):
+            raise ModelLoadError(
+                f"piper voice {files.voice_id!r} has no duration (Ceil) tensor: {exc}"
+            ) from exc
+    if len(model.graph.output) != 2:
+        raise ModelLoadError(
+            f"expected piper voice {files.voice_id!r} to have 2 outputs (audio, durations), "
+            f"got {len(model.graph.output)}"
+        )
+    return model
+
+
 def open_session(threads: int, graph: bytes, *, spin: bool = False) -> Any:
     """An onnxruntime session over a serialized graph on `threads` cores (CPU)."""
     import onnxruntime
@@ -333,16 +344,18 @@ def open_session(threads: int, graph: bytes, *, spin: bool = False) -> Any:
     )
 
 
-def _fused_front(front: bytes, piper_config: Any, voice_id: str) -> bytes:
-    """The front part with its LayerNorms fused (piper_fuse) where that equals the original.
+def _fused_front(front: bytes, piper_config: Any, voice_id: str, num_threads: int) -> tuple[bytes, Any]:
+    """The front part with its LayerNorms fused (piper_fuse) where that equals the original,
+    and its session on `num_threads` cores.
 
     Checked once at load on random phoneme ids with the noise off: durations
     equal, every other output within 1e-4; otherwise the original runs (logged).
     """
     fused, count = fuse_layer_norms(front)
     if count == 0:
-        return front
+        return front, open_session(num_threads, front)
     try:
+        session = open_session(num_threads, fused)  # the voice's own: checked, then kept
         rng = np.random.default_rng(0)
         feeds = {"input": rng.integers(1, max(2, piper_config.num_symbols), (1, 40), dtype=np.int64),
                  "input_lengths": np.array([40], dtype=np.int64),
@@ -350,7 +363,7 @@ def _fused_front(front: bytes, piper_config: Any, voice_id: str) -> bytes:
         if piper_config.num_speakers > 1:
             feeds["sid"] = np.zeros(1, dtype=np.int64)
         want = open_session(1, front).run(None, feeds)
-        got = open_session(1, fused).run(None, feeds)
+        got = session.run(None, feeds)
         if not np.array_equal(want[-1], got[-1]):
             raise ValueError("the durations differ")
         for a, b in zip(want[:-1], got[:-1], strict=True):
@@ -359,9 +372,9 @@ def _fused_front(front: bytes, piper_config: Any, voice_id: str) -> bytes:
                 raise ValueError(f"an output differs by {difference:.2e}")
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the original stays
         logger.warning("piper voice %r: its LayerNorms stay unfused: %s", voice_id, exc)
-        return front
+        return front, open_session(num_threads, front)
     logger.info("piper voice %r: %d LayerNorms fused in its text part", voice_id, count)
-    return fused
+    return fused, session
 
 
 def _fastest_decoder(decoder: bytes, latent_name: str, open_session: Any, voice_id: str) -> bytes:
