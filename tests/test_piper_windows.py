@@ -207,10 +207,11 @@ def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
     hop = piper.get_voice("joe").config.hop_length
     assert len(windows[0].pcm) == first * hop
     assert len(windows[1].pcm) == plan.second_frames * hop
-    assert frames[0] == first + plan.context_frames + plan.flow_context_frames
-    # The second window, due within the first's playback, runs only its own flow.
-    done, needed = first + plan.context_frames, first + plan.second_frames + plan.context_frames
-    assert frames[1] == needed + plan.flow_context_frames - max(0, done - plan.flow_context_frames)
+    # The first slice runs on the short context and is not kept: the second, due within
+    # the first window's playback, runs only its own flow, from frame 0 as it would anyway.
+    assert plan.is_first_slice_provisional(first + plan.context_frames)
+    assert frames[0] == first + plan.context_frames + plan.first_flow_context_frames
+    assert frames[1] == first + plan.second_frames + plan.context_frames + plan.flow_context_frames
     longest = plan.flow_frames + plan.flow_frames // 2 + 2 * plan.flow_context_frames
     assert len(frames) >= 2 and max(frames[1:]) <= longest, frames
     (whole,), _ = stream(backends["whole"], request(LONG))
@@ -309,7 +310,7 @@ def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
         assert frames[0] == plan.flow_frames + plan.flow_context_frames  # no short flow slice
     else:
         assert len(windows[0].pcm) == plan.first_frames * hop
-        assert frames[0] == plan.first_frames + plan.context_frames + plan.flow_context_frames
+        assert frames[0] == plan.first_frames + plan.context_frames + plan.first_flow_context_frames
     (whole,), _ = stream(backends["whole"], request(LONG))
     assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
 
@@ -417,3 +418,14 @@ def test_a_decoder_with_an_op_the_2d_form_does_not_know_runs_as_it_is() -> None:
     graph.node.append(helper.make_node("Softsign", [renamed], [last.output[0]]))
     last.output[0] = renamed
     assert piper_windows.decoder_as_2d(model.SerializeToString()) is None
+
+
+def test_only_a_first_slice_the_second_recomputes_runs_on_the_short_context() -> None:
+    plan = piper_windows.WindowPlan()
+    assert plan.first_flow_context_frames < plan.flow_context_frames
+    assert plan.is_first_slice_provisional(plan.flow_context_frames)
+    # A longer first slice (a medium first window) would be recomputed in part: work twice.
+    assert not plan.is_first_slice_provisional(plan.flow_context_frames + 1)
+    assert not piper_windows.WindowPlan(first_flow_context_frames=32).is_first_slice_provisional(8)
+    with pytest.raises(ValueError, match="first_flow_context_frames must be >= 0, got -1"):
+        piper_windows.WindowPlan(first_flow_context_frames=-1)

@@ -410,8 +410,8 @@ class PiperBackend(Backend):
             start = state.cursor
             end = self._plan.window_end(start, state.num_windows, state.num_frames, state.pace)
             context = self._plan.context_frames
-            self._run_flow(state, min(state.num_frames, end + context), is_solo)
-            raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), state.latent,
+            latent = self._run_flow(state, min(state.num_frames, end + context), is_solo)
+            raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), latent,
                                 start, end, context, hop)
             pcm = np.clip(raw * voice.gain, -1.0, 1.0).astype(np.float32)
             state.cursor, state.num_windows = end, state.num_windows + 1
@@ -424,8 +424,8 @@ class PiperBackend(Backend):
             error = exc if isinstance(exc, BackendFailure) else BackendFailure(f"piper synthesis failed: {exc}")
             return StepResult(is_finished=True, error=error)
 
-    def _run_flow(self, state: PiperState, needed: int, is_solo: bool) -> None:
-        """Grow the segment's latent to at least `needed` frames through the flow.
+    def _run_flow(self, state: PiperState, needed: int, is_solo: bool) -> np.ndarray:
+        """Grow the segment's latent to at least `needed` frames through the flow; the latent to decode.
 
         On slices with the flow's context on each side, which equal the whole: for a
         long segment cut in short pieces (`Pace.SHORT`: its first two windows;
@@ -435,15 +435,21 @@ class PiperBackend(Backend):
         stream waiting behind it, pay for audio due seconds later; and a short first
         window covers only ~120 ms of playback, within which the second must follow
         (at 12 sessions a second window that also ran a 256-frame flow piece came
-        58 ms late).
+        58 ms late). A short first slice whose frames the second slice recomputes
+        anyway runs on less context and is not kept
+        (`WindowPlan.is_first_slice_provisional`): first audio sooner, no more work.
         """
         prior, latent = state.prior, state.latent
-        if prior is None or latent is None or latent.shape[2] >= needed:
-            return
+        assert latent is not None
+        if prior is None or latent.shape[2] >= needed:
+            return latent
         total, done = state.num_frames, latent.shape[2]
         context = self._plan.flow_context_frames
         if self._plan.is_flow_sliced(state.pace, state.num_windows) and 2 * (needed + context) < total - done:
             end = needed
+            if done == 0 and self._plan.is_first_slice_provisional(needed):
+                hi = min(total, end + self._plan.first_flow_context_frames)
+                return state.voice.run_flow(flow_slice(prior, 0, hi, total), is_solo=is_solo)[:, :, :end]
         else:
             end = self._plan.flow_end(done, needed, total)
         lo, hi = max(0, done - context), min(total, end + context)
@@ -451,6 +457,7 @@ class PiperBackend(Backend):
         state.latent = np.concatenate([latent, more[:, :, done - lo: end - lo]], axis=2)
         if end >= total:
             state.prior = None
+        return state.latent
 
     # -- internals ------------------------------------------------------------
 

@@ -56,20 +56,26 @@ class PiperBackendConfig:
     # an urgent segment whose step runs alone has a small first window (first audio soon)
     # and a medium second, a later segment due soon beside other work one medium first
     # window, and the rest are `window_frames` (see `window_urgent_lead_s`).
-    # `window_context_frames` each side make each window equal the whole decode (12 matches
-    # joe's to 2e-8 at 10% less decoding than 16; docs/benchmarks.md, "piper windows").
+    # `window_context_frames` each side make each window equal the whole decode (10 matches
+    # joe's to 1e-6 over 150 corpus sentences, 8 to only 3e-3; each frame of context less is
+    # one less decoded twice: docs/benchmarks.md, "Round seven").
     windowed: bool = True
     window_first_frames: int = 12
     window_second_frames: int = 36
     window_medium_first_frames: int = 48
     window_frames: int = 128
-    window_context_frames: int = 12
+    window_context_frames: int = 10
     # The flow runs on slices with this much context each side (its receptive field: exact
     # on joe): a short one for an urgent segment's first window, then `window_flow_frames`
     # frames at a time as the windows need them, so a segment's first window never pays
     # for the flow of audio due seconds later (docs/benchmarks.md, "Round three").
     window_flow_context_frames: int = 32
     window_flow_frames: int = 256
+    # A segment's first flow slice, when the second slice recomputes its frames anyway, runs
+    # on this much context and only the first window's audio reads it: at 20 that audio is
+    # as close to the whole as at 32 (2e-5 over 150 corpus sentences); at 16 it was 3e-4 to
+    # 1.1e-3, by the noise drawn (docs/benchmarks.md, "Round seven").
+    window_first_flow_context_frames: int = 20
     # The first window of an urgent segment whose context is the only one with work (one
     # talking session; `Pace.LONE`): 8 frames (93 ms). At 4 (46 ms) first audio came ~2 ms
     # sooner, but at 8 sessions a turn that began alone and met another's turn before its
@@ -127,4 +133,5 @@ class PiperBackendConfig:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
                           self.window_medium_first_frames, self.window_frames,
                           self.window_context_frames, self.window_flow_context_frames,
-                          self.window_flow_frames, self.window_lone_first_frames)
+                          self.window_flow_frames, self.window_lone_first_frames,
+                          self.window_first_flow_context_frames)

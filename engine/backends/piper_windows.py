@@ -75,7 +75,8 @@ class WindowPlan:
     other stream pays for that (docs/benchmarks.md, "Round four"). A segment
     due now whose context is the only one with work (`Pace.LONE`) starts with a
     smaller window (`lone_first_frames`): no other stream's work is there to come
-    before its second (docs/benchmarks.md, "Round six").
+    before its second (docs/benchmarks.md, "Round six"). A short first flow slice
+    runs on `first_flow_context_frames` where the second recomputes its frames anyway.
     """
 
     first_frames: int = 12
@@ -86,13 +87,14 @@ class WindowPlan:
     flow_context_frames: int = 32
     flow_frames: int = 256
     lone_first_frames: int = 8
+    first_flow_context_frames: int = 20
 
     def __post_init__(self) -> None:
         for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames",
                      "lone_first_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("context_frames", "flow_context_frames"):
+        for name in ("context_frames", "flow_context_frames", "first_flow_context_frames"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -102,6 +104,15 @@ class WindowPlan:
         if total - end < self.flow_frames // 2:
             end = total  # one call over the last short stretch costs less than two
         return end
+
+    def is_first_slice_provisional(self, needed: int) -> bool:
+        """Whether a segment's first flow slice, `needed` frames, may run on the short context.
+
+        The next slice begins at frame 0 anyway (`needed` is within the flow's context), so
+        its frames are recomputed there exactly and only the first window's audio reads
+        them: the flow's error at the slice's end stays in the decoder's context, cut off.
+        """
+        return self.first_flow_context_frames < self.flow_context_frames and needed <= self.flow_context_frames
 
     @staticmethod
     def is_flow_sliced(pace: Pace, index: int) -> bool:
