@@ -33,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bench_piper_limit import corpus_sentences
 from engine.backends.piper import PiperBackend, PiperBackendConfig
 from engine.backends.piper_voices import LoadedVoice
-from engine.backends.piper_windows import flow_slice
+from engine.backends.piper_windows import decode_window, flow_slice
 from engine.types import RequestId, SynthesisRequest
 
-FIRST_WINDOW = PiperBackendConfig().window_lone_first_frames
-FIRST_CONTEXT = PiperBackendConfig().window_context_frames
+DEFAULTS = PiperBackendConfig()
+FIRST_WINDOW = DEFAULTS.window_lone_first_frames
+FIRST_CONTEXT = DEFAULTS.window_context_frames
 FIRST_END = FIRST_WINDOW + FIRST_CONTEXT
 SLICES = {f"first slice (frames 0-{FIRST_END})": (0, FIRST_END), "middle slice (frames 40-76)": (40, 76)}
 
@@ -64,12 +65,16 @@ def row(name: str, errors: list[float]) -> str:
 
 
 def run(num_sentences: int, flow_contexts: list[int], decoder_contexts: list[int]) -> None:
-    backend = PiperBackend(PiperBackendConfig())
+    backend = PiperBackend(DEFAULTS)
     backend.load()
     voice = backend.get_voice("joe")
     if not voice.has_flow:
         raise SystemExit("the joe voice's flow was not cut out: nothing to measure")
     hop = voice.config.hop_length
+
+    def decode(latent: np.ndarray) -> np.ndarray:
+        return voice.run_decoder(latent, None)
+
     texts = corpus_sentences(seed=1)[:num_sentences]
     latent_errors: dict[tuple[str, int], list[float]] = {}
     audio_errors: dict[tuple[str, int], list[float]] = {}
@@ -83,16 +88,16 @@ def run(num_sentences: int, flow_contexts: list[int], decoder_contexts: list[int
                 part = voice.run_flow(flow_slice(prior, lo, end + context, total))[:, :, start - lo: end - lo]
                 latent_errors.setdefault((name, context), []).append(
                     float(np.abs(part - latent[:, :, start:end]).max()))
-                if start == 0:
-                    audio = voice.run_decoder(part, None).reshape(-1)[: FIRST_WINDOW * hop]
+                if start == 0:  # the first window, decoded as the backend does
+                    audio = decode_window(decode, part, 0, FIRST_WINDOW, FIRST_CONTEXT, hop)
                     audio_errors.setdefault(("first window's audio, flow context", context), []).append(
                         float(np.abs(audio - whole[: FIRST_WINDOW * hop]).max()))
         for context in decoder_contexts:
             if FIRST_WINDOW + context > total:
                 continue
-            audio = voice.run_decoder(latent[:, :, : FIRST_WINDOW + context], None).reshape(-1)
+            audio = decode_window(decode, latent, 0, FIRST_WINDOW, context, hop)
             audio_errors.setdefault(("first window's audio, decoder context", context), []).append(
-                float(np.abs(audio[: FIRST_WINDOW * hop] - whole[: FIRST_WINDOW * hop]).max()))
+                float(np.abs(audio - whole[: FIRST_WINDOW * hop]).max()))
     print(f"{len(texts)} corpus sentences, joe, noise on; largest difference from the whole segment")
     print()
     print("| what | context frames | max | p99 | median | n |")
