@@ -43,7 +43,10 @@ class BackendRequest:
 
     `state` is the backend's own (phonemes, KV cache slot, hop state...).
     `est_audio_s` is the backend's estimate of the audio the request will
-    produce, used by the scheduler's deadline and admission policy.
+    produce, used by the scheduler's deadline and admission policy; a backend
+    may refine it in `step` (piper: exact once a segment's frames are known),
+    and the engine reads it after every step, so the next segment of the
+    context is due when this one's audio really ends.
     `due` is when the request's next piece of audio must exist: the engine
     sets it before each schedule from the request's playback clock (None:
     `request.deadline`, the due time of its first audio). Backends leave it.

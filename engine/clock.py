@@ -7,9 +7,9 @@ new requests to prepare first (`take_incoming`), when each request's next
 piece is due (`set_dues`), whether a request is far enough ahead to run only
 in idle time (`is_ahead`), and how long the loop may sleep before a clock
 makes a request runnable again (`next_wake_s`). A request's clock starts when
-its first audio is due (`request.deadline`, or when the audio before it in its
-context runs out, whichever is earlier) and never runs past what its consumer
-has taken; the lead, audio made but not yet heard, gives the next piece's
+its first audio is due: when the audio before it in its context runs out, or,
+with nothing before it, at `request.deadline`; it never runs past what its
+consumer has taken; the lead, audio made but not yet heard, gives the next piece's
 deadline (docs/architecture.md, "The backpressure story"). Everything here
 runs on the event loop; the engine (engine.engine) owns the thread contract.
 """
@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Iterable, Mapping
 
 from engine.backend import BackendRequest
-from engine.types import AudioChunk, RequestId, SynthesisRequest
+from engine.types import AudioChunk, RequestId, SynthesisRequest, estimate_audio_s
 
 #: chunks a request's output queue holds; a request whose queue is full is not stepped
 QUEUE_DEPTH = 16
@@ -31,9 +31,14 @@ class RequestHandle:
 
     The clock: audio `made_s` (routed), `taken_s` (read by the consumer), and
     the start of playback (`start`). Before the consumer has taken anything,
-    the start is the request's deadline, or the predicted end of the request
-    before it in its context if that is earlier; once audio is taken it is
-    frozen no earlier than that moment. Heard audio is the time since the start,
+    the start is the predicted end of the request before it in its context
+    (its audio made once finished, else the backend's estimate `est_s`, else a
+    guess from its text), or the request's deadline when nothing is before it;
+    once audio is taken it is frozen no earlier than that moment. The engine's
+    own prediction wins over the deadline the gateway guessed from the text: a
+    guess too early makes a segment due seconds before its listener can hear
+    it, and the earliest-deadline order then serves it before listeners about
+    to run dry (docs/benchmarks.md, "Round nine"). Heard audio is the time since the start,
     never more than what was taken (a reader that stops reading stops its clock).
 
     A listener that ran out of audio (everything made was taken and played)
@@ -61,12 +66,16 @@ class RequestHandle:
     def start(self) -> float:
         if self.started_at is not None:
             return self.started_at
-        start = self.request.deadline
         prev = self.prev
-        if prev is not None and not prev.is_cancelled:
-            length = prev.made_s if prev.is_finished else max(prev.made_s, prev.est_s)
-            start = min(start, prev.start() + length)
-        return start
+        if prev is None or prev.is_cancelled:
+            return self.request.deadline
+        if prev.is_finished:
+            length = prev.made_s
+        elif prev.est_s > 0.0:  # the backend's estimate: exact once it knows the segment's frames
+            length = max(prev.made_s, prev.est_s)
+        else:  # not prepared yet: the gateway's guess from the text
+            length = max(prev.made_s, estimate_audio_s(prev.request.text, prev.request.params.speed))
+        return prev.start() + length
 
     def took(self, chunk: AudioChunk, now: float) -> None:
         if self.started_at is None:

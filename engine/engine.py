@@ -444,6 +444,7 @@ class Engine(VoiceVerbs):
             chunk = AudioChunk(item.request_id, np.asarray(result.pcm, dtype=np.float32),
                                self.sample_rate, result.is_finished, result.words)
             handle.made_s += chunk.duration_ms / 1000.0
+            handle.est_s = item.est_audio_s  # a backend may know the length better once it ran
             if result.is_finished:
                 self._retire(item.request_id)
                 handle.is_done = True

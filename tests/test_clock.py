@@ -9,7 +9,7 @@ from engine import clock
 from engine.backend import BackendRequest
 from engine.clock import RequestHandle
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.types import AudioChunk, RequestId, SynthesisRequest
+from engine.types import AudioChunk, RequestId, SynthesisRequest, estimate_audio_s
 
 RATE = 1000  # samples per second: a chunk of n samples is n ms
 
@@ -87,3 +87,49 @@ def test_the_listener_that_waited_longest_is_served_first_and_a_new_turn_before_
         order.append(str(picked.request_id))
         scheduler.remove(picked.request_id)
     assert order == ["dry", "fresh", "playing"]
+
+
+def test_a_later_segment_is_due_when_the_backends_length_of_the_one_before_runs_out() -> None:
+    # The gateway guessed the first segment's length from its text (text in a script the
+    # voice spells out: its guess said 0.5 s); the backend knows it is 10 s long.
+    first = handle("s0", deadline=0.0)
+    first.est_s = 10.0
+    make_and_take(first, 1.5, now=0.0)
+    second = handle("s1", deadline=0.5, prev=first)
+    assert second.start() == pytest.approx(10.0)
+    assert second.lead(1.0) == pytest.approx(9.0)  # not due half a second ago
+
+
+def test_a_later_segment_is_due_early_when_the_one_before_is_shorter_than_guessed() -> None:
+    first = handle("s0", deadline=0.0)
+    first.est_s = 1.0
+    make_and_take(first, 1.0, now=0.0)
+    second = handle("s1", deadline=4.0, prev=first)  # the gateway guessed 4 s
+    assert second.lead(0.25) == pytest.approx(0.75)
+
+
+def test_a_segment_before_it_not_yet_prepared_counts_as_its_text_guessed() -> None:
+    text = "A sentence of some length, still being phonemized."
+    first = RequestHandle(SynthesisRequest(RequestId("s0"), text, "v", 2.0), None)
+    second = handle("s1", deadline=0.0, prev=first)
+    assert second.start() == pytest.approx(2.0 + estimate_audio_s(text))
+    first.is_cancelled = True  # cancelled: it will never play, its deadline is what is left
+    assert second.start() == pytest.approx(0.0)
+
+
+def test_a_listener_about_to_run_dry_goes_before_a_later_segment_that_plays_in_seconds() -> None:
+    now = 2.0
+    dry_soon = handle("dry soon", deadline=0.0)
+    make_and_take(dry_soon, 2.1, now=0.0)  # 0.1 s of audio left to hear
+    long_first = handle("long s0", deadline=0.0)
+    long_first.est_s = 12.0
+    make_and_take(long_first, 3.0, now=0.0)
+    later = handle("long s1", deadline=0.2, prev=long_first)  # the gateway's guess: due at 0.2
+    handles = {h.request.request_id: h for h in (dry_soon, long_first, later)}
+    scheduler = Scheduler(SchedulerConfig(max_batch_size=1))
+    for h in (later, dry_soon):  # the later segment came first
+        scheduler.add(BackendRequest(h.request))
+    clock.set_dues(scheduler.items(), handles, now)
+    (picked,) = scheduler.schedule(now)
+    assert str(picked.request_id) == "dry soon"
+    assert clock.is_ahead(later, now, horizon=2.0)  # ten seconds ahead: idle-time work

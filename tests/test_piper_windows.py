@@ -291,6 +291,53 @@ def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> N
     assert asyncio.run(asyncio.wait_for(scenario(), 120)) == {}
 
 
+def test_a_segments_length_is_exact_once_its_first_window_ran(backends: dict[str, PiperBackend]) -> None:
+    # The next segment of the context is due when this one's audio ends: the engine reads
+    # the backend's estimate after every step, and from the first window on it is exact.
+    piper = backends["windows"]
+    item = piper.prepare(request(LONG))
+    estimates, made = [], 0
+    while True:
+        item.due = time.monotonic()
+        (result,) = piper.step([item])
+        assert result.error is None
+        made += len(result.pcm)
+        estimates.append(item.est_audio_s)
+        if result.is_finished:
+            break
+    piper.release(item)
+    assert len(estimates) > 2
+    assert estimates == [pytest.approx(made / piper.sample_rate, abs=1e-9)] * len(estimates)
+
+
+def test_the_engine_predicts_the_next_segment_from_the_backends_exact_length() -> None:
+    async def scenario() -> tuple[float, float, float]:
+        piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        engine = Engine(piper, EngineConfig(warmup_text=""))
+        await engine.start()
+        now = time.monotonic()
+        first = engine.submit(SynthesisRequest(RequestId("a"), LONG, "joe", deadline=now,
+                                               context_key="s1"))
+        # The gateway's guess for the second: due at once (a guess far too early).
+        second = engine.submit(SynthesisRequest(RequestId("b"), SHORT, "joe", deadline=now,
+                                                context_key="s1"))
+        handles = engine._handles
+        est_at_first_chunk = made = 0.0
+        async for chunk in first:
+            if not est_at_first_chunk:
+                est_at_first_chunk = handles[RequestId("a")].est_s
+                start_of_second = handles[RequestId("b")].start()
+            made += chunk.duration_ms / 1000.0
+        async for _chunk in second:
+            pass
+        await engine.stop()
+        return est_at_first_chunk, made, start_of_second - now
+
+    est, made, second_starts_in = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert est == pytest.approx(made, abs=2e-3)  # chunk durations are whole milliseconds
+    assert second_starts_in > 0.8 * made  # when the first's audio runs out, not at once
+
+
 @pytest.mark.parametrize("beside", ["work due soon", "look-ahead work"])
 def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
         backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, beside: str) -> None:

@@ -337,6 +337,10 @@ class PiperBackend(Backend):
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
+        for index in windowed:
+            state = batch[index].state
+            if state.num_windows == 1:  # its front part ran: the segment's length is known
+                batch[index].est_audio_s = state.num_frames * state.voice.config.hop_length / self.sample_rate
         return [r if r is not None else StepResult(is_finished=True) for r in results]
 
     @staticmethod
