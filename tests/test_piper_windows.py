@@ -339,10 +339,11 @@ def test_the_engine_predicts_the_next_segment_from_the_backends_exact_length() -
 
 
 @pytest.mark.parametrize("beside", ["work due soon", "look-ahead work"])
-def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
+def test_an_urgent_segment_beside_work_due_soon_takes_one_medium_first_window(
         backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, beside: str) -> None:
     # Under load small windows cost every stream (context decoded twice, a step each):
     # only a step that runs alone, or beside look-ahead work that can wait, gets them.
+    # Beside work due soon a new turn gets one medium first window, then long ones.
     # Here another lane's step runs throughout.
     piper = backends["windows"]
     frames = count_flow_calls(monkeypatch)
@@ -353,8 +354,8 @@ def test_an_urgent_segment_beside_work_due_soon_takes_long_windows(
     plan = PiperBackendConfig().window_plan
     hop = piper.get_voice("joe").config.hop_length
     if beside == "work due soon":
-        assert len(windows[0].pcm) == plan.frames * hop
-        assert frames[0] == plan.flow_frames + plan.flow_context_frames  # no short flow slice
+        assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
+        assert frames[0] == plan.medium_first_frames + plan.context_frames + plan.flow_context_frames
     else:
         assert len(windows[0].pcm) == plan.first_frames * hop
         assert frames[0] == plan.first_frames + plan.context_frames + plan.first_flow_context_frames

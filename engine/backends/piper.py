@@ -354,27 +354,25 @@ class PiperBackend(Backend):
         Short pieces (a small first window, a flow slice) only for a segment whose
         next audio is due soon (`lead` seconds from now) and whose step runs alone
         or beside look-ahead work only: light load, where first audio is what
-        counts. Beside another lane's step of work due soon, long windows: small
-        ones cost context decoded twice and a step each, and a stream with
-        0.1-0.5 s of audio comes back for more while others wait; under load every
-        stream pays for that (docs/benchmarks.md, "Round four": at 14 sessions this
-        rule left a third to a tenth of the silence of short pieces for every
-        urgent segment). A late first segment costs first audio; a later segment
+        counts. Beside another lane's step of work due soon, small windows cost
+        every stream (context decoded twice, a step each, and a stream with 0.1 s
+        of audio back for more while others wait), so such a segment, urgent or
         due within `window_medium_lead_s` (its lead is positive: its listener
-        hears the turn) that does not get short pieces would be a gap if late, so
-        it gets one medium first window, ready in time where a long one might not
-        be. A segment with lead to spare, or whose listener has waited longer than
-        `window_behind_s` already, takes long windows: the box is behind, and long
-        windows, more audio per second of work, catch up sooner. An urgent segment
-        whose context is the only one with work (`is_lone`: one talking session)
-        starts with a smaller window: no other stream's work is there to delay
-        its second.
+        hears the turn), gets one medium first window, the flow sliced for it,
+        then long ones: its audio comes in half the time of a long first window
+        (docs/benchmarks.md, "Round nine": at 12 sessions on seed 1 TTFA p95 fell
+        from 270-429 to 167-213 ms). A segment with lead to spare, or whose
+        listener has waited longer than `window_behind_s` already, takes long
+        windows: the box is behind, and long windows, more audio per second of
+        work, catch up sooner. An urgent segment whose context is the only one
+        with work (`is_lone`: one talking session) starts with a smaller window:
+        no other stream's work is there to delay its second.
         """
         config = self.config
         is_urgent = -config.window_behind_s <= lead <= config.window_urgent_lead_s
         if is_urgent and not is_contended:
             return Pace.LONE if is_lone else Pace.SHORT
-        if 0.0 < lead <= config.window_medium_lead_s:
+        if is_urgent or 0.0 < lead <= config.window_medium_lead_s:
             return Pace.MEDIUM
         return Pace.LONG
 

@@ -85,9 +85,12 @@ class PiperBackendConfig:
     # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
     # keeps up): if its step runs alone it gets the small windows and the flow slice; beside
-    # another lane's step long windows (docs/benchmarks.md, "Round four": at 14 sessions
-    # small windows for every urgent segment, or a medium first window beside other work,
-    # left 3-10x the silence of this rule). One with more lead, or whose listener has
+    # another lane's step one medium first window (`window_medium_first_frames`), then long
+    # ones. (Round four measured long windows there as better: at 14 sessions small windows
+    # for every urgent segment, or a medium first window, left 3-10x the silence. Its
+    # later segments were then due early by the gateway's guess from their text; with
+    # their due times from the backend's length a medium first window cut 12-session
+    # TTFA p95 by a third: docs/benchmarks.md, "Round nine".) One with more lead, or whose listener has
     # waited longer (the box is behind), takes `window_frames` windows and the flow in
     # `window_flow_frames` pieces, which makes more audio per second of work (less context
     # computed twice). A step beside look-ahead work (due later than `window_busy_lead_s`)
