@@ -9,9 +9,10 @@ in idle time (`is_ahead`), and how long the loop may sleep before a clock
 makes a request runnable again (`next_wake_s`). A request's clock starts when
 its first audio is due: when the audio before it in its context runs out, or,
 with nothing before it, at `request.deadline`; it never runs past what its
-consumer has taken; the lead, audio made but not yet heard, gives the next piece's
-deadline (docs/architecture.md, "The backpressure story"). Everything here
-runs on the event loop; the engine (engine.engine) owns the thread contract.
+consumer has taken; the lead, audio made but not yet heard, gives the next
+piece's deadline (docs/architecture.md, "The backpressure story").
+Everything here runs on the event loop; the engine (engine.engine) owns the
+thread contract.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ class RequestHandle:
     own prediction wins over the deadline the gateway guessed from the text: a
     guess too early makes a segment due seconds before its listener can hear
     it, and the earliest-deadline order then serves it before listeners about
-    to run dry (docs/benchmarks.md, "Round nine"). Heard audio is the time since the start,
-    never more than what was taken (a reader that stops reading stops its clock).
+    to run dry (docs/benchmarks.md, "Round nine"). Heard audio is the time
+    since the start, never more than what was taken (a reader that stops
+    reading stops its clock).
 
     A listener that ran out of audio (everything made was taken and played)
     waits: its lead is negative, how long ago it ran dry, so the earliest

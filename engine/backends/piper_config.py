@@ -90,8 +90,8 @@ class PiperBackendConfig:
     # for every urgent segment, or a medium first window, left 3-10x the silence. Its
     # later segments were then due early by the gateway's guess from their text; with
     # their due times from the backend's length a medium first window cut 12-session
-    # TTFA p95 by a third: docs/benchmarks.md, "Round nine".) One with more lead, or whose listener has
-    # waited longer (the box is behind), takes `window_frames` windows and the flow in
+    # TTFA p95 by a third: docs/benchmarks.md, "Round nine".) One with more lead, or
+    # whose listener has waited longer (the box is behind), takes `window_frames` windows and the flow in
     # `window_flow_frames` pieces, which makes more audio per second of work (less context
     # computed twice). A step beside look-ahead work (due later than `window_busy_lead_s`)
     # counts as alone: that work can wait, and a turn's second segment due 114 ms after its
