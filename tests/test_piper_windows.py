@@ -477,3 +477,25 @@ def test_only_a_first_slice_the_second_recomputes_runs_on_the_short_context() ->
     assert not piper_windows.WindowPlan(first_flow_context_frames=32).is_first_slice_provisional(8)
     with pytest.raises(ValueError, match="first_flow_context_frames must be >= 0, got -1"):
         piper_windows.WindowPlan(first_flow_context_frames=-1)
+
+
+
+def _held_back_ms(frames: int) -> float:
+    """Audio of a turn's first `frames` latent frames (joe: 22050 Hz, hop 256) that the
+    gateway's real Opus encoder (48 kHz, 20 ms frames) holds back until more comes."""
+    from gateway.audio import make_encoder
+
+    encoder = make_encoder("opus", 48000, 20, None, 22050)
+    pcm = (0.1 * np.sin(np.arange(frames * 256) * 0.05)).astype(np.float32)
+    return frames * 256 / 22.05 - 20.0 * len(encoder.encode(pcm))
+
+
+def test_a_turns_first_windows_end_just_past_the_encoders_frame_grid() -> None:
+    # Each first window's end (short: first, first + second; medium: first; lone: first,
+    # first + second) leaves at most 4 ms of its audio in the encoder, where a 12-frame
+    # first window, or 12 + 36, or a 48-frame one, left 17-20 ms.
+    plan = PiperBackendConfig().window_plan
+    ends = [plan.first_frames, plan.first_frames + plan.second_frames, plan.medium_first_frames,
+            plan.lone_first_frames, plan.lone_first_frames + plan.second_frames]
+    assert max(_held_back_ms(end) for end in ends) <= 4.0
+    assert min(_held_back_ms(end) for end in (12, 48)) >= 15.0

@@ -59,10 +59,17 @@ class PiperBackendConfig:
     # `window_context_frames` each side make each window equal the whole decode (10 matches
     # joe's to 1e-6 over 150 corpus sentences, 8 to only 3e-3; each frame of context less is
     # one less decoded twice: docs/benchmarks.md, "Round seven").
+    # A turn's first windows end just past the gateway's 20 ms Opus frame grid: its
+    # encoder sends whole frames and holds the rest (and its resampler 16 samples) until
+    # the next window comes, so a window ending short of a frame boundary leaves its
+    # listener up to 20 ms less to wait in. At 22050 Hz (hop 256) a 12-frame first window
+    # (139 ms) reached the listener as 120 ms, 14 (163 ms) as 160; 12 + 36 as 540 ms,
+    # 14 + 38 as 600; a 48-frame medium window as 540 ms, 52 as 600 (tests/
+    # test_piper_windows.py; docs/benchmarks.md, "Round ten").
     windowed: bool = True
-    window_first_frames: int = 12
-    window_second_frames: int = 36
-    window_medium_first_frames: int = 48
+    window_first_frames: int = 14
+    window_second_frames: int = 38
+    window_medium_first_frames: int = 52
     window_frames: int = 128
     window_context_frames: int = 10
     # The flow runs on slices with this much context each side (its receptive field: exact
@@ -77,11 +84,12 @@ class PiperBackendConfig:
     # 1.1e-3, by the noise drawn (docs/benchmarks.md, "Round seven").
     window_first_flow_context_frames: int = 20
     # The first window of an urgent segment whose context is the only one with work (one
-    # talking session; `Pace.LONE`): 8 frames (93 ms). At 4 (46 ms) first audio came ~2 ms
-    # sooner, but at 8 sessions a turn that began alone and met another's turn before its
-    # second window left 1-3 short gaps a run where 8 left none; with other sessions talking
-    # the 12-frame first window stays (docs/benchmarks.md, "Round five" and "Round six").
-    window_lone_first_frames: int = 8
+    # talking session; `Pace.LONE`): 7 frames (81 ms; 8 reached the listener as the same
+    # 80 ms of whole frames). At 4 (46 ms) first audio came ~2 ms sooner, but at 8 sessions a
+    # turn that began alone and met another's turn before its second window left 1-3 short
+    # gaps a run where 8 left none; with other sessions talking the first window stays
+    # `window_first_frames` (docs/benchmarks.md, "Round five", "Round six" and "Round ten").
+    window_lone_first_frames: int = 7
     # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
     # keeps up): if its step runs alone it gets the small windows and the flow slice; beside
