@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -469,15 +470,14 @@ def test_a_decoder_with_an_op_the_2d_form_does_not_know_runs_as_it_is() -> None:
 
 
 def test_only_a_first_slice_the_second_recomputes_runs_on_the_short_context() -> None:
-    plan = piper_windows.WindowPlan()
+    plan = PiperBackendConfig().window_plan
     assert plan.first_flow_context_frames < plan.flow_context_frames
     assert plan.is_first_slice_provisional(plan.flow_context_frames)
     # A longer first slice (a medium first window) would be recomputed in part: work twice.
     assert not plan.is_first_slice_provisional(plan.flow_context_frames + 1)
-    assert not piper_windows.WindowPlan(first_flow_context_frames=32).is_first_slice_provisional(8)
+    assert not dataclasses.replace(plan, first_flow_context_frames=32).is_first_slice_provisional(8)
     with pytest.raises(ValueError, match="first_flow_context_frames must be >= 0, got -1"):
-        piper_windows.WindowPlan(first_flow_context_frames=-1)
-
+        dataclasses.replace(plan, first_flow_context_frames=-1)
 
 
 def _held_back_ms(frames: int) -> float:

@@ -99,9 +99,9 @@ class PiperBackendConfig:
     # later segments were then due early by the gateway's guess from their text; with
     # their due times from the backend's length a medium first window cut 12-session
     # TTFA p95 by a third: docs/benchmarks.md, "Round nine".) One with more lead, or
-    # whose listener has waited longer (the box is behind), takes `window_frames` windows and the flow in
-    # `window_flow_frames` pieces, which makes more audio per second of work (less context
-    # computed twice). A step beside look-ahead work (due later than `window_busy_lead_s`)
+    # whose listener has waited longer (the box is behind), takes `window_frames` windows
+    # and the flow in `window_flow_frames` pieces, which makes more audio per second of
+    # work (less context computed twice). A step beside look-ahead work (due later than `window_busy_lead_s`)
     # counts as alone: that work can wait, and a turn's second segment due 114 ms after its
     # text came, cut long beside it, was 23 ms late. (0.3 s here instead of 0.1 made more
     # urgent segments short and, at 12 sessions, 11-26 gaps where 0.1 had 1-3.)

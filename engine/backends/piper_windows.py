@@ -77,21 +77,22 @@ class WindowPlan:
     smaller window (`lone_first_frames`): no other stream's work is there to come
     before its second (docs/benchmarks.md, "Round six"). A short first flow slice
     runs on `first_flow_context_frames` where the second recomputes its frames anyway.
-    The defaults end a turn's first windows just past the 20 ms frame grid of
-    the gateway's Opus encoder at 22050 Hz and hop 256: what does not fill a
-    frame reaches the listener only with the next window (docs/benchmarks.md,
-    "Round ten").
+    The sizes come from `PiperBackendConfig` (its `window_*` options, where the
+    defaults and their measurements are); its defaults end a turn's first
+    windows just past the 20 ms frame grid of the gateway's Opus encoder at
+    22050 Hz and hop 256: what does not fill a frame reaches the listener only
+    with the next window (docs/benchmarks.md, "Round ten").
     """
 
-    first_frames: int = 14
-    second_frames: int = 38
-    medium_first_frames: int = 52
-    frames: int = 128
-    context_frames: int = 12
-    flow_context_frames: int = 32
-    flow_frames: int = 256
-    lone_first_frames: int = 7
-    first_flow_context_frames: int = 20
+    first_frames: int
+    second_frames: int
+    medium_first_frames: int
+    frames: int
+    context_frames: int
+    flow_context_frames: int
+    flow_frames: int
+    lone_first_frames: int
+    first_flow_context_frames: int
 
     def __post_init__(self) -> None:
         for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames",
