@@ -40,14 +40,18 @@ def backends() -> dict[str, PiperBackend]:
     return made
 
 
-def stream(backend: PiperBackend, req: SynthesisRequest,
-           due_in: float = 0.0) -> tuple[list[StepResult], list[WordTiming] | None]:
-    """Every piece of one segment, each step's next audio due `due_in` s from then (0: urgent)."""
+def stream(backend: PiperBackend, req: SynthesisRequest, due_in: float = 0.0,
+           later_due_in: float | None = None) -> tuple[list[StepResult], list[WordTiming] | None]:
+    """Every piece of one segment, each step's next audio due `due_in` s from then (0: urgent).
+
+    With `later_due_in`, the pieces after the first are due that far ahead instead.
+    """
     item = backend.prepare(req)
     results: list[StepResult] = []
     words = None
     while not (results and results[-1].is_finished):
-        item.due = time.monotonic() + due_in  # what the engine's playback clock would set
+        lead = due_in if not results or later_due_in is None else later_due_in
+        item.due = time.monotonic() + lead  # what the engine's playback clock would set
         (result,) = backend.step([item])
         assert result.error is None
         results.append(result)
@@ -351,7 +355,7 @@ def test_an_urgent_segment_beside_work_due_soon_takes_one_medium_first_window(
     monkeypatch.setattr(piper, "_num_running", 1)
     monkeypatch.setattr(piper, "_num_busy", 1 if beside == "work due soon" else 0)
     with AnotherSession(piper):  # whose step it is
-        windows, _ = stream(piper, request(LONG))  # each piece due now
+        windows, _ = stream(piper, request(LONG), later_due_in=1.0)  # first audio due now
     plan = PiperBackendConfig().window_plan
     hop = piper.get_voice("joe").config.hop_length
     if beside == "work due soon":
@@ -377,6 +381,33 @@ def test_a_later_segment_due_soon_beside_work_due_soon_takes_one_medium_first_wi
     hop = piper.get_voice("joe").config.hop_length
     assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
     assert frames[0] == plan.medium_first_frames + plan.context_frames + plan.flow_context_frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+@pytest.mark.parametrize("catchup_lead_s", [0.15, 0.0])
+def test_a_later_window_due_too_soon_for_a_long_one_is_cut_short_once(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, catchup_lead_s: float) -> None:
+    # Beside another lane's step a medium first window, then long ones; but each piece
+    # here is due now: the window after the medium one is cut to `second_frames` (the
+    # flow sliced for it), and only that one, so a box behind keeps its long windows.
+    # With `window_catchup_lead_s` 0 the long windows stay.
+    piper = backends["windows"]
+    monkeypatch.setattr(piper.config, "window_catchup_lead_s", catchup_lead_s)
+    frames = count_flow_calls(monkeypatch)
+    monkeypatch.setattr(piper, "_num_running", 1)
+    monkeypatch.setattr(piper, "_num_busy", 1)
+    with AnotherSession(piper):
+        windows, _ = stream(piper, request(LONG))
+    plan = PiperBackendConfig().window_plan
+    hop = piper.get_voice("joe").config.hop_length
+    sizes = [len(w.pcm) // hop for w in windows[:3]]
+    if catchup_lead_s:
+        assert sizes == [plan.medium_first_frames, plan.second_frames, plan.frames]
+        # the short window's flow is a slice up to its own end and context, not a long piece
+        assert frames[1] == plan.second_frames + 2 * plan.flow_context_frames
+    else:
+        assert sizes == [plan.medium_first_frames, plan.frames, plan.frames]
     (whole,), _ = stream(backends["whole"], request(LONG))
     assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
 

@@ -321,9 +321,17 @@ class PiperBackend(Backend):
             is_contended = self._num_busy - is_busy > 0  # another lane's step is due soon too
         try:
             for index in windowed:
-                if batch[index].state.num_windows == 0:
+                state = batch[index].state
+                if state.num_windows == 0:
                     is_lone = not is_contended and self._is_lone(batch[index].request)
-                    batch[index].state.pace = self._pace(leads[index], is_contended, is_lone)
+                    state.pace = self._pace(leads[index], is_contended, is_lone)
+                else:  # a later window begun this close to its due time is cut short, once
+                    lead, config = leads[index], self.config
+                    state.is_catching_up = (
+                        config.window_catchup_lead_s > 0 and not state.has_caught_up
+                        and self._plan.can_catch_up(state.num_windows, state.pace)
+                        and -config.window_behind_s <= lead <= config.window_catchup_lead_s)
+                    state.has_caught_up |= state.is_catching_up
             if len(calls) > 1 and self._pool is not None:
                 outputs = list(self._pool.map(
                     lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
@@ -410,7 +418,8 @@ class PiperBackend(Backend):
                 else:
                     state.latent = outputs[voice.latent_name][:, :, :total]  # [1, C, T]
             start = state.cursor
-            end = self._plan.window_end(start, state.num_windows, state.num_frames, state.pace)
+            end = self._plan.window_end(start, state.num_windows, state.num_frames, state.pace,
+                                        state.is_catching_up)
             context = self._plan.context_frames
             latent = self._run_flow(state, min(state.num_frames, end + context), is_solo)
             raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), latent,
@@ -447,7 +456,8 @@ class PiperBackend(Backend):
             return latent
         total, done = state.num_frames, latent.shape[2]
         context = self._plan.flow_context_frames
-        if self._plan.is_flow_sliced(state.pace, state.num_windows) and 2 * (needed + context) < total - done:
+        is_sliced = state.is_catching_up or self._plan.is_flow_sliced(state.pace, state.num_windows)
+        if is_sliced and 2 * (needed + context) < total - done:
             end = needed
             if done == 0 and self._plan.is_first_slice_provisional(needed):
                 hi = min(total, end + self._plan.first_flow_context_frames)

@@ -113,6 +113,12 @@ class PiperBackendConfig:
     # on this box) might be late, and its listener, hearing the turn already, would hear
     # a gap (a turn's second segment due 151 ms after its text came was 29 ms late so).
     window_medium_lead_s: float = 0.3
+    # A segment's later window begun with its listener this close to running dry is cut
+    # to at most `window_second_frames`, the flow sliced for it: a long one with its flow
+    # piece took 110-160 ms beside another lane's step and came late (a gap 600 ms into a
+    # turn, where a medium first window ends), a short one is ready in about a third of
+    # that (docs/benchmarks.md, "Round eleven"). 0: windows keep their pace's sizes.
+    window_catchup_lead_s: float = 0.15
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -130,7 +136,7 @@ class PiperBackendConfig:
             raise ValueError(f"target_peak must be within (0, 1] or None, got {self.target_peak}")
         self.window_plan  # noqa: B018 - validates the window sizes
         for name in ("window_urgent_lead_s", "window_behind_s", "window_busy_lead_s",
-                     "window_medium_lead_s"):
+                     "window_medium_lead_s", "window_catchup_lead_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_padding_waste is not None and self.max_padding_waste < 0:

@@ -46,6 +46,8 @@ class PiperState:
     cursor: int = 0  # frames decoded so far
     num_windows: int = 0
     pace: Pace = Pace.SHORT  # how its windows are cut, set at its first window (piper.step)
+    is_catching_up: bool = False  # its next window is due too soon for a long one (piper.step)
+    has_caught_up: bool = False  # one window was cut short so already: the rest keep their sizes
 
 
 def silent_result(state: PiperState, sample_rate: int) -> StepResult:

@@ -124,14 +124,29 @@ class WindowPlan:
         """Whether window `index` at `pace` runs only the flow it needs (the short windows)."""
         return index < {Pace.LONE: 2, Pace.SHORT: 2, Pace.MEDIUM: 1, Pace.LONG: 0}[pace]
 
-    def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT) -> int:
-        """Where window `index` (from 0) that begins at frame `start` ends, at `pace`."""
-        size = self.frames
+    def size(self, index: int, pace: Pace) -> int:
+        """Frames of window `index` (from 0) at `pace`, before a segment's end cuts it."""
         if pace in (Pace.SHORT, Pace.LONE) and index < 2:
             first = self.lone_first_frames if pace is Pace.LONE else self.first_frames
-            size = first if index == 0 else self.second_frames
-        elif pace is Pace.MEDIUM and index == 0:
-            size = self.medium_first_frames
+            return first if index == 0 else self.second_frames
+        if pace is Pace.MEDIUM and index == 0:
+            return self.medium_first_frames
+        return self.frames
+
+    def can_catch_up(self, index: int, pace: Pace) -> bool:
+        """Whether window `index` at `pace`, if due too soon, would be cut shorter (`window_end`)."""
+        return index > 0 and self.size(index, pace) > self.second_frames
+
+    def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT,
+                   is_catching_up: bool = False) -> int:
+        """Where window `index` (from 0) that begins at frame `start` ends, at `pace`.
+
+        A later window `is_catching_up` (due too soon for a long one) is at most
+        `second_frames`: ready sooner, and its listener's wait for the next longer.
+        """
+        size = self.size(index, pace)
+        if is_catching_up and self.can_catch_up(index, pace):
+            size = self.second_frames
         end = min(total, start + size)
         if total - end < max(1, size // 4):
             end = total  # no sliver of a last window: it would cost a whole call
