@@ -325,12 +325,8 @@ class PiperBackend(Backend):
                 if state.num_windows == 0:
                     is_lone = not is_contended and self._is_lone(batch[index].request)
                     state.pace = self._pace(leads[index], is_contended, is_lone)
-                else:  # a later window begun this close to its due time is cut short, once
-                    lead, config = leads[index], self.config
-                    state.is_catching_up = (
-                        config.window_catchup_lead_s > 0 and not state.has_caught_up
-                        and self._plan.can_catch_up(state.num_windows, state.pace)
-                        and -config.window_behind_s <= lead <= config.window_catchup_lead_s)
+                else:
+                    state.is_catching_up = self._is_catching_up(state, leads[index])
                     state.has_caught_up |= state.is_catching_up
             if len(calls) > 1 and self._pool is not None:
                 outputs = list(self._pool.map(
@@ -383,6 +379,19 @@ class PiperBackend(Backend):
         if is_urgent or 0.0 < lead <= config.window_medium_lead_s:
             return Pace.MEDIUM
         return Pace.LONG
+
+    def _is_catching_up(self, state: PiperState, lead: float) -> bool:
+        """Whether a segment's later window, its audio due in `lead` s, is cut short (WindowPlan).
+
+        Where its listener runs dry within `window_catchup_lead_s` (or ran dry no
+        longer than `window_behind_s` ago) and the window would be longer than a
+        short one; once per segment, so a box behind keeps the long windows that
+        make more audio per second of work (docs/benchmarks.md, "Round eleven").
+        """
+        config = self.config
+        return (config.window_catchup_lead_s > 0 and not state.has_caught_up
+                and self._plan.can_catch_up(state.num_windows, state.pace)
+                and -config.window_behind_s <= lead <= config.window_catchup_lead_s)
 
     def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
         if is_window:

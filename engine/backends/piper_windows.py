@@ -141,12 +141,12 @@ class WindowPlan:
                    is_catching_up: bool = False) -> int:
         """Where window `index` (from 0) that begins at frame `start` ends, at `pace`.
 
-        A later window `is_catching_up` (due too soon for a long one) is at most
-        `second_frames`: ready sooner, and its listener's wait for the next longer.
+        A later window `is_catching_up` (due too soon for a long one: `can_catch_up`)
+        is at most `second_frames`: ready sooner, and its listener's wait for the next longer.
         """
         size = self.size(index, pace)
-        if is_catching_up and self.can_catch_up(index, pace):
-            size = self.second_frames
+        if is_catching_up:
+            size = min(size, self.second_frames)
         end = min(total, start + size)
         if total - end < max(1, size // 4):
             end = total  # no sliver of a last window: it would cost a whole call
