@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.backends.piper_blocked import blocked_decoder
 from engine.backends.piper_fuse import fuse_layer_norms
 from engine.backends.piper_windows import DECODER_ENTRY, decoder_as_2d, latent_channels, split_voice
 from engine.errors import ModelLoadError
@@ -378,29 +379,50 @@ def _fused_front(front: bytes, piper_config: Any, voice_id: str, num_threads: in
 
 
 def _fastest_decoder(decoder: bytes, latent_name: str, open_session: Any, voice_id: str) -> bytes:
-    """The decoder in its 2-D form (faster on one x86 thread) where it converts and equals the original.
+    """The decoder in its fastest form on one x86 thread that converts and equals the original.
 
-    Checked once at load on a random latent; a graph that does not convert, or
-    whose 2-D form differs by more than float rounding, runs as it is (logged).
+    First its 2-D form (piper_windows.decoder_as_2d), then that form with its
+    activations kept in onnxruntime's blocked layout between convolutions
+    (piper_blocked). Each is checked once at load on a random latent; a form that
+    does not convert, or differs by more than float rounding, is not taken (logged).
     """
     lifted = decoder_as_2d(decoder)
     if lifted is None:
         logger.info("piper voice %r: its decoder runs in 1-D (it does not convert to 2-D)", voice_id)
         return decoder
+    channels = latent_channels(decoder, latent_name)
+    if channels is None:
+        logger.warning("piper voice %r: its decoder runs in 1-D: no convolution reads the latent", voice_id)
+        return decoder
+    latent = np.random.default_rng(0).standard_normal((1, channels, 40)).astype(np.float32)
     try:
-        original, converted = open_session(decoder), open_session(lifted)
-        channels = latent_channels(decoder, latent_name)
-        if channels is None:
-            raise ValueError("no convolution reads the latent")
-        latent = np.random.default_rng(0).standard_normal((1, channels, 40)).astype(np.float32)
-        (want,), (got,) = original.run(None, {latent_name: latent}), converted.run(None, {latent_name: latent})
-        difference = float(np.abs(np.asarray(want).reshape(-1) - np.asarray(got).reshape(-1)).max())
-        if difference > 1e-4:
-            raise ValueError(f"the 2-D decoder differs by {difference:.2e}")
+        (want,) = open_session(decoder).run(None, {latent_name: latent})
+        want = np.asarray(want).reshape(-1)
+        _check_decoder(open_session(lifted), latent_name, latent, want, "2-D")
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the 1-D graph stays
         logger.warning("piper voice %r: its decoder runs in 1-D: %s", voice_id, exc)
         return decoder
-    return lifted
+    try:
+        blocked = blocked_decoder(lifted, channels)
+        if blocked is None:
+            return lifted  # onnxruntime blocks nothing here (no NCHWc kernels on this CPU)
+        _check_decoder(open_session(blocked), latent_name, latent, want, "blocked 2-D")
+    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the 2-D graph stays
+        logger.warning("piper voice %r: its decoder keeps onnxruntime's layout reorders: %s", voice_id, exc)
+        return lifted
+    logger.info("piper voice %r: its decoder runs in 2-D, in onnxruntime's blocked layout", voice_id)
+    return blocked
+
+
+def _check_decoder(session: Any, latent_name: str, latent: np.ndarray, want: np.ndarray, form: str) -> None:
+    """Raise ValueError where `session` decodes `latent` [1, C, T] other than `want` by over 1e-4."""
+    (got,) = session.run(None, {latent_name: latent})
+    got = np.asarray(got).reshape(-1)
+    if got.shape != want.shape:
+        raise ValueError(f"the {form} decoder made {got.shape[0]} samples, expected {want.shape[0]}")
+    difference = float(np.abs(want - got).max())
+    if difference > 1e-4:
+        raise ValueError(f"the {form} decoder differs by {difference:.2e}")
 
 
 def _calibrate(voice: LoadedVoice, target_peak: float | None) -> None:
