@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--decode-mode", default="auto")
     parser.add_argument("--model-dir", help="an existing model directory (default: write a random one)")
     parser.add_argument("--workdir", default=None, help="where the random model directory is written")
+    parser.add_argument("--flow-streams", type=int, default=0,
+                        help="streams per flow call (default: the backend's, 128 on a GPU); fewer capture fewer "
+                             "flow graphs at load")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-time budget of the whole run (model writing included)")
@@ -205,22 +208,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         write_random_model_dir(model_dir, args.version, QWEN2_TINY if args.smoke else QWEN2_05B,
                                flow_size="tiny" if args.smoke else "real", with_frontend=True,
                                device=device, dtype=torch.float16)
+    written = time.perf_counter()
     wav = write_reference_wav(workdir / "reference.wav", seconds=3.0)
     config = CosyVoiceBackendConfig(
         model_dir=model_dir, device=device.type, lm_dtype=args.lm_dtype, flow_dtype=args.flow_dtype,
         decode_mode=args.decode_mode, tokenizer="bytes", max_batch_size=max(streams),
-        max_streams=max(streams), max_len=1024, default_voice_audio=wav, default_voice_text="Hello there.")
+        max_streams=max(streams), max_flow_streams=args.flow_streams, max_len=1024, default_voice_audio=wav,
+        default_voice_text="Hello there.")
     backend = CosyVoiceBackend(config)
     backend.load()
+    loaded = time.perf_counter()
     # Random weights would stop any time (v3 masks only id 6561 below the minimum): forbid
     # every stop id there, so the text's length sets the answer's (2 tokens per byte, at least).
     assert isinstance(backend.lm, TorchLMDriver)
     backend.lm.runner.strict_min_length = True
-    print(f"model written and loaded in {time.perf_counter() - started:.1f} s")
+    # The first device run spent 200 s of its budget here: say how much was the load (graph captures).
+    at_load = num_graphs(backend)
+    print(f"model written in {written - started:.1f} s, loaded in {loaded - written:.1f} s "
+          f"(CUDA graphs captured at load: {at_load['lm']} LM, {at_load['flow']} flow; "
+          f"{config.flow_streams} streams per flow call)")
     name = device.type if device.type == "cpu" else torch.cuda.get_device_name(device)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"version": args.version, "device": name, "pyav": has_pyav, "rows": rows,
-                              "errors": {}, "capacity": 0}
+                              "errors": {}, "capacity": 0, "write_s": written - started,
+                              "load_s": loaded - written, "graphs_at_load": at_load,
+                              "flow_streams": config.flow_streams}
     deadline = started + args.budget_s
     max_steps = 4 * config.max_len  # a pass takes at most max_len LM steps and a final chunk
     for n in streams:
