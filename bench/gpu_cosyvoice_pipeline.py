@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--flow-streams", type=int, default=0,
                         help="streams per flow call (default: the backend's, 128 on a GPU); fewer capture fewer "
                              "flow graphs at load")
+    parser.add_argument("--max-flow-graph-row-frames", type=int, default=None,
+                        help="largest flow call replayed as a CUDA graph (default: the backend's; 0: all)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-time budget of the whole run (model writing included)")
@@ -215,6 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         decode_mode=args.decode_mode, tokenizer="bytes", max_batch_size=max(streams),
         max_streams=max(streams), max_flow_streams=args.flow_streams, max_len=1024, default_voice_audio=wav,
         default_voice_text="Hello there.")
+    if args.max_flow_graph_row_frames is not None:
+        config.max_flow_graph_row_frames = args.max_flow_graph_row_frames
     backend = CosyVoiceBackend(config)
     backend.load()
     loaded = time.perf_counter()

@@ -47,6 +47,10 @@ class CosyVoiceBackendConfig:
     # streams per flow call, the most starved (earliest due) first; 0: GPU_FLOW_STREAMS on a GPU
     # (128: 256 CFG rows, the estimator's largest graph), every ready stream on the CPU
     max_flow_streams: int = 0
+    # CFG rows x frames of the largest flow call replayed as a CUDA graph (captured at load);
+    # larger calls are compute-bound and run eagerly on their exact shapes. 0: every bucket
+    # (flow_runtime/estimator_graphs.py; docs/benchmarks.md, "GPU figures").
+    max_flow_graph_row_frames: int = 8192
     # flow + vocoder on their own thread (and CUDA stream), overlapping the LM: auto = on a GPU
     flow_thread: str = "auto"
     cpu_workers: int = 1  # the backend's CPU executor: text frontend and voice registration
@@ -83,6 +87,9 @@ class CosyVoiceBackendConfig:
         for name in ("max_batch_size", "max_flow_streams"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the device's default), got {getattr(self, name)}")
+        if self.max_flow_graph_row_frames < 0:
+            raise ValueError(f"max_flow_graph_row_frames must be >= 0 (0: every bucket), "
+                             f"got {self.max_flow_graph_row_frames}")
         if self.max_streams < 0:
             raise ValueError(f"max_streams must be >= 0 (0: 2 x max_batch_size), got {self.max_streams}")
         if self.max_history_tokens < -1:

@@ -121,7 +121,8 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
         from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow
 
         rows, frames = flow_limits(config, t2w_config, flow.chunk_tokens, flow.pre_lookahead_len)
-        runtime = accelerate_flow(flow, config.flow_runtime, max_rows=rows, max_frames=frames)
+        runtime = accelerate_flow(flow, config.flow_runtime, max_rows=rows, max_frames=frames,
+                                  max_graph_row_frames=config.max_flow_graph_row_frames)
         log.info("flow estimator runs on %s (up to %d rows x %d frames)", runtime, rows, frames)
     hift = build_hift(model_dir).to(device)
     t2w = TokenToWave(flow, hift, t2w_config)

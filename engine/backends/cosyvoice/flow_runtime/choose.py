@@ -71,9 +71,11 @@ def install_tensorrt(flow: nn.Module, estimator: nn.Module, device: torch.device
 
 
 def install_graphs(flow: nn.Module, estimator: nn.Module, device: torch.device, max_rows: int,
-                   max_frames: int) -> GraphedEstimator:
-    """CUDA graphs of every streaming bucket, captured now (on a CPU: the same static path, eager)."""
-    graphed = GraphedEstimator(estimator, max_rows, max_frames, use_graphs=device.type == "cuda")
+                   max_frames: int, max_graph_row_frames: int = 0) -> GraphedEstimator:
+    """CUDA graphs of the streaming buckets up to `max_graph_row_frames` (0: all), captured now
+    (on a CPU: the same static path, eager)."""
+    graphed = GraphedEstimator(estimator, max_rows, max_frames, use_graphs=device.type == "cuda",
+                               max_graph_row_frames=max_graph_row_frames)
     if graphed.use_graphs:
         like = example_inputs(1, 2, next(estimator.parameters()).dtype, device)[0]
         log.info("flow estimator: %d CUDA graphs captured", graphed.capture_all(like, streaming=True))
@@ -83,7 +85,8 @@ def install_graphs(flow: nn.Module, estimator: nn.Module, device: torch.device, 
 
 def accelerate_flow(flow: nn.Module, runtime: str = "auto", cache_dir: str | Path = "~/.cache/voxgate/trt",
                     profile: TrtProfile | None = None, precision: str = "fp16", num_contexts: int = 1,
-                    max_rows: int = 256, max_frames: int = 1024, device_type: str | None = None) -> str:
+                    max_rows: int = 256, max_frames: int = 1024, device_type: str | None = None,
+                    max_graph_row_frames: int = 0) -> str:
     """Swap the flow's estimator for the chosen runtime; returns the runtime used.
 
     `device_type` overrides the estimator's device for the choice (tests inject a
@@ -104,5 +107,5 @@ def accelerate_flow(flow: nn.Module, runtime: str = "auto", cache_dir: str | Pat
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             chosen = "cuda_graphs"
     if chosen == "cuda_graphs":
-        install_graphs(flow, estimator, device, max_rows, max_frames)
+        install_graphs(flow, estimator, device, max_rows, max_frames, max_graph_row_frames)
     return chosen

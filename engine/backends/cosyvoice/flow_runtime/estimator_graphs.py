@@ -16,10 +16,20 @@ graph has fixed shapes and addresses, so each call is padded up to a bucket:
   for the bucket padding itself).
 
 `use_graphs=False` runs the same padded static path eagerly on any device, so
-CPU tests cover everything but the capture. The loader captures every bucket
+CPU tests cover everything but the capture. The loader captures the buckets
 of the streaming mode at load (`capture_all`); a call never captures (a
 capture stalls every stream and empties the allocator's cache): a bucket
-without a graph runs the static path eagerly. A shape limit never fails a
+without a graph runs the static path eagerly.
+
+Only buckets of at most `max_graph_row_frames` (CFG rows x frames) get a graph.
+A graph removes launch cost, which counts only while the GPU's work is short:
+on an H200 (docs/benchmarks.md, "GPU figures"; 480 frames) graphs took a pass
+from 28 to 5.4 ms at 1 stream but saved 3% at 16 streams (32 rows) and 1-2 ms
+of 72-276 ms above, less than a padded bucket costs (up to 31 rows and 63
+frames of padding). Capturing every bucket meant 377 graphs at the default
+limits, each after two warm-up passes up to 256 rows x 1,856 frames: the
+first device run's load took 200 s. A call past the limit runs the plain
+estimator on its exact shape, unpadded (`num_plain`). A shape limit never fails a
 call: more rows than the largest bucket are split into calls that fit
 (`split_rows`), more frames run the plain estimator. One lock: a graph's static buffers
 serve one call at a time, and on a GPU each call's work also waits for the
@@ -82,20 +92,24 @@ class GraphedEstimator(nn.Module):
     """The torch estimator through bucketed static buffers, replayed as CUDA graphs (or eagerly)."""
 
     def __init__(self, estimator: nn.Module, max_rows: int = 256, max_frames: int = 1024,
-                 frame_step: int = 64, use_graphs: bool = True) -> None:
+                 frame_step: int = 64, use_graphs: bool = True, max_graph_row_frames: int = 0) -> None:
         super().__init__()
         param = next(estimator.parameters())
         if use_graphs and param.device.type != "cuda":
             raise ValueError(f"expected the estimator on a CUDA device for CUDA graphs, got {param.device}")
+        if max_graph_row_frames < 0:
+            raise ValueError(f"expected max_graph_row_frames >= 0 (0: every bucket), got {max_graph_row_frames}")
         self.estimator = estimator
         self.use_graphs = use_graphs
+        self.max_graph_row_frames = max_graph_row_frames
         self.rows = row_buckets(max_rows)
         self.frames = frame_buckets(max_frames, frame_step)
         self.static: dict[Bucket, tuple[torch.Tensor, ...]] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}
         self.graphs: dict[Bucket, Any] = {}  # torch.cuda.CUDAGraph per bucket
         self.num_fallbacks = 0  # calls with more frames than the largest bucket: the plain estimator
-        self.num_eager = 0  # graph-mode calls of a bucket without a graph (none after capture_all)
+        self.num_eager = 0  # graph-mode calls of a graph bucket without its graph (none after capture_all)
+        self.num_plain = 0  # graph-mode calls past `max_graph_row_frames`: the plain estimator
         self._pool: Any = None  # the graphs' shared memory pool
         self._largest: tuple[torch.Tensor, ...] | None = None  # input buffers of the largest bucket
         self._lock = threading.Lock()
@@ -117,13 +131,19 @@ class GraphedEstimator(nn.Module):
             self.static[bucket] = tuple(a[:rows, :, :frames] if a.dim() == 3 else a[:rows] for a in self._largest)
         return self.static[bucket]
 
+    def has_graph_size(self, bucket: Bucket) -> bool:
+        """Whether a bucket is small enough for a graph to pay (`max_graph_row_frames`)."""
+        return not self.max_graph_row_frames or bucket[1] * bucket[2] <= self.max_graph_row_frames
+
     def capture_all(self, like: torch.Tensor, streaming: bool = True) -> int:
-        """Capture every bucket of a mode now (start-up) rather than on first use (a serving-time stall)."""
-        for rows in self.rows:
-            for frames in self.frames:
-                with self._lock:
-                    self.capture((streaming, rows, frames), like)
-        return len(self.rows) * len(self.frames)
+        """Capture every graph bucket of a mode now (start-up) rather than on first use (a
+        serving-time stall); returns how many."""
+        buckets = [(streaming, rows, frames) for rows in self.rows for frames in self.frames]
+        buckets = [bucket for bucket in buckets if self.has_graph_size(bucket)]
+        for bucket in buckets:
+            with self._lock:
+                self.capture(bucket, like)
+        return len(buckets)
 
     def _run_static(self, bucket: Bucket) -> torch.Tensor:
         out: torch.Tensor = self.estimator(*self.static[bucket], bucket[0])
@@ -161,6 +181,10 @@ class GraphedEstimator(nn.Module):
             return split_rows(lambda *part: self(*part, streaming), inputs, self.rows[-1])
         bucket = self.bucket_for(b, frames, streaming)
         assert bucket is not None
+        if self.use_graphs and not self.has_graph_size(bucket):  # compute-bound: no padding
+            self.num_plain += 1
+            plain: torch.Tensor = self.estimator(*inputs, streaming)
+            return plain
         with self._lock, torch.inference_mode():
             if self._done is not None:  # the last call may have been enqueued on another stream
                 torch.cuda.current_stream(x.device).wait_event(self._done)
