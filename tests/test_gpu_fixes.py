@@ -162,10 +162,8 @@ def test_every_lm_bucket_is_captured_at_load_and_serving_never_captures() -> Non
     assert len(captured) == 18 and static.num_eager == 0
 
 
-def test_every_flow_bucket_is_captured_at_load_and_a_call_never_captures() -> None:
-    estimator = tiny_flow().decoder.estimator
-    graphed = GraphedEstimator(estimator, max_rows=100, max_frames=128, use_graphs=False)
-    assert graphed.rows == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+def recording_captures(graphed: GraphedEstimator) -> list[tuple[bool, int, int]]:
+    """Stand-in for CUDA (none here): graph mode on, each capture records its bucket's static path."""
     captured: list[tuple[bool, int, int]] = []
 
     def capture(bucket: tuple[bool, int, int], like: torch.Tensor) -> None:
@@ -176,6 +174,14 @@ def test_every_flow_bucket_is_captured_at_load_and_a_call_never_captures() -> No
 
     graphed.use_graphs = True
     graphed.capture = capture  # type: ignore[method-assign]
+    return captured
+
+
+def test_every_flow_bucket_is_captured_at_load_and_a_call_never_captures() -> None:
+    estimator = tiny_flow().decoder.estimator
+    graphed = GraphedEstimator(estimator, max_rows=100, max_frames=128, use_graphs=False)
+    assert graphed.rows == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+    captured = recording_captures(graphed)
     assert graphed.capture_all(torch.zeros(1), streaming=True) == 9 * 2
     inputs = tuple(torch.randn(70, 80, 50) if i in (0, 2, 5) else a
                    for i, a in enumerate((None, torch.ones(70, 1, 50), None, torch.rand(70),
@@ -191,16 +197,7 @@ def test_only_flow_buckets_where_a_graph_pays_are_captured_and_larger_calls_run_
     estimator = tiny_flow().decoder.estimator
     graphed = GraphedEstimator(estimator, max_rows=100, max_frames=128, use_graphs=False,
                                max_graph_row_frames=16 * 64)
-    captured: list[tuple[bool, int, int]] = []
-
-    def capture(bucket: tuple[bool, int, int], like: torch.Tensor) -> None:
-        captured.append(bucket)
-        graphed._static_for(bucket, like)
-        graphed.graphs[bucket] = _RecordedGraph(lambda: graphed.outputs.__setitem__(
-            bucket, graphed._run_static(bucket)))
-
-    graphed.use_graphs = True  # stand-in: no GPU here; capture records the static path
-    graphed.capture = capture  # type: ignore[method-assign]
+    captured = recording_captures(graphed)
     # rows 1-8 at both frame buckets (64, 128), rows 16 at 64 frames only
     assert graphed.capture_all(torch.zeros(1), streaming=True) == 4 * 2 + 1
     assert max(rows * frames for _, rows, frames in captured) <= 16 * 64
