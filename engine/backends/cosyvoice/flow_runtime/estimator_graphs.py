@@ -183,7 +183,8 @@ class GraphedEstimator(nn.Module):
         assert bucket is not None
         if self.use_graphs and not self.has_graph_size(bucket):  # compute-bound: no padding
             self.num_plain += 1
-            plain: torch.Tensor = self.estimator(*inputs, streaming)
+            with torch.inference_mode():
+                plain: torch.Tensor = self.estimator(*inputs, streaming)
             return plain
         with self._lock, torch.inference_mode():
             if self._done is not None:  # the last call may have been enqueued on another stream
