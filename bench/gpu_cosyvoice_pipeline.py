@@ -67,7 +67,8 @@ from tests.cosyvoice_random_parts import write_reference_wav
 ANSWER = ("Sure, here is the short version. The gateway cuts the stream into sentences and speaks each one.")
 WARMUP_TEXT = "Hi there."  # a short pass first: CUDA-graph capture, allocator growth
 SAMPLE_RATE = 24000
-VOCODER_NAME = "vocode_batch"  # the function t2w.run calls the vocoder through
+VOCODER_NAME = "vocode_batch"
+FIRST_STEPS = 40  # each pass reports how long its first steps took (a slow first audio's trace)  # the function t2w.run calls the vocoder through
 
 
 class StageTimer:
@@ -142,6 +143,8 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
     live = list(items)
     start = time.perf_counter()
     num_steps = 0
+    step_ends: list[float] = []  # the first FIRST_STEPS steps' end times: where a slow first audio went
+    first_step: dict[str, int] = {}
     try:
         while live:
             if time.perf_counter() > deadline or num_steps >= max_steps:
@@ -150,6 +153,8 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
             results = backend.step(live)
             num_steps += 1
             now = time.perf_counter() - start
+            if num_steps <= FIRST_STEPS:
+                step_ends.append(now)
             for item, result in zip(list(live), results, strict=True):
                 if result.error is not None:
                     raise RuntimeError(f"request {item.request_id} failed: {result.error!r}")
@@ -157,6 +162,7 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
                 if len(result.pcm):
                     if key not in first:
                         first[key] = now
+                        first_step[key] = num_steps
                     elif now - first[key] > audio_s[key]:  # the listener ran out before this chunk
                         gaps[key] = max(gaps.get(key, 0.0), now - first[key] - audio_s[key])
                     audio_s[key] += len(result.pcm) / SAMPLE_RATE
@@ -171,7 +177,9 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
     return {"streams": n, "steps": num_steps, "wall_s": wall, "silent": n - len(first),
             "ttfa_p50_ms": 1000 * rank(ttfa, 0.5), "ttfa_p95_ms": 1000 * rank(ttfa, 0.95),
             "ttfa_max_ms": 1000 * ttfa[-1], "audio_s_mean": statistics.mean(audio_s.values()),
-            "streams_with_gaps": len(gaps), "max_gap_ms": 1000 * max(gaps.values(), default=0.0)}
+            "streams_with_gaps": len(gaps), "max_gap_ms": 1000 * max(gaps.values(), default=0.0),
+            "first_audio_step_p50": rank(sorted(first_step.values()) or [0], 0.5),
+            "first_steps_ms": [round(1000 * (b - a), 1) for a, b in zip([0.0] + step_ends, step_ends)]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -191,6 +199,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "flow graphs at load")
     parser.add_argument("--max-flow-graph-row-frames", type=int, default=None,
                         help="largest flow call replayed as a CUDA graph (default: the backend's; 0: all)")
+    parser.add_argument("--flow-thread", choices=["auto", "on", "off"], default="auto",
+                        help="flow + vocoder on their own thread (auto: on a GPU)")
+    parser.add_argument("--cudnn-attention", action="store_true",
+                        help="allow cuDNN attention (the backend's default turns it off on a GPU)")
     parser.add_argument("--no-warmup", action="store_true")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-time budget of the whole run (model writing included)")
@@ -216,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         model_dir=model_dir, device=device.type, lm_dtype=args.lm_dtype, flow_dtype=args.flow_dtype,
         decode_mode=args.decode_mode, tokenizer="bytes", max_batch_size=max(streams),
         max_streams=max(streams), max_flow_streams=args.flow_streams, max_len=1024, default_voice_audio=wav,
-        default_voice_text="Hello there.")
+        default_voice_text="Hello there.", flow_thread=args.flow_thread, cudnn_attention=args.cudnn_attention)
     if args.max_flow_graph_row_frames is not None:
         config.max_flow_graph_row_frames = args.max_flow_graph_row_frames
     backend = CosyVoiceBackend(config)
@@ -281,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"({flow.get('rows_per_call', 0):.1f}) | {hift.get('ms_per_call', 0):.0f} "
               f"({hift.get('rows_per_call', 0):.1f}) |")
     print(f"gap-free with TTFA p95 < 300 ms up to: {result['capacity'] or 'none'} of {streams} streams")
+    for r in rows:
+        print(f"{r['streams']} streams, first audio at step {r['first_audio_step_p50']} (p50); "
+              f"first {len(r['first_steps_ms'])} steps, ms each: {r['first_steps_ms']}")
     for n_failed, error in result["errors"].items():
         print(f"{n_failed} streams: FAILED {error}")
     return result

@@ -27,7 +27,7 @@ from engine.backends.cosyvoice.flow_runtime.estimator_graphs import GraphedEstim
 from engine.backends.cosyvoice.frontend.voice_prompts import flow_prompt_of, plain_prompt
 from engine.backends.cosyvoice.lm.graphs import StaticDecoder
 from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
-from engine.backends.cosyvoice.loader import flow_limits
+from engine.backends.cosyvoice.loader import choose_attention, flow_limits
 from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.flow import CFM, FlowRow, build_flow
 from engine.backends.cosyvoice.models.flow_dit import RotaryEmbedding, TimeEmbed, sinus_embedding
@@ -423,3 +423,44 @@ def test_a_256_stream_pipeline_keeps_every_flow_call_within_the_graphs_rows(
     rows, frames = flow_limits(config, T2WConfig(), 25, 3)
     assert config.flow_streams == 128 and rows == 256  # 2 CFG rows per stream: every call fits a graph
     assert frames >= 2 * (150 + 75 + 15)  # the serving sizes the flow bench now measures (480 frames)
+
+
+# -- 12. Attention without per-shape cuDNN plans --------------------------------------------------
+
+
+@pytest.fixture
+def cudnn_sdp_flag() -> Any:
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_cudnn_attention_is_off_on_a_gpu_unless_asked_and_the_cpu_is_left_alone(
+        cudnn_sdp_flag: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # torch's switch is a process-wide flag that a CPU build keeps too: the choice is visible here
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    choose_attention(torch.device("cpu"), False)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with caplog.at_level(logging.INFO, logger="voxgate.engine"):
+        choose_attention(torch.device("cuda"), False)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert "cuDNN kernels off" in caplog.text
+    choose_attention(torch.device("cuda"), True)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert CosyVoiceBackendConfig().cudnn_attention is False
+    assert CosyVoiceBackendConfig.from_options({"cudnn_attention": "on"}, {}).cudnn_attention is True
+
+
+def test_the_loader_chooses_the_attention_before_anything_runs(
+        monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from engine.backends.cosyvoice import loader
+    from tests.cosyvoice_tiny import tiny_options
+
+    events: list[object] = []
+    monkeypatch.setattr(loader, "choose_attention", lambda device, cudnn: events.append((device.type, cudnn)))
+    real_load_lm = loader.load_speech_lm
+    monkeypatch.setattr(loader, "load_speech_lm", lambda *a, **k: (events.append("lm"), real_load_lm(*a, **k))[1])
+    config = CosyVoiceBackendConfig.from_options({**tiny_options(tmp_path_factory.getbasetemp()),
+                                                  "cudnn_attention": "yes"}, {})
+    loader.load_model(config)
+    assert events == [("cpu", True), "lm"]  # chosen once, before the first model is built

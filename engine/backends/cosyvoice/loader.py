@@ -81,12 +81,32 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def choose_attention(device: torch.device, cudnn_attention: bool) -> None:
+    """On a GPU, allow or forbid cuDNN's attention kernels before anything runs or is captured.
+
+    torch keys its cuDNN attention plans on the exact shape (batch, lengths,
+    strides), keeps them per thread and never evicts: each new shape on a
+    thread builds one (tens of ms, about a second when a kernel has to be
+    compiled), and an attention mask rules out the opt-in that rounds lengths
+    (TORCH_CUDNN_SDPA_AVOID_RECOMPILE). This backend's eager calls change
+    shape all the time (flow calls past the graph limit on their exact
+    shapes, on the flow thread; LM prefills at every prompt length), so by
+    default torch picks flash or memory-efficient attention instead, which
+    need no plan. The switch is torch's, process-wide (no thread scope
+    exists); the CPU has no cuDNN attention and is left alone.
+    """
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
+        log.info("attention: cuDNN kernels %s", "allowed" if cudnn_attention else "off (flash / memory-efficient)")
+
+
 def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     assert config.model_dir is not None
     model_dir = load_model_dir(config.model_dir)
     device = resolve_device(config)
     if device.type == "cpu":
         torch.set_num_threads(config.num_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+    choose_attention(device, config.cudnn_attention)
     tokenizer = load_tokenizer(model_dir, config.tokenizer)
     if tokenizer is None:
         raise ModelLoadError(
