@@ -15,9 +15,15 @@ import torch
 from bench.gpu_flow_estimator import random_dit
 from bench.gpu_flow_profile import ops_per_pass
 from engine.backends.cosyvoice.flow_runtime.estimator_onnx import example_inputs
-from engine.backends.cosyvoice.models.flow_dit import RotaryEmbedding, apply_rotary, rotate_pairs
+from engine.backends.cosyvoice.models.flow_dit import RotaryEmbedding, apply_rotary
 
 SIZE = {"dim": 64, "depth": 3, "heads": 4, "dim_head": 16}
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): the rotation as upstream writes it."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
 def test_the_swapped_signed_sine_is_rotate_pairs_times_sine() -> None:

@@ -33,14 +33,12 @@ def sinus_embedding(t: torch.Tensor, dim: int, scale: float = 1000.0) -> torch.T
     return torch.cat([arg.sin(), arg.cos()], dim=-1)
 
 
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...) on the last dimension."""
-    pairs = x.reshape(*x.shape[:-1], -1, 2)
-    return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
-
-
 class Rope(NamedTuple):
-    """One pass's rotary tables, [T, d] float32: rotate_pairs(h) * sin == h[..., swap] * signed_sin."""
+    """One pass's rotary tables, [T, d] float32.
+
+    Rotating pairs, (h0, h1, ...) -> (-h1, h0, ...), then multiplying by sin
+    equals h[..., swap] * signed_sin.
+    """
 
     cos: torch.Tensor
     signed_sin: torch.Tensor  # -sin on even channels, +sin on odd ones
@@ -86,8 +84,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """x [B, T, inner]: rotate the first d channels (in float32), leave the rest.
 
-    h * cos + rotate_pairs(h) * sin, as h * cos + h[swap] * signed_sin: two
-    kernels fewer than negating and stacking pairs, and float32 by promotion
+    h * cos + (-h1, h0, -h3, h2, ...) * sin, as h * cos + h[swap] * signed_sin:
+    two kernels fewer than negating and stacking pairs, and float32 by promotion
     without a cast of its own. Writes the rotated channels into x itself,
     which must be a fresh projection nothing else reads: the alternative, a cat
     of the head with the rest, copies the whole tensor (44 full copies a pass,
