@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not has_pyav:
         without_pyav()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="voxgate-cosyvoice-"))
+    workdir.mkdir(parents=True, exist_ok=True)  # a --workdir that does not exist yet is made
     model_dir = Path(args.model_dir) if args.model_dir else workdir / f"cosyvoice{args.version}-random"
     started = time.perf_counter()
     if not (model_dir / "llm.pt").is_file():
