@@ -1,4 +1,4 @@
-"""Encode cost of gateway.audio's StreamEncoder, in ms of CPU per second of audio.
+"""Encode cost of gateway.audio.codecs's StreamEncoder, in ms of CPU per second of audio.
 
 Run from the repository root: python -m bench.bench_audio [--seconds 20]
 Input: a seeded speech-like signal (harmonic chirp plus noise) at 22050 Hz (the
@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from gateway.audio import make_encoder
+from gateway.audio.codecs import make_encoder
 
 ROWS = [
     # (codec, sample_rate_out, frame_ms, sample_rate_in, complexity)

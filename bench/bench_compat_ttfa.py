@@ -71,12 +71,12 @@ def adapter_cost_us(turns: int) -> dict[str, list[float]]:
     import numpy as np
 
     from engine.types import AudioChunk
-    from gateway.actions import Send, Submit
     from gateway.compat.core import VendorSend
     from gateway.compat.elevenlabs import ElevenLabsMultiSession, parse_output_format
-    from gateway.messages import Limits, SessionOptions, encode_audio
-    from gateway.session import Session
-    from gateway.voice_catalog import VoiceCatalog
+    from gateway.stream.actions import Send, Submit
+    from gateway.stream.messages import Limits, SessionOptions, encode_audio
+    from gateway.stream.session import Session
+    from gateway.voices.catalog import VoiceCatalog
 
     rate = 22050
     pcm = (np.sin(np.arange(rate // 10) / 7.0) * 0.3).astype(np.float32)
@@ -168,7 +168,7 @@ def main() -> None:
     server = None
     port = args.port
     if port is None:
-        from tests.conftest import free_port
+        from tests.support.server import free_port
 
         port = free_port()
         server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),

@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.piper_blocked import blocked_decoder
-from engine.backends.piper_voices import default_voice_files, open_session, read_patched_model
-from engine.backends.piper_windows import decoder_as_2d, latent_channels, split_voice
+from engine.backends.piper.graphs.blocked import blocked_decoder
+from engine.backends.piper.loader import default_voice_files, open_session, read_patched_model
+from engine.backends.piper.windows import decoder_as_2d, latent_channels, split_voice
 
 
 def main() -> None:

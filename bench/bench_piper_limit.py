@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.piper import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
 from engine.engine import Engine, EngineConfig
 from engine.options import config_from_options
 from engine.types import RequestId, SynthesisRequest
@@ -47,7 +47,7 @@ from engine.types import RequestId, SynthesisRequest
 
 def corpus_sentences(seed: int, count: int = 400) -> list[str]:
     """Sentences of the bundled corpus (loadtest's answers cut where the segmenter would)."""
-    from gateway.segmenter import Segmenter, SegmenterConfig
+    from gateway.text.segmenter import Segmenter, SegmenterConfig
     from loadtest.corpus import load_corpus
 
     answers = load_corpus(None)
@@ -68,7 +68,7 @@ def raw_limit(texts: list[str], seconds: float, threads: int) -> float:
     from piper.config import PiperConfig, SynthesisConfig
     from piper.voice import PiperVoice
 
-    from engine.backends.piper_voices import default_voice_files
+    from engine.backends.piper.loader import default_voice_files
 
     files = default_voice_files()
     options = onnxruntime.SessionOptions()

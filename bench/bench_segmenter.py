@@ -1,4 +1,4 @@
-"""Throughput of gateway.segmenter (cleanup included), in characters per second.
+"""Throughput of gateway.text.segmenter (cleanup included), in characters per second.
 
 Run from the repository root: python -m bench.bench_segmenter [--repeats 5]
 Input: a seeded markdown-shaped LLM answer (English, Chinese and mixed
@@ -17,7 +17,7 @@ import argparse
 import random
 import time
 
-from gateway.segmenter import Segmenter
+from gateway.text.segmenter import Segmenter
 
 SYNTHESIS_CHARS_PER_S = 33 * 15  # piper, one core: real-time factor x speaking rate
 

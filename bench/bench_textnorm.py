@@ -23,7 +23,7 @@ from functools import partial
 from typing import Any
 
 from engine.backends.cosyvoice.frontend.textnorm import WeTextNormalizer, load_text_normalizer
-from gateway.segmenter import Segmenter
+from gateway.text.segmenter import Segmenter
 from loadtest.corpus import load_corpus
 
 

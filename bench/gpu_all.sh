@@ -13,7 +13,7 @@
 # device returns eight): gpu.txt (the machine), gpu.log (every script's output,
 # in order) and a .json per script. Runs from the repository root with the
 # machine's own python3 and torch; nothing is installed. SMOKE=1 runs each
-# script's --smoke mode instead (tiny sizes on the CPU; tests/test_gpu_scripts.py).
+# script's --smoke mode instead (tiny sizes on the CPU; tests/unit/bench/test_gpu_scripts.py).
 set -u
 OUT=${OUT:-/tmp/voxgate-gpu}
 TOTAL_S=${TOTAL_S:-570}

@@ -31,7 +31,7 @@ import torch
 
 from engine.backends.cosyvoice.lm.runner import LMStream, SpeechLMRunner
 from engine.backends.cosyvoice.lm.sampling import RasConfig, draw_uniforms, sample_tokens
-from tests.cosyvoice_random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
+from tests.support.cosyvoice_random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

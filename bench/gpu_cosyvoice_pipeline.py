@@ -56,12 +56,12 @@ from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.lm.driver import TorchLMDriver
 from engine.types import RequestId, SynthesisRequest
-from tests.cosyvoice_random_checkpoint import (
+from tests.support.cosyvoice_random_checkpoint import (
     QWEN2_05B,
     QWEN2_TINY,
     write_random_model_dir,
 )
-from tests.cosyvoice_random_parts import write_reference_wav
+from tests.support.cosyvoice_random_parts import write_reference_wav
 
 # about 100 byte tokens: at least 2 x that many speech tokens (8 s of audio); random weights stop soon after.
 ANSWER = ("Sure, here is the short version. The gateway cuts the stream into sentences and speaks each one.")

@@ -31,7 +31,7 @@ to `--json` after each batch:
     python -m bench.gpu_flow_estimator --json /tmp/flow_estimator.json
 
 CPU smoke run (tiny DiT; onnxruntime stands in for TensorRT, the padded
-static path for CUDA graphs; tests/test_cosyvoice_estimator_onnx.py runs it):
+static path for CUDA graphs; tests/unit/engine/cosyvoice/test_estimator_onnx.py runs it):
 
     python -m bench.gpu_flow_estimator --smoke
 """

@@ -30,7 +30,7 @@ start past it is skipped (reported).
 
     python -m bench.gpu_flow_profile --json $OUT/flow_profile.json
 
-CPU smoke run (tiny DiT, 2 small cases; tests/test_gpu_scripts.py runs it):
+CPU smoke run (tiny DiT, 2 small cases; tests/unit/bench/test_gpu_scripts.py runs it):
 
     python -m bench.gpu_flow_profile --smoke
 """

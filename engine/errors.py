@@ -9,10 +9,10 @@ VoxgateError                          `code`: the wire code a client sees
  |    +-- BackendFailure         a backend step raised; ends the affected requests only
  |    +-- ModelLoadError         a model directory or file is missing or malformed
  +-- ProtocolError               (gateway.errors) a client message broke PROTOCOL.md
- +-- RegistryError               (gateway.registry) the voice store fails; `status` 503
+ +-- RegistryError               (gateway.voices.store) the voice store fails; `status` 503
  |    +-- VoiceExistsError       the voice id is taken; 409
  |    +-- CorruptRecordError     a stored record fails its checksum; 409
- +-- VoiceUploadError            (gateway.voice_upload) a refused registration; its own
+ +-- VoiceUploadError            (gateway.voices.upload) a refused registration; its own
                                  `code` and HTTP `status` per refusal (docs/voices.md)
 
 Each error that reaches a client carries its wire `code` (PROTOCOL.md "Error

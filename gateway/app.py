@@ -21,17 +21,17 @@ from engine.client import EngineClient
 from engine.engine import Engine, EngineConfig
 from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
-from gateway.access import AccessGuard, create_session_token
-from gateway.auth import KeyCounter, SessionTokens, install_log_redaction
+from gateway.access.fair_share import FairShare, FairShareConfig
+from gateway.access.guard import AccessGuard, create_session_token
+from gateway.access.keys import KeyCounter, SessionTokens, install_log_redaction
 from gateway.compat import compat_routes
 from gateway.config import GatewayConfig
-from gateway.fair_share import FairShare, FairShareConfig
+from gateway.http.speech import speech_endpoint
 from gateway.metrics import Metrics
-from gateway.speech import speech_endpoint
-from gateway.voice_catalog import VoiceCatalog
-from gateway.voice_routes import voice_routes
-from gateway.voices import VoiceConfig, VoiceService
-from gateway.ws import stream_endpoint
+from gateway.stream.endpoint import stream_endpoint
+from gateway.voices.catalog import VoiceCatalog
+from gateway.voices.routes import voice_routes
+from gateway.voices.service import VoiceConfig, VoiceService
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -50,7 +50,7 @@ class AppState:
     key_counter: KeyCounter = field(default_factory=KeyCounter)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     is_shutting_down: bool = False
-    fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/fair_share.py)
+    fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
 
     def __post_init__(self) -> None:
         self.fair_share = FairShare(self.engine.admit, self.engine.release_context,

@@ -14,9 +14,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.auth import AuthConfig, check_exposure, install_log_redaction, load_keys
+from gateway.access.keys import AuthConfig, check_exposure, install_log_redaction, load_keys
 from gateway.config import GatewayConfig
-from gateway.http_timeouts import uvicorn_limits
+from gateway.http.timeouts import uvicorn_limits
 
 log = logging.getLogger("voxgate.gateway")
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.options import config_from_options
-from gateway.auth import AuthConfig, is_loopback
-from gateway.messages import Limits
+from gateway.access.keys import AuthConfig, is_loopback
+from gateway.stream.messages import Limits
 
 #: fields with a structure of their own, set by the CLI (or, for limits, field by field)
 _STRUCTURED = ("limits", "auth", "engine_options")
@@ -71,7 +71,7 @@ class GatewayConfig:
 
     @property
     def engine_share(self) -> float:
-        """The fair share in force (gateway/fair_share.py; docs/operations.md, "Fair share").
+        """The fair share in force (gateway/access/fair_share.py; docs/operations.md, "Fair share").
 
         Where keys name tenants (auth on), or any address may connect (`--no-auth`
         on a public bind), one owner holds at most half the engine. In loopback mode

@@ -12,7 +12,7 @@ also at the top level, where the voices API has always put them
 (docs/voices.md, "Errors").
 
 Beside ProtocolError hangs ShareExceededError: a client over its fair share
-of the engine (gateway/fair_share.py), `rate_limited` on the socket and 429
+of the engine (gateway/access/fair_share.py), `rate_limited` on the socket and 429
 over HTTP, where the engine's own EngineBusyError (the engine is full) is
 `busy` and 503.
 """
@@ -61,7 +61,7 @@ class ProtocolError(VoxgateError):
 
 
 class ShareExceededError(VoxgateError):
-    """The client already holds its share of the engine's contexts (gateway/fair_share.py)."""
+    """The client already holds its share of the engine's contexts (gateway/access/fair_share.py)."""
 
     code = "rate_limited"
     status = 429

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.context import Segment
+from gateway.stream.context import Segment
 
 
 @dataclass(slots=True)

@@ -17,13 +17,13 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from gateway.actions import Action
 from gateway.compat.alignment import Tracked, segment_words
 from gateway.compat.core import CompatSession, VendorContext, vendor_json
 from gateway.compat.endpoint import serve
 from gateway.compat.formats import OutputFormat, native_format
 from gateway.errors import ProtocolError
-from gateway.messages import SessionOptions
+from gateway.stream.actions import Action
+from gateway.stream.messages import SessionOptions
 
 ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw",
              "pcm_alaw": "alaw"}

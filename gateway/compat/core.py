@@ -1,13 +1,13 @@
 """The shared core of the vendor-compatible sockets: a `Session` that speaks another wire.
 
-`CompatSession` *is* the native sans-I/O session (gateway/session.py): every
+`CompatSession` *is* the native sans-I/O session (gateway/stream/session.py): every
 rule of the native protocol (segmenting, deadlines, admission, barge-in that
 cancels engine requests, limits, backpressure) runs unchanged. A vendor
 adapter (elevenlabs.py, cartesia.py, deepgram.py) only translates: its
 `handle` turns one client frame into native messages, fed through the
 session's own `receive_frame`, and the native events the session returns
 come back through `_translate` as the vendor's frames (`VendorSend`, already
-encoded). `CompatConnection` is the native I/O loop (gateway/ws.py) with that
+encoded). `CompatConnection` is the native I/O loop (gateway/stream/endpoint.py) with that
 one difference in how a frame is encoded.
 
 A vendor context maps onto native contexts one after another. A native
@@ -27,15 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.actions import Action, Send
 from gateway.compat.alignment import Tracked
 from gateway.compat.formats import OutputFormat, Transcoder, native_format
-from gateway.context import Context
 from gateway.errors import ProtocolError
-from gateway.messages import Limits, SessionOptions
-from gateway.session import Session
-from gateway.voice_catalog import VoiceCatalog
-from gateway.ws import Connection
+from gateway.stream.actions import Action, Send
+from gateway.stream.context import Context
+from gateway.stream.endpoint import Connection
+from gateway.stream.messages import Limits, SessionOptions
+from gateway.stream.session import Session
+from gateway.voices.catalog import VoiceCatalog
 
 
 @dataclass(slots=True, frozen=True)

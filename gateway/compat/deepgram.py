@@ -17,13 +17,13 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from gateway.actions import Action, Close
 from gateway.compat.alignment import Tracked
 from gateway.compat.core import CompatSession, VendorContext, VendorSend, vendor_json
 from gateway.compat.endpoint import refuse, serve
 from gateway.compat.formats import OutputFormat
 from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, ProtocolError
-from gateway.messages import SessionOptions
+from gateway.stream.actions import Action, Close
+from gateway.stream.messages import SessionOptions
 
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_SAMPLE_RATE = 24000

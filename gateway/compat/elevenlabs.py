@@ -26,15 +26,15 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from gateway.actions import Action, Close
-from gateway.auth import is_authorized
+from gateway.access.keys import is_authorized
+from gateway.audio.formats import MAX_SPEED, MIN_SPEED
 from gateway.compat.alignment import Tracked, segment_chars
 from gateway.compat.core import CompatSession, VendorContext, VendorSend, vendor_json
 from gateway.compat.endpoint import refuse, serve
 from gateway.compat.formats import MP3_BITRATES, OPUS_BITRATES, PCM_RATES, OutputFormat
 from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_UNAUTHORIZED, ProtocolError
-from gateway.formats import MAX_SPEED, MIN_SPEED
-from gateway.messages import SessionOptions
+from gateway.stream.actions import Action, Close
+from gateway.stream.messages import SessionOptions
 
 AUTO_MODE_DELAY_MS = 50
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0

@@ -1,7 +1,7 @@
 """The door of the vendor sockets: voxgate's admission rules, then the native I/O loop.
 
 The same checks, in the same order, as the native `/v1/stream` endpoint
-(gateway/ws.py): the key (each vendor sends it its own way; the adapter says
+(gateway/stream/endpoint.py): the key (each vendor sends it its own way; the adapter says
 where), the browser origin, shutdown, the session cap, the socket cap per
 owner; then one `CompatConnection` runs the adapter's session. A refusal is
 the vendor's error frame and a close code.
@@ -16,7 +16,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from gateway.auth import is_authorized, is_origin_allowed
+from gateway.access.keys import is_authorized, is_origin_allowed
 from gateway.compat.core import CompatConnection, CompatSession
 from gateway.errors import (
     CLOSE_FORBIDDEN,
@@ -24,8 +24,8 @@ from gateway.errors import (
     CLOSE_TRY_AGAIN_LATER,
     CLOSE_UNAUTHORIZED,
 )
-from gateway.messages import Limits, SessionOptions
-from gateway.ws import serve_session
+from gateway.stream.endpoint import serve_session
+from gateway.stream.messages import Limits, SessionOptions
 
 #: builds the adapter's session: (session id, catalog, engine rate, options, limits, admit,
 #: release, is_authorized) -> CompatSession
@@ -50,7 +50,7 @@ def _fair_admission(state: Any, owner: str) -> tuple[Callable[[str], None], Call
 def _owner(state: Any, key: str | None, websocket: WebSocket) -> str:
     host = websocket.client.host if websocket.client else None
     try:
-        from gateway.fair_share import owner_of
+        from gateway.access.fair_share import owner_of
     except ImportError:  # an app without fair share counts sockets per key
         return key or ""
     return owner_of(key, host, is_auth_enabled=state.config.auth.is_enabled)

@@ -1,6 +1,6 @@
 """Vendor audio formats: what each compatible socket may ask for, and the one transcoder.
 
-The native session (gateway/session.py) encodes PCM16 at 48/24/16/8 kHz or
+The native session (gateway/stream/session.py) encodes PCM16 at 48/24/16/8 kHz or
 G.711 mu-law. A vendor format that is one of those passes through untouched
 (`native_format`); any other (PCM at 22050/44100 Hz, 32-bit float PCM, A-law,
 MP3, Ogg Opus) is made from native PCM16 at 48 kHz by one `Transcoder` per
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import av
 import numpy as np
 
-from gateway.audio import decode_pcm16, to_frame
-from gateway.containers import MuxSink
-from gateway.formats import SAMPLE_RATES
+from gateway.audio.codecs import decode_pcm16, to_frame
+from gateway.audio.containers import MuxSink
+from gateway.audio.formats import SAMPLE_RATES
 
 KINDS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw", "mp3", "ogg_opus")
 PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)

@@ -12,7 +12,7 @@ graph has fixed shapes and addresses, so each call is padded up to a bucket:
 - frames to the next multiple of `frame_step`, masked out. Right padding is
   exact: the estimator's convolutions are causal and masked, attention masks
   padded keys, and the chunked mask depends on absolute positions only
-  (tests/test_cosyvoice_flow.py proves it for ragged batches; the tests here
+  (tests/unit/engine/cosyvoice/test_flow.py proves it for ragged batches; the tests here
   for the bucket padding itself).
 
 `use_graphs=False` runs the same padded static path eagerly on any device, so

@@ -9,7 +9,7 @@ each row with mu, spks and cond zeroed; v = (1 + r) v_cond - r v_uncond).
 
 `FlowModel.infer` runs many such sequences (different streams, different
 lengths, some with lookahead and some final) as one right-padded batch; each
-row gets exactly what it would get alone (tests/test_cosyvoice_flow.py).
+row gets exactly what it would get alone (tests/unit/engine/cosyvoice/test_flow.py).
 
 The fixed noise is upstream's: torch.manual_seed(0), randn([1, 80, 15000]),
 indexed by the absolute mel frame, so a stream's frames see the same noise

@@ -31,7 +31,7 @@ from engine.backends.cosyvoice.models.qwen2 import CacheView, Qwen2Config, Qwen2
 
 # `<|endofprompt|>`: the first token CosyVoice adds to Qwen2's vocabulary (frontend/tokens.py's
 # FIRST_ADDED_ID; written out here so that the models never import the frontend, and
-# tests/test_cosyvoice_lm.py checks the two agree).
+# tests/unit/engine/cosyvoice/test_lm.py checks the two agree).
 END_OF_PROMPT_ID = 151646
 
 

@@ -10,7 +10,7 @@ each other and the LM is never more than one flow batch ahead.
 
 The result is the serial path's, chunk for chunk: a chunk's schedule and
 content depend only on its stream's tokens (t2w/streams.py), not on when or
-with whom it is computed (tests/test_cosyvoice_t2w_worker.py). On a GPU the
+with whom it is computed (tests/unit/engine/cosyvoice/test_t2w.py). On a GPU the
 thread runs its work on its own CUDA stream and brings each batch's audio to
 the host in one copy.
 """

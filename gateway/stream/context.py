@@ -1,0 +1,146 @@
+"""One spoken turn: its text, its segments, its audio accounting.
+
+A context owns a segmenter, the segments it released (each one engine
+request), the audio chunks received and not yet framed, and its `Playout`
+(encoder, outbox, the audio counters that `cancelled` and `context.done`
+report). It knows no socket and no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
+from gateway.stream.messages import SessionOptions
+from gateway.stream.playout import Playout
+from gateway.text.segmenter import Segmenter
+
+
+class ContextState(enum.Enum):
+    OPEN = "open"            # taking text
+    FLUSHED = "flushed"      # no more text; speaking what is left
+    DONE = "done"            # all audio sent
+    CANCELLED = "cancelled"  # barge-in
+    FAILED = "failed"        # engine error
+
+
+@dataclass(slots=True)
+class Segment:
+    segment_id: int
+    text: str
+    request_id: RequestId
+    released_at: float            # when the segmenter released it: complete in the input
+    is_submitted: bool = False    # handed to the engine (within the look-ahead window)
+    chunks: deque[AudioChunk] = field(default_factory=deque)
+    is_synthesized: bool = False
+    is_started: bool = False
+    is_sent: bool = False
+    pts_ms: float = 0.0
+    audio_ms: float = 0.0
+    words: list[WordTiming] | None = None
+
+
+@dataclass(slots=True)
+class Context:
+    context_id: str
+    key: str
+    segmenter: Segmenter
+    playout: Playout
+    options: SessionOptions
+    created_at: float
+    state: ContextState = ContextState.OPEN
+    segments: list[Segment] = field(default_factory=list)
+    num_text_chars: int = 0
+    played_ms: float | None = None  # last `playback` report
+    last_text_at: float = 0.0       # when text last came: an idle open context is flushed
+    is_admitted: bool = False       # holds engine capacity (taken at its first segment)
+
+    @property
+    def is_closed(self) -> bool:
+        return self.state in (ContextState.DONE, ContextState.CANCELLED, ContextState.FAILED)
+
+    def segment_for(self, request_id: RequestId) -> Segment | None:
+        for segment in self.segments:
+            if segment.request_id == request_id:
+                return segment
+        return None
+
+    def pending_requests(self) -> list[RequestId]:
+        return [s.request_id for s in self.segments if s.is_submitted and not s.is_synthesized]
+
+    @property
+    def audio_ms_sent(self) -> float:
+        """Whole frames sent: the audio the client has."""
+        return self.playout.audio_ms_sent
+
+    def is_spoken(self) -> bool:
+        """No more text can come and every segment's audio went to the playout."""
+        return (self.state is ContextState.FLUSHED and not self.segmenter.pending_text.strip()
+                and all(s.is_sent for s in self.segments))
+
+    def is_drained(self) -> bool:
+        """Every segment synthesized and framed, and every message released."""
+        return self.is_spoken() and self.playout.is_finished and self.playout.is_empty
+
+    def audio_s(self, num_segments: int | None = None) -> float:
+        """Seconds of audio of the first `num_segments` segments (all by default).
+
+        Actual once a segment is synthesized (framed audio plus chunks still
+        waiting to be framed), estimated from its text before.
+        """
+        total = 0.0
+        for s in self.segments[:num_segments]:
+            if s.is_synthesized:
+                total += (s.audio_ms + sum(c.duration_ms for c in s.chunks)) / 1000.0
+            else:
+                total += estimate_audio_s(s.text, self.options.speed)
+        return total
+
+    def predicted_end(self, now: float) -> float:
+        """When this context's audio will have played (its playback clock, or `now` before it starts)."""
+        start = self.playout.play_started_at
+        return (now if start is None else start) + self.audio_s()
+
+    def heard_ms(self, played_ms: float | None) -> float:
+        """What the listener heard: `played_ms` when given, else its last `playback`
+        report, and never more than the audio sent."""
+        heard = self.played_ms if played_ms is None else played_ms
+        return self.audio_ms_sent if heard is None else min(heard, self.audio_ms_sent)
+
+    def split_heard(self, heard_ms: float) -> tuple[str, str]:
+        """(spoken_text, unspoken_text) for a cut at `heard_ms` of this context's audio.
+
+        Whole words where the engine gave timings, whole segments otherwise: a
+        segment counts as heard once its audio began playing (PROTOCOL.md,
+        `cancelled`).
+        """
+        spoken: list[str] = []
+        unspoken: list[str] = []
+        for segment in self.segments:
+            if not segment.is_started or segment.pts_ms >= heard_ms:
+                unspoken.append(segment.text)
+                continue
+            end_ms = segment.pts_ms + segment.audio_ms
+            if segment.is_sent and heard_ms >= end_ms:
+                spoken.append(segment.text)
+                continue
+            head, tail = _split_by_words(segment, heard_ms - segment.pts_ms)
+            if head:
+                spoken.append(head)
+            if tail:
+                unspoken.append(tail)
+        pending = self.segmenter.pending_text.strip()
+        if pending:
+            unspoken.append(" ".join(pending.split()))
+        return " ".join(spoken), " ".join(unspoken)
+
+
+def _split_by_words(segment: Segment, offset_ms: float) -> tuple[str, str]:
+    tokens = segment.text.split()
+    words = segment.words
+    if not words or len(words) != len(tokens):
+        return segment.text, ""
+    num_heard = sum(1 for w in words if w.end_ms <= offset_ms + 1e-6)
+    return " ".join(tokens[:num_heard]), " ".join(tokens[num_heard:])

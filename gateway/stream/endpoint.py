@@ -1,0 +1,389 @@
+"""The `/v1/stream` endpoint: a thin I/O loop around the sans-I/O Session.
+
+Three kinds of task per socket, all on the event loop: the reader (client
+frames -> session), one consumer per engine request (chunks -> session), and
+the writer (a byte-bounded send queue -> socket). A timer wakes the session
+for time-based text release and realtime pacing. Every action the session
+returns is carried out in `_execute`, the only place that touches the socket
+or the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Collection
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from engine.client import EngineClient
+from engine.errors import VoxgateError
+from engine.types import RequestId, SynthesisRequest
+from gateway.access.fair_share import FairShare, owner_of
+from gateway.access.keys import is_authorized, is_origin_allowed, presented_key
+from gateway.errors import (
+    CLOSE_FORBIDDEN,
+    CLOSE_GOING_AWAY,
+    CLOSE_IDLE_TIMEOUT,
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_POLICY_VIOLATION,
+    CLOSE_SLOW_CONSUMER,
+    CLOSE_TRY_AGAIN_LATER,
+    CLOSE_UNAUTHORIZED,
+    ProtocolError,
+    error_message,
+)
+from gateway.stream.actions import Action, Cancel, Close, Observe, Send, Submit
+from gateway.stream.messages import (
+    SessionOptions,
+    apply_update,
+    encode_audio,
+    encode_event,
+    encode_json,
+)
+from gateway.stream.session import Session
+from gateway.voices.catalog import VoiceCatalog
+
+log = logging.getLogger("voxgate.gateway")
+
+_INT_OPTIONS = ("sample_rate", "bitrate", "frame_ms", "max_buffer_delay_ms")
+_QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms", "encoding",
+                  "audio_as", "pacing", "speed", "max_buffer_delay_ms")
+
+
+def options_from_query(query: dict[str, str], base: SessionOptions,
+                       voice_ids: Collection[str]) -> SessionOptions:
+    """Initial options from the handshake's query string (all values arrive as text)."""
+    fields: dict[str, Any] = {}
+    for key in _QUERY_OPTIONS:
+        if key not in query:
+            continue
+        raw = query[key]
+        try:
+            fields[key] = int(raw) if key in _INT_OPTIONS else float(raw) if key == "speed" else raw
+        except ValueError:
+            raise ProtocolError("bad_message", f"query parameter {key} must be a number, got {raw!r}") from None
+    return apply_update(base, fields, voice_ids)
+
+
+class Connection:
+    """One accepted socket and its session."""
+
+    def __init__(self, websocket: WebSocket, session: Session, engine: EngineClient, app_state: Any) -> None:
+        self.ws = websocket
+        self.session = session
+        self.engine = engine
+        self.state = app_state
+        self.metrics = app_state.metrics
+        self._consumers: dict[RequestId, asyncio.Task[None]] = {}
+        self._outbox: deque[str | bytes | Close] = deque()
+        self._outbox_bytes = 0
+        self._room = asyncio.Event()       # set while the outbox is under its soft limit
+        self._room.set()
+        self._last_progress = time.monotonic()
+        self._wake_writer = asyncio.Event()
+        self._wake_timer = asyncio.Event()
+        self._closing: Close | None = None
+        self._done = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop(), name="writer")
+        timer = asyncio.create_task(self._timer_loop(), name="timer")
+        reader = asyncio.create_task(self._read_loop(), name="reader")
+        try:
+            self._execute(self.session.start(time.monotonic()))
+            # The socket is done when the client leaves (reader) or the server
+            # closed it, cleanly or by force (writer), or a task failed.
+            await asyncio.wait({reader, timer, self._writer}, return_when=asyncio.FIRST_COMPLETED)
+            self._check_failed(reader, timer)
+            if not self._writer.done() and self._closing is not None:
+                await self._drain_writer(self._writer)
+        finally:
+            for task in (timer, reader, *self._consumers.values()):
+                task.cancel()
+            self._execute(self.session.disconnect())
+            self._writer.cancel()
+
+    async def _drain_writer(self, writer: asyncio.Task[None]) -> None:
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, OSError, RuntimeError):
+            await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
+
+    def _check_failed(self, *tasks: asyncio.Task[None]) -> None:
+        """A reader or timer that raised is a server bug: log it, close with 1011.
+
+        Without this its exception would never be read, and the client would see
+        the socket drop (1006) with no error event and nothing in the log.
+        """
+        for task in tasks:
+            if not task.done() or task.cancelled() or task.exception() is None:
+                continue
+            log.error("session %s: %s task failed; closing with 1011", self.session.session_id,
+                      task.get_name(), exc_info=task.exception())
+            self._send(Send(error_message(ProtocolError(
+                "internal", "internal error; the server logged it", fatal=True))))
+            self._close(Close(CLOSE_INTERNAL_ERROR, "internal error"))
+            return
+
+    def close_going_away(self) -> None:
+        """Server shutdown: close with 1001 after what is queued."""
+        self._close(Close(CLOSE_GOING_AWAY, "server is shutting down"))
+
+    # -- reading ---------------------------------------------------------------
+    async def _read_loop(self) -> None:
+        idle = self.session.limits.idle_timeout_s
+        while not self._done.is_set():
+            # The idle clock is the client's: its last frame (Session.is_idle),
+            # not whether it holds open contexts.
+            wait = self.session.last_activity + idle - time.monotonic()
+            if wait <= 0:
+                wait = min(idle, 1.0)  # past it, but a context is still speaking: look again soon
+            try:
+                message = await asyncio.wait_for(self.ws.receive(), timeout=wait)
+            except asyncio.TimeoutError:
+                if not self.session.is_idle(time.monotonic()):
+                    continue
+                self._execute([Send(error_message(ProtocolError(
+                    "bad_message", f"closing after {idle:.0f} s without messages", fatal=True))),
+                    Close(CLOSE_IDLE_TIMEOUT, "idle timeout")])
+                return
+            except (WebSocketDisconnect, RuntimeError):
+                return
+            if message["type"] == "websocket.disconnect":
+                return
+            raw = message.get("text")
+            if raw is None:
+                raw = message.get("bytes") or b""
+            self._execute(self.session.receive_frame(raw, time.monotonic()))
+            if self._closing is not None:
+                return
+
+    # -- engine requests ---------------------------------------------------------
+    def _start_request(self, request: SynthesisRequest) -> None:
+        task = asyncio.create_task(self._consume(request))
+        self._consumers[request.request_id] = task
+
+    async def _consume(self, request: SynthesisRequest) -> None:
+        try:
+            async for chunk in self.engine.submit(request):
+                # Backpressure (docs/architecture.md, "The backpressure story"):
+                # while the client has not read what is queued, stop taking audio;
+                # the request's playback clock in the engine stops with it (heard
+                # audio never passes taken audio), so the engine stops making it.
+                if not await self._wait_for_room():
+                    return
+                self._execute(self.session.receive_audio(chunk, time.monotonic()))
+        except asyncio.CancelledError:
+            raise
+        except VoxgateError as exc:
+            self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
+        except Exception as exc:  # ends this context only
+            log.exception("request %s failed", request.request_id)
+            self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
+        finally:
+            self._consumers.pop(request.request_id, None)
+
+    @property
+    def _soft_limit(self) -> int:
+        return self.session.limits.max_send_buffer_bytes // 4
+
+    async def _wait_for_room(self) -> bool:
+        """Wait until the outbox drains below its soft limit; False once the socket is closing.
+
+        Backpressure, the guard against a client that stops reading (docs/architecture.md,
+        "The backpressure story").
+        """
+        timeout = self.session.limits.slow_consumer_timeout_s
+        while self._outbox_bytes > self._soft_limit and self._closing is None:
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), timeout)
+            except asyncio.TimeoutError:
+                if time.monotonic() - self._last_progress >= timeout:
+                    self._slow_consumer(f"nothing read for {timeout:g} s")
+        return self._closing is None
+
+    # -- acting ------------------------------------------------------------------
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, Submit):
+                self._start_request(action.request)
+            elif isinstance(action, Cancel):
+                self.engine.cancel(action.request_id)
+                task = self._consumers.pop(action.request_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(action, Observe):
+                self.metrics.observe(action.name, action.value)
+            elif isinstance(action, Close):
+                self._close(action)
+        self.metrics.contexts.set(sum(len(c.session.contexts) for c in self.state.connections))
+        self._wake_timer.set()
+
+    def _send(self, action: Send) -> None:
+        if self._closing is not None:
+            return
+        frame = self._encode(action)
+        self._outbox.append(frame)
+        self._outbox_bytes += len(frame)
+        self._wake_writer.set()
+        if self._outbox_bytes > self.session.limits.max_send_buffer_bytes:
+            self._slow_consumer(f"over {self.session.limits.max_send_buffer_bytes} bytes queued")
+
+    def _encode(self, action: Send) -> str | bytes:
+        """One frame for a Send (the compatible sockets, gateway/compat, shape their own)."""
+        options = self.session.options
+        if action.is_audio:
+            return encode_audio(action.message, options)
+        return encode_event(action.message, options.encoding)
+
+    def _slow_consumer(self, why: str) -> None:
+        """PROTOCOL.md: a client that stops reading may not grow server memory."""
+        if self._closing is not None:
+            return
+        # The writer is stuck on a full socket: drop what is queued and end the
+        # connection by force (the close frame may never get through).
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        slow = error_message(ProtocolError("slow_consumer", "the client is not reading its audio "
+                                           f"({why}); closing", fatal=True))
+        self._outbox.append(encode_event(slow, self.session.options.encoding))
+        self.metrics.observe("error:slow_consumer", 1)
+        self._close(Close(CLOSE_SLOW_CONSUMER, "slow consumer"))
+        log.warning("session %s: slow consumer (%s), closing", self.session.session_id, why)
+        if self._writer is not None:
+            self._writer.cancel()
+        self._room.set()
+
+    def _close(self, action: Close) -> None:
+        if self._closing is None:
+            self._closing = action
+            self._outbox.append(action)
+            self._wake_writer.set()
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                while not self._outbox:
+                    self._wake_writer.clear()
+                    await self._wake_writer.wait()
+                frame = self._outbox.popleft()
+                if isinstance(frame, Close):
+                    await self.ws.close(frame.code, frame.reason)
+                    return
+                if isinstance(frame, bytes):
+                    await self.ws.send_bytes(frame)
+                else:
+                    await self.ws.send_text(frame)
+                self._outbox_bytes -= len(frame)
+                self._last_progress = time.monotonic()
+                if self._outbox_bytes <= self._soft_limit:
+                    self._room.set()
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            pass
+        finally:
+            self._done.set()
+
+    async def _timer_loop(self) -> None:
+        while True:
+            wakeup = self.session.next_wakeup()
+            self._wake_timer.clear()
+            delay = None if wakeup is None else max(0.0, wakeup - time.monotonic())
+            try:
+                await asyncio.wait_for(self._wake_timer.wait(), timeout=delay)
+                continue
+            except asyncio.TimeoutError:
+                pass
+            self._execute(self.session.tick(time.monotonic()))
+
+
+async def _refuse(websocket: WebSocket, code: str, message: str, close_code: int) -> None:
+    await websocket.accept()
+    error = error_message(ProtocolError(code, message, fatal=True))
+    await websocket.send_text(encode_json(error))
+    await websocket.close(close_code, code)
+
+
+async def stream_endpoint(websocket: WebSocket) -> None:
+    state = websocket.app.state.voxgate
+    config = state.config
+    engine: EngineClient = state.engine
+    query = dict(websocket.query_params)
+    key = presented_key(websocket.headers, query)
+    # Nothing is done for a socket before it is authorized (PROTOCOL.md: 4401).
+    if not is_authorized(config.auth, key):
+        state.metrics.observe("error:unauthorized", 1)
+        await _refuse(websocket, "unauthorized", "a valid API key is required (Authorization: Bearer "
+                      "<key>, or ?api_key= for browsers)", CLOSE_UNAUTHORIZED)
+        return
+    if not is_origin_allowed(config.auth, websocket.headers.get("origin"), websocket.headers.get("host")):
+        await _refuse(websocket, "unauthorized", "this origin is not allowed (see --allowed-origins)",
+                      CLOSE_FORBIDDEN)
+        return
+    if state.is_shutting_down:
+        await _refuse(websocket, "busy", "the server is shutting down", CLOSE_GOING_AWAY)
+        return
+    if len(state.connections) >= config.max_sessions:
+        state.metrics.observe("error:busy", 1)
+        await _refuse(websocket, "busy", f"the server holds {config.max_sessions} sessions; try again later",
+                      CLOSE_TRY_AGAIN_LATER)
+        return
+    # The key with auth on; with auth off, any key passes, so the client's address
+    # (gateway/access/fair_share.py): the socket cap and the engine share are per owner.
+    owner = owner_of(key, websocket.client.host if websocket.client else None,
+                     is_auth_enabled=config.auth.is_enabled)
+    key_slot = owner
+    if not state.key_counter.acquire(key_slot, config.max_sockets_per_key):
+        state.metrics.observe("error:rate_limited", 1)
+        who = "key" if config.auth.is_enabled else "client address"
+        await _refuse(websocket, "rate_limited", f"this {who} holds {config.max_sockets_per_key} sockets "
+                      "already", CLOSE_TRY_AGAIN_LATER)
+        return
+    try:
+        catalog: VoiceCatalog = state.catalog
+        base = SessionOptions(voice=config.voice)
+        try:
+            options = options_from_query(query, base, catalog.listed)
+        except ProtocolError as exc:
+            exc.fatal = True
+            await websocket.accept()
+            await websocket.send_text(encode_json(error_message(exc)))
+            await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
+            return
+        # Made before the first await, so the voice just validated is held at once.
+        fair_share: FairShare = state.fair_share
+        session = Session(uuid.uuid4().hex[:16], catalog=catalog, sample_rate=engine.sample_rate,
+                          options=options, limits=config.limits,
+                          admit=lambda context_key: fair_share.admit(owner, context_key),
+                          release=fair_share.release)
+        await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
+    finally:
+        state.key_counter.release(key_slot)
+
+
+async def serve_session(websocket: WebSocket, session: Session, connection: Connection,
+                        state: Any) -> None:
+    """Accept the socket and run `connection` (native or a vendor adapter's) until it ends.
+
+    The connection is counted in the app's open connections and the sessions gauge
+    while it runs; the session lets go of its voice at the end even if `run` never
+    started (a no-op after `run`).
+    """
+    try:
+        await websocket.accept()
+        state.connections.add(connection)
+        state.metrics.sessions.inc()
+        try:
+            await connection.run()
+        finally:
+            state.connections.discard(connection)
+            state.metrics.sessions.dec()
+    finally:
+        session.disconnect()

@@ -1,0 +1,117 @@
+"""One context's audio on its way out: PCM chunks in, paced `audio` messages out (sans-I/O).
+
+`Playout` owns the media half of a context, so that `Session` keeps only the
+protocol half (which segment speaks next, what was heard). It encodes PCM
+with the context's `StreamEncoder`, packs the codec frames into `audio`
+messages of up to `FRAMES_PER_MESSAGE` frames with gapless `seq` and
+`pts_ms` (PROTOCOL.md, "Rules the server keeps"), and holds them in an outbox
+until pacing lets them go. Like the session it reads no clock: `release`
+takes `now`.
+
+Pacing. `asap` releases every message at once. `realtime` keeps the client at
+most `REALTIME_LEAD_MS` of audio ahead of its playback clock, which starts
+when the context's first message leaves (or when the audio of the contexts
+before it ends, if later): a message whose `pts_ms` is due `REALTIME_LEAD_MS`
+before its playback time is released.
+
+The outbox is bounded by what it is fed: the session hands it the audio of at
+most `synthesis.MAX_SEGMENTS_AHEAD` segments at a time (docs/architecture.md,
+"The backpressure story").
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from gateway.audio.codecs import EncodedFrame, StreamEncoder
+from gateway.stream import messages
+
+FRAMES_PER_MESSAGE = 5
+REALTIME_LEAD_MS = 1500.0
+
+
+class Playout:
+    """Encodes, packetizes and paces one context's audio (see module doc).
+
+    Counters the protocol reports: `pcm_ms_framed` (PCM handed to the
+    encoder, sample-exact: segment `pts_ms` values), `audio_ms_queued` (whole
+    frames packed into messages), `audio_ms_sent` (whole frames released: what
+    the client has), `play_started_at` (when its playback clock started, on the
+    caller's monotonic clock; None before the first release).
+    """
+
+    def __init__(self, context_id: str, encoder: StreamEncoder, *, is_realtime: bool) -> None:
+        self.context_id = context_id
+        self.encoder = encoder
+        self.is_realtime = is_realtime
+        self.seq = 0
+        self.pcm_ms_framed = 0.0
+        self.audio_ms_queued = 0.0
+        self.audio_ms_sent = 0.0
+        self.play_started_at: float | None = None
+        self.is_finished = False
+        self._outbox: deque[tuple[float, dict[str, Any]]] = deque()  # (pts_ms, audio message)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing waits for release (what was pushed so far is out)."""
+        return not self._outbox
+
+    def push(self, pcm: np.ndarray) -> None:
+        """Encode mono PCM at the encoder's input rate; its whole frames join the outbox."""
+        self.pcm_ms_framed += 1000.0 * len(pcm) / self.encoder.sample_rate_in
+        self._pack(self.encoder.encode(pcm))
+
+    def finish(self) -> None:
+        """No more PCM: the encoder's padded tail joins the outbox (once)."""
+        if not self.is_finished:
+            self.is_finished = True
+            self._pack(self.encoder.flush())
+
+    def clear(self) -> None:
+        """Drop what waits (cancel): no audio of this context leaves after this."""
+        self._outbox.clear()
+
+    def release(self, now: float, playback_end: float) -> list[dict[str, Any]]:
+        """The messages pacing lets go at `now`, in order.
+
+        `playback_end`: when the audio of the contexts before this one ends
+        playing; this one's playback clock starts no earlier.
+        """
+        out: list[dict[str, Any]] = []
+        while self._outbox:
+            pts_ms, message = self._outbox[0]
+            if self.is_realtime and self._due_at(pts_ms) > now:
+                break
+            self._outbox.popleft()
+            if self.play_started_at is None:
+                # Contexts play one after another: this one starts when the last ends.
+                self.play_started_at = max(now, playback_end)
+            self.audio_ms_sent += float(message["duration_ms"])
+            out.append(message)
+        return out
+
+    def next_release(self) -> float | None:
+        """When the next waiting message is due under realtime pacing; None if none waits."""
+        if not self.is_realtime or not self._outbox:
+            return None
+        return self._due_at(self._outbox[0][0])
+
+    def _due_at(self, pts_ms: float) -> float:
+        start = self.play_started_at
+        if start is None:
+            return 0.0  # the first message leaves at once and starts the clock
+        return start + (pts_ms - REALTIME_LEAD_MS) / 1000.0
+
+    def _pack(self, frames: list[EncodedFrame]) -> None:
+        for start in range(0, len(frames), FRAMES_PER_MESSAGE):
+            group = frames[start:start + FRAMES_PER_MESSAGE]
+            duration = sum(f.duration_ms for f in group)
+            message = messages.audio(self.context_id, self.seq, self.audio_ms_queued, duration,
+                                     self.encoder.codec, [f.data for f in group])
+            self.seq += 1
+            self._outbox.append((self.audio_ms_queued, message))
+            self.audio_ms_queued += duration

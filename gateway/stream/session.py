@@ -1,0 +1,385 @@
+"""The sans-I/O session: client messages and engine audio in, actions out.
+
+Like python-websockets' protocol objects, `Session` does no I/O and reads no
+clock: the endpoint passes `now` (monotonic seconds) into every call and
+carries out the returned actions (send a frame, submit or cancel an engine
+request, close). Tests drive it synchronously.
+
+Rules implemented here are PROTOCOL.md's "Rules the server keeps": contexts
+play one after another in creation order; a closed context id answers
+`context_closed` once; after `cancelled` no audio of that context follows;
+`seq` has no gaps and `pts_ms` grows by `duration_ms` (each context's
+`Playout`, gateway/stream/playout.py, keeps the last two and paces its audio).
+
+Voices are held in the shared `VoiceCatalog`: the session's current voice
+and each open context's, released on change, at a context's end and on
+disconnect, so that a deleted voice stays speakable for whoever holds it.
+
+What is not protocol lives beside it: the engine half (segments submitted
+within the look-ahead window, admission, deadlines, audio routed back) in
+synthesis.py, the media half in playout.py, the actions in actions.py, the
+wire messages in messages.py, a turn's bookkeeping in context.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import VoxgateError
+from engine.types import AudioChunk, RequestId
+from gateway.audio.codecs import make_encoder
+from gateway.errors import ProtocolError, error_message
+from gateway.stream import messages
+from gateway.stream.actions import Action, Cancel, Close, Observe, Send, Submit
+from gateway.stream.context import Context, ContextState
+from gateway.stream.messages import (
+    Limits,
+    SessionOptions,
+    TokenBucket,
+    apply_update,
+    context_id_of,
+    decode_frame,
+    optional_ms,
+    text_fields,
+)
+from gateway.stream.playout import Playout
+from gateway.stream.synthesis import Synthesis, frame_ready_audio
+from gateway.text.segmenter import Segmenter, SegmenterConfig
+from gateway.voices.catalog import VoiceCatalog
+
+log = logging.getLogger("voxgate.gateway")
+
+MAX_REMEMBERED_CLOSED = 4096
+MAX_RECENT_DONE = 8
+
+__all__ = ["Action", "Cancel", "Close", "Observe", "Send", "Session", "Submit"]
+
+
+class Session:
+    """One WebSocket connection's protocol state."""
+
+    def __init__(self, session_id: str, *, catalog: VoiceCatalog, sample_rate: int,
+                 options: SessionOptions | None = None, limits: Limits | None = None,
+                 admit: Callable[[str], None] = lambda key: None,
+                 release: Callable[[str], None] = lambda key: None) -> None:
+        """Holds `options.voice` in `catalog` until `disconnect`; the caller validated it."""
+        self.session_id = session_id
+        self.catalog = catalog
+        self.engine_sample_rate = sample_rate
+        self.options = options or SessionOptions()
+        self.limits = limits or Limits()
+        catalog.hold(self.options.voice)
+        self._is_holding_voice = True
+        self._synthesis = Synthesis(session_id, admit=admit, release=release)
+        self.contexts: dict[str, Context] = {}     # open, in creation order
+        self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
+        self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
+        self._playback_end = 0.0  # when the audio of finished contexts ends playing
+        self.is_closing = False
+        self.last_activity = 0.0
+        limits = self.limits
+        self._message_rate = TokenBucket(limits.max_messages_per_s, limits.max_messages_per_s * limits.burst_s)
+        self._text_rate = TokenBucket(limits.max_text_chars_per_s, limits.max_text_chars_per_s * limits.burst_s)
+
+    # -- entry points -------------------------------------------------------
+    def start(self, now: float) -> list[Action]:
+        self.last_activity = now
+        return [Send(messages.session_ready(self.session_id, self.options, self.limits))]
+
+    def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
+        """One client frame. Bad input yields an `error`; the session goes on."""
+        self.last_activity = now
+        context_id: str | None = None
+        try:
+            if not self._message_rate.take(1, now):
+                raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
+                                    "messages per second; the message was dropped")
+            message = decode_frame(raw, self.limits.max_message_bytes)
+            context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
+            return self._dispatch(message, now)
+        except VoxgateError as exc:
+            return [Send(error_message(exc, context_id)), Observe("error:" + exc.code, 1)]
+
+    def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]:
+        if not self._synthesis.receive_audio(chunk):
+            return []
+        return self._pump(now)
+
+    def receive_engine_error(self, request_id: RequestId, exc: BaseException,
+                             now: float) -> list[Action]:
+        """An engine failure ends that context only (PROTOCOL.md `internal`)."""
+        context = self._synthesis.pop_request(request_id)
+        if context is None or context.is_closed:
+            return []
+        actions: list[Action] = [Send(error_message(exc, context.context_id)),
+                                 Observe("error:" + getattr(exc, "code", "internal"), 1)]
+        actions += self._end_context(context, ContextState.FAILED)
+        return actions + self._pump(now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Timers: time-based text release, idle contexts flushed, realtime pacing."""
+        actions: list[Action] = []
+        for context in list(self.contexts.values()):
+            if context.state is not ContextState.OPEN:
+                continue
+            if now >= context.last_text_at + self.limits.context_idle_timeout_s:
+                # An abandoned turn (docs/protocol.md, "A turn"): speak what came and end it,
+                # so that an open context cannot hold engine capacity or the socket forever.
+                actions += self._flush_context(context, now)
+            else:
+                actions += self._submit_segments(context, context.segmenter.poll(now), now)
+        return actions + self._pump(now)
+
+    def is_idle(self, now: float) -> bool:
+        """No client frame for the idle timeout, and no flushed context still speaking.
+
+        Open contexts do not count: a socket that opens turns and goes silent is
+        idle (its turns are flushed after `context_idle_timeout_s` anyway). A
+        context still speaking does, because the client is listening to it.
+        """
+        if now < self.last_activity + self.limits.idle_timeout_s:
+            return False
+        return not any(c.state is ContextState.FLUSHED for c in self.contexts.values())
+
+    def disconnect(self) -> list[Action]:
+        """The socket is gone: free every context's engine work, capacity and voice (idempotent)."""
+        actions: list[Action] = []
+        for context in list(self.contexts.values()):
+            actions += [a for a in self._end_context(context, ContextState.CANCELLED)
+                        if isinstance(a, Cancel)]
+        if self._is_holding_voice:
+            self._is_holding_voice = False
+            self.catalog.release(self.options.voice)
+        return actions
+
+    def next_wakeup(self) -> float | None:
+        times = [t for c in self.contexts.values()
+                 if c.state is ContextState.OPEN and (t := c.segmenter.next_deadline()) is not None]
+        times += [c.last_text_at + self.limits.context_idle_timeout_s for c in self.contexts.values()
+                  if c.state is ContextState.OPEN]
+        active = self._active_context()
+        if active is not None and (due := active.playout.next_release()) is not None:
+            times.append(due)
+        return min(times) if times else None
+
+    # -- client messages -----------------------------------------------------
+    def _dispatch(self, message: dict[str, Any], now: float) -> list[Action]:
+        kind = message["type"]
+        if self.is_closing and kind != "close":
+            raise ProtocolError("bad_message", "the session is closing; no more messages are taken")
+        if kind == "text":
+            return self._on_text(message, now)
+        if kind == "flush":
+            return self._on_flush(message, now)
+        if kind == "cancel":
+            return self._on_cancel(message, now)
+        if kind == "playback":
+            return self._on_playback(message)
+        if kind == "session.update":
+            return self._on_update(message)
+        if kind == "close":
+            return self._on_close(now)
+        raise ProtocolError("bad_message", f"unknown message type {kind[:40]!r}; expected one of "
+                            "session.update, text, flush, cancel, playback, close")
+
+    def _on_text(self, message: dict[str, Any], now: float) -> list[Action]:
+        context_id, text, flush = text_fields(message)
+        context = self._open_context(context_id, now)
+        if context is None:
+            return self._closed_answer(context_id)
+        if context.state is not ContextState.OPEN:
+            raise ProtocolError("context_closed", f"context {context_id!r} was flushed; no more text is taken",
+                                context_id=context_id)
+        if context.num_text_chars + len(text) > self.limits.max_text_per_context:
+            raise ProtocolError("text_too_long", f"context {context_id!r} would exceed "
+                                f"{self.limits.max_text_per_context} characters; the delta was dropped",
+                                context_id=context_id)
+        if not self._text_rate.take(len(text), now):
+            raise ProtocolError("rate_limited", f"more than {self.limits.max_text_chars_per_s:g} characters "
+                                "of text per second; the delta was dropped", context_id=context_id)
+        context.num_text_chars += len(text)
+        context.last_text_at = now
+        actions = self._submit_segments(context, context.segmenter.push(text, now), now)
+        if flush:
+            actions += self._flush_context(context, now)
+        return actions + self._pump(now)
+
+    def _on_flush(self, message: dict[str, Any], now: float) -> list[Action]:
+        context_id = context_id_of(message, required=True)
+        assert context_id is not None
+        context = self.contexts.get(context_id)
+        if context is None:
+            if context_id in self._closed:
+                return self._closed_answer(context_id)
+            raise ProtocolError("bad_context_id", f"no open context {context_id!r}; send text first",
+                                context_id=context_id)
+        return self._flush_context(context, now) + self._pump(now)
+
+    def _on_cancel(self, message: dict[str, Any], now: float) -> list[Action]:
+        context_id = context_id_of(message, required=False)
+        played_ms = optional_ms(message, "played_ms")
+        if context_id is None:
+            targets = list(self.contexts.values())
+        elif context_id in self.contexts:
+            targets = [self.contexts[context_id]]
+        elif context_id in self._recent_done:
+            # All audio was sent, but the listener may still be playing it (asap
+            # pacing runs far ahead): split the text at what was heard.
+            done = self._recent_done.pop(context_id)
+            spoken, unspoken = done.split_heard(done.heard_ms(played_ms))
+            return [Send(messages.cancelled(context_id, audio_ms_sent=done.audio_ms_sent,
+                                            played_ms=played_ms, spoken_text=spoken,
+                                            unspoken_text=unspoken)), Observe("cancel", 1)]
+        elif context_id in self._closed:
+            # Already cancelled (or long finished): answer idempotently, nothing to stop.
+            return [Send(messages.cancelled(context_id, audio_ms_sent=None, played_ms=played_ms,
+                                            spoken_text=None, unspoken_text=None))]
+        else:
+            raise ProtocolError("bad_context_id", f"no open context {context_id!r}", context_id=context_id)
+        actions: list[Action] = []
+        spoken_all: list[str] = []
+        unspoken_all: list[str] = []
+        sent_total = 0.0
+        for context in targets:
+            # a played_ms reported with a cancel of all contexts applies to none of them alone
+            spoken, unspoken = context.split_heard(context.heard_ms(played_ms if context_id else None))
+            sent_total += context.audio_ms_sent
+            spoken_all.append(spoken)
+            unspoken_all.append(unspoken)
+            actions += self._end_context(context, ContextState.CANCELLED)
+            actions.append(Observe("cancel", 1))
+            if context_id is not None:
+                actions.append(Send(messages.cancelled(
+                    context.context_id, audio_ms_sent=context.audio_ms_sent,
+                    played_ms=played_ms if played_ms is not None else context.played_ms,
+                    spoken_text=spoken, unspoken_text=unspoken)))
+        if context_id is None:
+            actions.append(Send(messages.cancelled(
+                None, audio_ms_sent=sent_total, played_ms=played_ms,
+                spoken_text=" ".join(s for s in spoken_all if s),
+                unspoken_text=" ".join(u for u in unspoken_all if u))))
+        return actions + self._pump(now)
+
+    def _on_update(self, message: dict[str, Any]) -> list[Action]:
+        options = apply_update(self.options, message, self.catalog.listed)
+        if options.voice != self.options.voice and self._is_holding_voice:
+            self.catalog.hold(options.voice)
+            self.catalog.release(self.options.voice)
+        self.options = options
+        return [Send(messages.session_updated(options))]
+
+    def _on_playback(self, message: dict[str, Any]) -> list[Action]:
+        context_id = context_id_of(message, required=True)
+        played_ms = optional_ms(message, "played_ms")
+        if played_ms is None:
+            raise ProtocolError("bad_message", "'playback' needs a number field 'played_ms'")
+        context = self.contexts.get(context_id or "") or self._recent_done.get(context_id or "")
+        if context is not None:
+            context.played_ms = played_ms
+        return []
+
+    def _on_close(self, now: float) -> list[Action]:
+        self.is_closing = True
+        actions: list[Action] = []
+        for context in list(self.contexts.values()):
+            if context.state is ContextState.OPEN:
+                actions += self._flush_context(context, now)
+        return actions + self._pump(now)
+
+    # -- contexts --------------------------------------------------------------
+    def _open_context(self, context_id: str, now: float) -> Context | None:
+        if context_id in self.contexts:
+            return self.contexts[context_id]
+        if context_id in self._closed:
+            return None
+        if len(self.contexts) >= self.limits.max_open_contexts:
+            raise ProtocolError("too_many_contexts", f"this socket holds {self.limits.max_open_contexts} "
+                                "open contexts; flush or cancel one first", context_id=context_id)
+        # Engine capacity is taken later, when the first segment goes to the
+        # engine (`Synthesis.submit_ready`): text that never makes a segment holds none.
+        key = f"{self.session_id}/{context_id}"
+        options = self.options
+        config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
+        encoder = make_encoder(options.codec, options.sample_rate, options.frame_ms,
+                               options.bitrate, self.engine_sample_rate)
+        playout = Playout(context_id, encoder, is_realtime=options.pacing == "realtime")
+        context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now)
+        self.contexts[context_id] = context
+        self.catalog.hold(options.voice)
+        return context
+
+    def _closed_answer(self, context_id: str) -> list[Action]:
+        if self._closed.get(context_id):
+            return []  # answered once already: late tokens are dropped silently
+        self._closed[context_id] = True
+        return [Send(error_message(ProtocolError(
+            "context_closed", f"context {context_id!r} is done or cancelled; its text is dropped",
+            context_id=context_id))), Observe("error:context_closed", 1)]
+
+    def _flush_context(self, context: Context, now: float) -> list[Action]:
+        if context.state is not ContextState.OPEN:
+            return []
+        actions = self._submit_segments(context, context.segmenter.flush(now), now)
+        context.state = ContextState.FLUSHED
+        return actions
+
+    def _submit_segments(self, context: Context, texts: list[str], now: float) -> list[Action]:
+        """Queue released segments, then submit as many as the look-ahead window allows."""
+        self._synthesis.add_segments(context, texts, now)
+        return self._submit_ready(now)
+
+    def _submit_ready(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for context in self._synthesis.submit_ready(self.contexts, now, actions):
+            actions += self._end_context(context, ContextState.FAILED)
+        return actions
+
+    def _end_context(self, context: Context, state: ContextState) -> list[Action]:
+        actions = self._synthesis.cancel_pending(context)
+        for segment in context.segments:
+            segment.chunks.clear()
+        context.playout.clear()
+        context.segmenter.clear()
+        context.state = state
+        if state is ContextState.DONE:
+            if context.playout.play_started_at is not None:
+                self._playback_end = context.playout.play_started_at + context.audio_ms_sent / 1000.0
+            self._recent_done[context.context_id] = context
+            while len(self._recent_done) > MAX_RECENT_DONE:
+                self._recent_done.popitem(last=False)
+        self.contexts.pop(context.context_id, None)
+        self._closed[context.context_id] = False
+        while len(self._closed) > MAX_REMEMBERED_CLOSED:
+            self._closed.popitem(last=False)
+        self._synthesis.release(context)
+        self.catalog.release(context.options.voice)
+        return actions
+
+    # -- audio -------------------------------------------------------------------
+    def _active_context(self) -> Context | None:
+        return next(iter(self.contexts.values()), None)
+
+    def _pump(self, now: float) -> list[Action]:
+        """Frame ready audio of the active context, send what pacing allows, finish contexts."""
+        actions: list[Action] = []
+        while (context := self._active_context()) is not None:
+            frame_ready_audio(context, now, actions)
+            actions += self._submit_ready(now)
+            if context.is_closed:
+                continue  # refused admission: it ended, the next context is active
+            for message in context.playout.release(now, self._playback_end):
+                actions += [Send(message, is_audio=True), Observe("audio_ms", message["duration_ms"])]
+                late_s = now - (context.playout.play_started_at or now) - message["pts_ms"] / 1000.0
+                if late_s > 0:  # sent after its playback time: the server's view of a gap
+                    actions.append(Observe("late_audio", late_s))
+            if not context.is_drained():
+                break
+            actions.append(Send(messages.context_done(context.context_id, context.audio_ms_sent,
+                                                      len(context.segments))))
+            actions += self._end_context(context, ContextState.DONE)
+        if not self.contexts and self.is_closing:
+            actions.append(Close(1000, "session closed by client"))
+        return actions

@@ -1,0 +1,176 @@
+"""A socket's synthesis: its contexts' segments out to the engine, their audio back in.
+
+`Synthesis` turns the segments each context's segmenter releases into engine
+requests: it names them, submits them in playback order within the socket's
+look-ahead window (`MAX_SEGMENTS_AHEAD`), takes engine capacity for a context
+as its first segment goes (admission), and gives every request its deadline.
+Audio coming back is routed by request id to its segment, and
+`frame_ready_audio` hands it to the context's playout in playback order,
+announcing each segment as its audio starts. Like the `Session` that holds it,
+it does no I/O and reads no clock; the session decides what a refused
+admission or an engine error ends, and when audio is released to the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from engine.errors import VoxgateError
+from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
+from gateway.errors import error_message
+from gateway.stream import messages
+from gateway.stream.actions import Action, Cancel, Observe, Send, Submit
+from gateway.stream.context import Context, Segment
+
+#: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
+#: segments per socket with the engine or waiting to be framed; the engine's
+#: look-ahead on each request's playback clock does the pacing within it.
+MAX_SEGMENTS_AHEAD = 4
+
+
+class Synthesis:
+    """One socket's engine requests: named, admitted, submitted and routed back."""
+
+    def __init__(self, session_id: str, *, admit: Callable[[str], None],
+                 release: Callable[[str], None]) -> None:
+        self.session_id = session_id
+        self._admit = admit
+        self._release = release
+        self._by_request: dict[RequestId, Context] = {}
+        self._request_ids = itertools.count()
+
+    def add_segments(self, context: Context, texts: list[str], now: float) -> None:
+        """Queue the segments `context`'s segmenter released; `submit_ready` sends them."""
+        for text in texts:
+            request_id = RequestId(f"{self.session_id}:{next(self._request_ids)}")
+            context.segments.append(Segment(len(context.segments), text, request_id, now))
+
+    def submit_ready(self, contexts: dict[str, Context], now: float,
+                     actions: list[Action]) -> list[Context]:
+        """Submit queued segments as the look-ahead window allows; return the contexts refused.
+
+        A context refused admission has its error appended to `actions`; the
+        caller ends it.
+        """
+        # Backpressure (docs/architecture.md, "The backpressure story"): at most
+        # MAX_SEGMENTS_AHEAD segments per socket are with the engine or waiting
+        # to be framed, so a socket's PCM is bounded however many contexts it
+        # opens; how far ahead each is made is the engine's look-ahead.
+        in_flight = sum(1 for c in contexts.values() for s in c.segments
+                        if s.is_submitted and not s.is_sent)
+        refused: list[Context] = []
+        for context in contexts.values():
+            options = context.options
+            for segment in context.segments:
+                if segment.is_submitted:
+                    continue
+                if in_flight >= MAX_SEGMENTS_AHEAD:
+                    break
+                if not context.is_admitted and not self._admit_context(context, actions):
+                    refused.append(context)
+                    break
+                segment.is_submitted = True
+                in_flight += 1
+                self._by_request[segment.request_id] = context
+                deadline = _deadline(contexts, context, segment.segment_id, now)
+                actions.append(Submit(SynthesisRequest(
+                    segment.request_id, segment.text, options.voice, deadline, context_key=context.key,
+                    language=options.language, instructions=options.instructions,
+                    params=SamplingParams(speed=options.speed))))
+        return refused
+
+    def _admit_context(self, context: Context, actions: list[Action]) -> bool:
+        """Take engine capacity for a context as its first segment goes to the engine.
+
+        Refused (the engine is full: `busy`; this client holds its fair share:
+        `rate_limited`), the context ends with that error; its later text is
+        answered `context_closed`.
+        """
+        try:
+            self._admit(context.key)
+        except VoxgateError as exc:
+            actions += [Send(error_message(exc, context.context_id)), Observe("error:" + exc.code, 1)]
+            return False
+        context.is_admitted = True
+        return True
+
+    def receive_audio(self, chunk: AudioChunk) -> bool:
+        """File `chunk` with its segment; False when no open context's segment awaits it."""
+        context = self._by_request.get(chunk.request_id)
+        if context is None or context.is_closed:
+            return False
+        segment = context.segment_for(chunk.request_id)
+        if segment is None:
+            return False
+        segment.chunks.append(chunk)
+        if chunk.words is not None:
+            segment.words = chunk.words
+        if chunk.is_last:
+            segment.is_synthesized = True
+            self._by_request.pop(chunk.request_id, None)
+        return True
+
+    def pop_request(self, request_id: RequestId) -> Context | None:
+        """The context a failed request belonged to; the request is forgotten."""
+        return self._by_request.pop(request_id, None)
+
+    def cancel_pending(self, context: Context) -> list[Action]:
+        """Cancel `context`'s requests still with the engine and forget them."""
+        actions: list[Action] = [Cancel(r) for r in context.pending_requests()]
+        for request_id in context.pending_requests():
+            self._by_request.pop(request_id, None)
+        return actions
+
+    def release(self, context: Context) -> None:
+        """Give back the engine capacity `context` took at admission, if it holds any."""
+        if context.is_admitted:
+            context.is_admitted = False
+            self._release(context.key)
+
+
+def _deadline(contexts: dict[str, Context], context: Context, index: int, now: float) -> float:
+    """When segment `index` of `context` must have audio (DESIGN.md, Engine).
+
+    The first segment of a turn that nothing plays before is due now (its
+    TTFA); any other is due when the audio before it runs out: the
+    context's playback start (actual, or predicted after the contexts
+    queued before it) plus the durations of its earlier segments (actual
+    once synthesized, estimated from their text before).
+    """
+    start = context.playout.play_started_at
+    if start is None:
+        start = now
+        for other in contexts.values():
+            if other is context:
+                break
+            start = max(start, other.predicted_end(now))
+    return start + context.audio_s(index)
+
+
+def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> None:
+    """Hand the playout the received audio that may play next: segments in order."""
+    playout = context.playout
+    for segment in context.segments:
+        if segment.is_sent:
+            continue
+        while segment.chunks:
+            chunk = segment.chunks.popleft()
+            if not segment.is_started:
+                segment.is_started = True
+                segment.pts_ms = playout.pcm_ms_framed
+                # A streamed segment's words tile its audio: the last one ends with it.
+                duration = (chunk.duration_ms if chunk.is_last
+                            else chunk.words[-1].end_ms if chunk.words else None)
+                actions.append(Send(messages.segment(context.context_id, segment.segment_id,
+                                                     segment.text, segment.pts_ms, duration,
+                                                     chunk.words)))
+                if segment.segment_id == 0:
+                    actions.append(Observe("ttfa", now - segment.released_at))
+            segment.audio_ms += chunk.duration_ms
+            playout.push(chunk.pcm)
+        if not segment.is_synthesized:
+            return  # later segments wait: audio stays in playback order
+        segment.is_sent = True
+    if context.is_spoken():
+        playout.finish()

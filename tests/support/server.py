@@ -1,0 +1,96 @@
+"""A real voxgate server for end-to-end tests: `voxgate serve` (or uvicorn on an app factory) as a
+subprocess on loopback, and the helpers to talk to it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    """A running `voxgate serve`; `url` is http://127.0.0.1:PORT."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled metric from /metrics."""
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith((name + " ", name + "{}")):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return int(self.process.returncode)
+
+
+def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+                 ready_timeout: float = 90.0, app_factory: str | None = None) -> ServerProcess:
+    """Start `voxgate serve` (or uvicorn on `app_factory`) on a free port; wait for /readyz."""
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.setdefault("VOXGATE_DATA_DIR", str(tmp_path / "data"))
+    if app_factory is None:
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    else:
+        command = [sys.executable, "-m", "uvicorn", app_factory, "--factory", "--host", "127.0.0.1",
+                   "--port", str(port)]
+    with open(log_path, "wb") as log_file:  # the child keeps its own handle
+        process = subprocess.Popen([*command, *args], cwd=REPO, env=full_env, stdout=log_file,
+                                   stderr=subprocess.STDOUT)
+    server = ServerProcess(process, port, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/readyz", timeout=1.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")

@@ -1,0 +1,532 @@
+"""Piper in decoder windows: equal to the whole decode, click-free joins, fallback, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendRequest, StepResult
+from engine.backends.piper import windows as piper_windows
+from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.engine import Engine, EngineConfig
+from engine.types import RequestId, SamplingParams, SynthesisRequest, WordTiming
+
+LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away into the woods, "
+        "where nobody can find it until the morning comes again.")
+SHORT = "Yes, okay."
+
+
+def request(text: str, voice: str = "joe", speed: float = 1.0, context: str = "") -> SynthesisRequest:
+    params = SamplingParams(speed=speed, noise_scale=0.0, noise_w_scale=0.0)  # VITS samples otherwise
+    return SynthesisRequest(RequestId(text[:8]), text, voice, deadline=0.0, context_key=context,
+                            params=params)
+
+
+@pytest.fixture(scope="module")
+def backends() -> dict[str, PiperBackend]:
+    made = {}
+    for name, config in {
+        "whole": PiperBackendConfig(num_threads=1, windowed=False),
+        "windows": PiperBackendConfig(num_threads=1),
+        "full_context": PiperBackendConfig(num_threads=1, window_context_frames=100_000),
+    }.items():
+        made[name] = PiperBackend(config)
+        made[name].load()
+    return made
+
+
+def stream(backend: PiperBackend, req: SynthesisRequest, due_in: float = 0.0,
+           later_due_in: float | None = None) -> tuple[list[StepResult], list[WordTiming] | None]:
+    """Every piece of one segment, each step's next audio due `due_in` s from then (0: urgent).
+
+    With `later_due_in`, the pieces after the first are due that far ahead instead.
+    """
+    item = backend.prepare(req)
+    results: list[StepResult] = []
+    words = None
+    while not (results and results[-1].is_finished):
+        lead = due_in if not results or later_due_in is None else later_due_in
+        item.due = time.monotonic() + lead  # what the engine's playback clock would set
+        (result,) = backend.step([item])
+        assert result.error is None
+        results.append(result)
+        words = words or result.words
+    backend.release(item)  # as the engine does with a finished request
+    return results, words
+
+
+class AnotherSession:
+    """Another talking session: a segment of another context prepared (and held) meanwhile."""
+
+    def __init__(self, backend: PiperBackend) -> None:
+        self.backend = backend
+
+    def __enter__(self) -> None:
+        self.item = self.backend.prepare(request(SHORT, context="another session"))
+
+    def __exit__(self, *exc: object) -> None:
+        self.backend.release(self.item)
+
+
+@pytest.mark.parametrize("text", [LONG, SHORT])
+def test_windowed_decode_equals_the_whole_decode_for_every_bundled_voice(
+        backends: dict[str, PiperBackend], text: str) -> None:
+    for voice in backends["whole"].voices():
+        (whole,), whole_words = stream(backends["whole"], request(text, voice.voice_id))
+        windows, words = stream(backends["windows"], request(text, voice.voice_id))
+        pcm = np.concatenate([w.pcm for w in windows])
+        assert len(pcm) == len(whole.pcm)
+        assert np.abs(pcm - whole.pcm).max() < 1e-3
+        assert words == whole_words, "word timings changed"
+        if text is LONG:
+            assert len(windows) >= 3, "a long segment came in one piece"
+            assert windows[0].words is not None and all(w.words is None for w in windows[1:])
+            assert len(windows[0].pcm) < len(windows[1].pcm), "the first window is not the small one"
+
+
+def test_windows_with_full_context_equal_the_whole_decode_exactly(backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    windows, _ = stream(backends["full_context"], request(LONG))
+    assert len(windows) >= 3
+    assert np.array_equal(np.concatenate([w.pcm for w in windows]), whole.pcm)
+
+
+def test_window_joins_are_click_free(backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    windows, _ = stream(backends["windows"], request(LONG))
+    pcm = np.concatenate([w.pcm for w in windows])
+    joins = np.cumsum([len(w.pcm) for w in windows])[:-1]
+    steps = np.abs(np.diff(pcm))  # [N - 1] sample-to-sample differences
+    whole_steps = np.abs(np.diff(whole.pcm))
+    typical = np.percentile(whole_steps, 99.9)
+    for join in joins:
+        # The step across the join is the whole decode's step there, and no louder than speech is.
+        assert abs(steps[join - 1] - whole_steps[join - 1]) < 1e-3
+        assert steps[join - 1] <= typical + 1e-3
+
+
+def test_speed_and_loudness_are_the_whole_decodes(backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG, speed=1.5))
+    windows, _ = stream(backends["windows"], request(LONG, speed=1.5))
+    pcm = np.concatenate([w.pcm for w in windows])
+    assert len(pcm) == len(whole.pcm)
+    assert np.abs(pcm).max() == pytest.approx(np.abs(whole.pcm).max(), abs=1e-3)
+    assert backends["windows"].get_voice("joe").gain == backends["whole"].get_voice("joe").gain
+
+
+def test_a_graph_without_the_decoder_cut_falls_back_to_whole_segments_with_a_log_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(piper_windows, "DECODER_ENTRY", "/dec/not_in_this_graph/Conv")
+    piper = PiperBackend(PiperBackendConfig(num_threads=1))
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
+        piper.load()
+    assert any("no decoder windows" in r.getMessage() for r in caplog.records)
+    assert not piper.get_voice("joe").is_split
+    (result,) = piper.step([piper.prepare(request(LONG))])
+    assert result.error is None and result.is_finished and len(result.pcm) > 0
+
+
+def test_a_cancel_stops_a_segment_within_one_window() -> None:
+    async def scenario() -> tuple[list[list[str]], int]:
+        piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        steps: list[list[str]] = []
+        step = piper.step
+
+        def counting_step(batch: list[BackendRequest]) -> list[StepResult]:
+            steps.append([str(item.request_id) for item in batch])
+            return step(batch)
+
+        piper.step = counting_step  # type: ignore[method-assign]
+        engine = Engine(piper, EngineConfig(warmup_text=""))
+        await engine.start()
+        got = 0
+        async for _chunk in engine.submit(SynthesisRequest(RequestId("long"), LONG * 3, "joe",
+                                                           deadline=time.monotonic())):
+            got += 1
+            if got == 1:
+                engine.cancel(RequestId("long"))
+                at_cancel = len(steps)
+        await asyncio.sleep(0.3)
+        await engine.stop()
+        return steps, at_cancel
+
+    steps, at_cancel = asyncio.run(asyncio.wait_for(scenario(), 120))
+    after = [batch for batch in steps[at_cancel:] if "long" in batch]
+    assert len(after) <= 1, "the segment kept being decoded after its cancel"
+
+
+def test_the_flow_on_a_slice_with_its_context_equals_the_whole_flow(backends: dict[str, PiperBackend]) -> None:
+    voice = backends["windows"].get_voice("joe")
+    assert voice.has_flow, "the joe voice's flow was not cut out"
+    item = backends["windows"].prepare(request(LONG))
+    state = item.state
+    backends["windows"].release(item)  # only its ids are read here
+    scales = np.array(state.scales, dtype=np.float32)
+    outputs, durations = voice.run_front(np.array([state.ids]), np.array([len(state.ids)]), scales, None)
+    total = int(np.rint(durations).sum())
+    whole = voice.run_flow(voice.flow_feeds(outputs, None))  # [1, C, T]
+    context = PiperBackendConfig().window_flow_context_frames
+    for needed in (24, 40, 100):
+        part = voice.run_flow(piper_windows.flow_slice(outputs, 0, needed + context, total))
+        assert np.abs(part[:, :, :needed] - whole[:, :, :needed]).max() < 1e-4  # float rounding only
+    rest = voice.run_flow(piper_windows.flow_slice(outputs, 40 - context, total, total))
+    assert np.abs(rest[:, :, context:] - whole[:, :, 40:total]).max() < 1e-4
+
+
+def count_flow_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Frames of each flow call (a counting wrapper around the real run_flow)."""
+    from engine.backends.piper.loader import LoadedVoice
+
+    frames: list[int] = []
+    run_flow = LoadedVoice.run_flow
+
+    def counting(self: LoadedVoice, feeds: dict[str, np.ndarray], **kwargs: bool) -> np.ndarray:
+        latent = run_flow(self, feeds, **kwargs)
+        frames.append(latent.shape[2])
+        return latent
+
+    monkeypatch.setattr(LoadedVoice, "run_flow", counting)
+    return frames
+
+
+@pytest.mark.parametrize("talking", ["alone", "beside another session"])
+def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, talking: str) -> None:
+    # One talking session gets the smaller first window (nobody else's work can delay its
+    # second); beside another talking session the small one.
+    piper = backends["windows"]
+    frames = count_flow_calls(monkeypatch)
+    plan = PiperBackendConfig().window_plan
+    first = plan.lone_first_frames if talking == "alone" else plan.first_frames
+    assert plan.lone_first_frames < plan.first_frames
+    if talking == "alone":
+        windows, _ = stream(piper, request(LONG, context="s1"))  # each piece due now
+    else:
+        with AnotherSession(piper):
+            windows, _ = stream(piper, request(LONG, context="s1"))
+    hop = piper.get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == first * hop
+    assert len(windows[1].pcm) == plan.second_frames * hop
+    # The first slice runs on the short context and is not kept: the second, due within
+    # the first window's playback, runs only its own flow, from frame 0 as it would anyway.
+    assert plan.is_first_slice_provisional(first + plan.context_frames)
+    assert frames[0] == first + plan.context_frames + plan.first_flow_context_frames
+    assert frames[1] == first + plan.second_frames + plan.context_frames + plan.flow_context_frames
+    longest = plan.flow_frames + plan.flow_frames // 2 + 2 * plan.flow_context_frames
+    assert len(frames) >= 2 and max(frames[1:]) <= longest, frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_only_the_one_talking_context_counts_as_alone(backends: dict[str, PiperBackend]) -> None:
+    # Its own later segments (the turn's look-ahead) leave it alone; another context's
+    # prepared segment does not, until it is released.
+    piper = backends["windows"]
+    mine = [piper.prepare(request(text, context="s1")) for text in (LONG, SHORT)]
+    assert piper._is_lone(mine[0].request)
+    other = piper.prepare(request(SHORT, context="s2"))
+    assert not piper._is_lone(mine[0].request) and not piper._is_lone(other.request)
+    piper.release(other)
+    piper.release(other)  # a second release of the same item changes nothing
+    assert piper._is_lone(mine[0].request)
+    for item in mine:
+        piper.release(item)
+    assert piper._live == {}
+
+
+@pytest.mark.parametrize("talking", ["alone", "beside another session"])
+def test_only_the_one_talking_sessions_front_part_spins(
+        backends: dict[str, PiperBackend], talking: str) -> None:
+    # Spinning threads would take the core of another lane's step: only the one talking
+    # session's front part runs the spinning session on every core, any other the
+    # one-thread session (spied on: a counting wrapper around each real session).
+    piper = backends["windows"]
+    voice = piper.get_voice("joe")
+    if voice.lone_session is None:
+        pytest.skip("one core: no session runs on every core")  # CI and this box have two
+    assert voice.solo_session is None, "a split voice keeps no non-spinning front on every core"
+    calls: list[str] = []
+
+    class Spy:
+        def __init__(self, name: str, session: object) -> None:
+            self.name, self.session = name, session
+
+        def run(self, *args: object) -> object:
+            calls.append(self.name)
+            return self.session.run(*args)  # type: ignore[attr-defined]
+
+    sessions = {name: getattr(voice, name) for name in ("session", "lone_session")}
+    try:
+        for name, session in sessions.items():
+            setattr(voice, name, Spy(name, session))
+        if talking == "alone":
+            windows, _ = stream(piper, request(LONG, context="s1"))
+        else:
+            with AnotherSession(piper):
+                windows, _ = stream(piper, request(LONG, context="s1"))
+    finally:
+        for name, session in sessions.items():
+            setattr(voice, name, session)
+    assert len(windows) > 2
+    assert calls == ["lone_session" if talking == "alone" else "session"]
+
+
+def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> None:
+    # The lone count lives on release: a leak would leave one session never alone again.
+    async def scenario() -> dict[str, int]:
+        piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        engine = Engine(piper, EngineConfig(warmup_text=""))
+        await engine.start()
+        done = [chunk async for chunk in engine.submit(SynthesisRequest(
+            RequestId("a"), SHORT, "joe", deadline=time.monotonic(), context_key="s1"))]
+        assert done and done[-1].is_last
+        async for _chunk in engine.submit(SynthesisRequest(
+                RequestId("b"), LONG * 2, "joe", deadline=time.monotonic(), context_key="s2")):
+            engine.cancel(RequestId("b"))
+        await asyncio.sleep(0.3)
+        live = dict(piper._live)
+        await engine.stop()
+        return live
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 120)) == {}
+
+
+def test_a_segments_length_is_exact_once_its_first_window_ran(backends: dict[str, PiperBackend]) -> None:
+    # The next segment of the context is due when this one's audio ends: the engine reads
+    # the backend's estimate after every step, and from the first window on it is exact.
+    piper = backends["windows"]
+    item = piper.prepare(request(LONG))
+    estimates, made = [], 0
+    while True:
+        item.due = time.monotonic()
+        (result,) = piper.step([item])
+        assert result.error is None
+        made += len(result.pcm)
+        estimates.append(item.est_audio_s)
+        if result.is_finished:
+            break
+    piper.release(item)
+    assert len(estimates) > 2
+    assert estimates == [pytest.approx(made / piper.sample_rate, abs=1e-9)] * len(estimates)
+
+
+def test_the_engine_predicts_the_next_segment_from_the_backends_exact_length() -> None:
+    async def scenario() -> tuple[float, float, float]:
+        piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        engine = Engine(piper, EngineConfig(warmup_text=""))
+        await engine.start()
+        now = time.monotonic()
+        first = engine.submit(SynthesisRequest(RequestId("a"), LONG, "joe", deadline=now,
+                                               context_key="s1"))
+        # The gateway's guess for the second: due at once (a guess far too early).
+        second = engine.submit(SynthesisRequest(RequestId("b"), SHORT, "joe", deadline=now,
+                                                context_key="s1"))
+        handles = engine._handles
+        est_at_first_chunk = made = 0.0
+        async for chunk in first:
+            if not est_at_first_chunk:
+                est_at_first_chunk = handles[RequestId("a")].est_s
+                start_of_second = handles[RequestId("b")].start()
+            made += chunk.duration_ms / 1000.0
+        async for _chunk in second:
+            pass
+        await engine.stop()
+        return est_at_first_chunk, made, start_of_second - now
+
+    est, made, second_starts_in = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert est == pytest.approx(made, abs=2e-3)  # chunk durations are whole milliseconds
+    assert second_starts_in > 0.8 * made  # when the first's audio runs out, not at once
+
+
+@pytest.mark.parametrize("beside", ["work due soon", "look-ahead work"])
+def test_an_urgent_segment_beside_work_due_soon_takes_one_medium_first_window(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, beside: str) -> None:
+    # Under load small windows cost every stream (context decoded twice, a step each):
+    # only a step that runs alone, or beside look-ahead work that can wait, gets them.
+    # Beside work due soon a new turn gets one medium first window, then long ones.
+    # Here another lane's step runs throughout.
+    piper = backends["windows"]
+    frames = count_flow_calls(monkeypatch)
+    monkeypatch.setattr(piper, "_num_running", 1)
+    monkeypatch.setattr(piper, "_num_busy", 1 if beside == "work due soon" else 0)
+    with AnotherSession(piper):  # whose step it is
+        windows, _ = stream(piper, request(LONG), later_due_in=1.0)  # first audio due now
+    plan = PiperBackendConfig().window_plan
+    hop = piper.get_voice("joe").config.hop_length
+    if beside == "work due soon":
+        assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
+        assert frames[0] == plan.medium_first_frames + plan.context_frames + plan.flow_context_frames
+    else:
+        assert len(windows[0].pcm) == plan.first_frames * hop
+        assert frames[0] == plan.first_frames + plan.context_frames + plan.first_flow_context_frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_a_later_segment_due_soon_beside_work_due_soon_takes_one_medium_first_window(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its listener hears the turn (its audio is due in 0.2 s, not already): a long first
+    # window might be late, which would be a gap; a medium one is ready in time.
+    piper = backends["windows"]
+    frames = count_flow_calls(monkeypatch)
+    monkeypatch.setattr(piper, "_num_running", 1)
+    monkeypatch.setattr(piper, "_num_busy", 1)
+    windows, _ = stream(piper, request(LONG), due_in=0.2)
+    plan = PiperBackendConfig().window_plan
+    hop = piper.get_voice("joe").config.hop_length
+    assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
+    assert frames[0] == plan.medium_first_frames + plan.context_frames + plan.flow_context_frames
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+@pytest.mark.parametrize("catchup_lead_s", [0.15, 0.0])
+def test_a_later_window_due_too_soon_for_a_long_one_is_cut_short_once(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, catchup_lead_s: float) -> None:
+    # Beside another lane's step a medium first window, then long ones; but each piece
+    # here is due now: the window after the medium one is cut to `second_frames` (the
+    # flow sliced for it), and only that one, so a box behind keeps its long windows.
+    # With `window_catchup_lead_s` 0 the long windows stay.
+    piper = backends["windows"]
+    monkeypatch.setattr(piper.config, "window_catchup_lead_s", catchup_lead_s)
+    frames = count_flow_calls(monkeypatch)
+    monkeypatch.setattr(piper, "_num_running", 1)
+    monkeypatch.setattr(piper, "_num_busy", 1)
+    with AnotherSession(piper):
+        windows, _ = stream(piper, request(LONG))
+    plan = PiperBackendConfig().window_plan
+    hop = piper.get_voice("joe").config.hop_length
+    sizes = [len(w.pcm) // hop for w in windows[:3]]
+    if catchup_lead_s:
+        assert sizes == [plan.medium_first_frames, plan.second_frames, plan.frames]
+        # the short window's flow is a slice up to its own end and context, not a long piece
+        assert frames[1] == plan.second_frames + 2 * plan.flow_context_frames
+    else:
+        assert sizes == [plan.medium_first_frames, plan.frames, plan.frames]
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_the_flow_runs_ahead_of_the_windows_in_pieces_not_over_the_whole_segment(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = count_flow_calls(monkeypatch)
+    windows, _ = stream(backends["windows"], request(LONG), due_in=60.0)
+    plan = PiperBackendConfig().window_plan
+    hop = backends["windows"].get_voice("joe").config.hop_length
+    total = sum(len(w.pcm) for w in windows) // hop
+    assert total > 2 * plan.flow_frames, "the test sentence is too short to need two flow pieces"
+    # The first window's flow covers its own frames and a piece ahead, never the whole segment.
+    assert frames[0] == plan.flow_frames + plan.flow_context_frames
+    assert len(frames) >= 2 and sum(frames) < total + 2 * len(frames) * plan.flow_context_frames
+
+
+def test_a_segment_with_lead_to_spare_takes_long_windows_equal_to_the_whole(
+        backends: dict[str, PiperBackend]) -> None:
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    windows, _ = stream(backends["windows"], request(LONG), due_in=60.0)
+    hop = backends["windows"].get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == PiperBackendConfig().window_frames * hop
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_a_graph_whose_flow_cannot_be_cut_out_still_streams_its_decoder(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        backends: dict[str, PiperBackend]) -> None:
+    monkeypatch.setattr(piper_windows, "_flow_cut", lambda model, latent: None)
+    piper = PiperBackend(PiperBackendConfig(num_threads=1))
+    with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
+        piper.load()
+    assert any("the flow runs whole" in r.getMessage() for r in caplog.records)
+    voice = piper.get_voice("joe")
+    assert voice.is_split and not voice.has_flow
+    windows, _ = stream(piper, request(LONG))
+    (whole,), _ = stream(backends["whole"], request(LONG))
+    assert len(windows) >= 3
+    assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
+
+
+def test_a_segment_whose_listener_already_waits_long_takes_long_windows(
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = count_flow_calls(monkeypatch)
+    windows, _ = stream(backends["windows"], request(LONG), due_in=-2.0)  # the box is behind
+    hop = backends["windows"].get_voice("joe").config.hop_length
+    assert len(windows[0].pcm) == PiperBackendConfig().window_frames * hop
+    assert frames[0] == PiperBackendConfig().window_plan.flow_frames + PiperBackendConfig().window_flow_context_frames
+
+
+def _joe_split() -> piper_windows.SplitGraphs:
+    from engine.backends.piper.loader import default_voice_files, read_patched_model
+
+    split = piper_windows.split_voice(read_patched_model(default_voice_files()))
+    assert split is not None
+    return split
+
+
+def test_the_loaded_decoder_runs_2d_convolutions_and_equals_the_1d_graph(
+        backends: dict[str, PiperBackend]) -> None:
+    import onnxruntime
+
+    split = _joe_split()
+    lifted = piper_windows.decoder_as_2d(split.decoder)
+    assert lifted is not None, "joe's decoder did not convert"
+    original = onnxruntime.InferenceSession(split.decoder, providers=["CPUExecutionProvider"])
+    latent = np.random.default_rng(1).standard_normal((1, 192, 100)).astype(np.float32)
+    (want,) = original.run(None, {split.latent_name: latent})
+    voice = backends["windows"].get_voice("joe")
+    got = voice.run_decoder(latent, None)
+    assert got.shape == (1, 100 * voice.config.hop_length)
+    assert np.abs(got - want.reshape(1, -1)).max() < 1e-5  # float rounding only
+    ops = {node.op_type for node in __import__("onnx").load_from_string(lifted).graph.node}
+    assert "Unsqueeze" in ops and ops <= {"Unsqueeze", "Conv", "ConvTranspose", "Add", "Div",
+                                          "LeakyRelu", "Tanh", "Identity", "Constant"}
+
+
+def test_a_decoder_with_an_op_the_2d_form_does_not_know_runs_as_it_is() -> None:
+    import onnx
+    from onnx import helper
+
+    split = _joe_split()
+    model = onnx.load_from_string(split.decoder)
+    graph = model.graph
+    last = graph.node[-1]
+    renamed = last.output[0] + "/pre"
+    graph.node.append(helper.make_node("Softsign", [renamed], [last.output[0]]))
+    last.output[0] = renamed
+    assert piper_windows.decoder_as_2d(model.SerializeToString()) is None
+
+
+def test_only_a_first_slice_the_second_recomputes_runs_on_the_short_context() -> None:
+    plan = PiperBackendConfig().window_plan
+    assert plan.first_flow_context_frames < plan.flow_context_frames
+    assert plan.is_first_slice_provisional(plan.flow_context_frames)
+    # A longer first slice (a medium first window) would be recomputed in part: work twice.
+    assert not plan.is_first_slice_provisional(plan.flow_context_frames + 1)
+    assert not dataclasses.replace(plan, first_flow_context_frames=32).is_first_slice_provisional(8)
+    with pytest.raises(ValueError, match="first_flow_context_frames must be >= 0, got -1"):
+        dataclasses.replace(plan, first_flow_context_frames=-1)
+
+
+def _held_back_ms(frames: int) -> float:
+    """Audio of a turn's first `frames` latent frames (joe: 22050 Hz, hop 256) that the
+    gateway's real Opus encoder (48 kHz, 20 ms frames) holds back until more comes."""
+    from gateway.audio.codecs import make_encoder
+
+    encoder = make_encoder("opus", 48000, 20, None, 22050)
+    pcm = (0.1 * np.sin(np.arange(frames * 256) * 0.05)).astype(np.float32)
+    return frames * 256 / 22.05 - 20.0 * len(encoder.encode(pcm))
+
+
+def test_a_turns_first_windows_end_just_past_the_encoders_frame_grid() -> None:
+    # Each first window's end (short: first, first + second; medium: first; lone: first,
+    # first + second) leaves at most 4 ms of its audio in the encoder, where a 12-frame
+    # first window, or 12 + 36, or a 48-frame one, left 17-20 ms.
+    plan = PiperBackendConfig().window_plan
+    ends = [plan.first_frames, plan.first_frames + plan.second_frames, plan.medium_first_frames,
+            plan.lone_first_frames, plan.lone_first_frames + plan.second_frames]
+    assert max(_held_back_ms(end) for end in ends) <= 4.0
+    assert min(_held_back_ms(end) for end in (12, 48)) >= 15.0
