@@ -22,8 +22,10 @@ from engine.engine import Engine, EngineConfig
 from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
 from gateway.access.fair_share import FairShare, FairShareConfig
-from gateway.access.guard import AccessGuard, create_session_token
-from gateway.access.keys import KeyCounter, SessionTokens, install_log_redaction
+from gateway.access.guard import AccessGuard
+from gateway.access.keys import KeyCounter
+from gateway.access.redaction import install_log_redaction
+from gateway.access.tokens import SessionTokens, create_session_token
 from gateway.compat import compat_routes
 from gateway.config import GatewayConfig
 from gateway.http.speech import speech_endpoint
@@ -47,7 +49,7 @@ class AppState:
     metrics: Metrics
     connections: set[Any] = field(default_factory=set)
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
-    key_counter: KeyCounter = field(default_factory=KeyCounter)
+    key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     is_shutting_down: bool = False
     fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
@@ -56,6 +58,7 @@ class AppState:
         self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
                                     self.engine.scheduler.max_contexts,
                                     FairShareConfig(self.config.engine_share))
+        self.metrics.track_state(lambda: len(self.connections), self.num_open_contexts)
 
     def num_open_contexts(self) -> int:
         return sum(len(c.session.contexts) for c in self.connections)

@@ -3,8 +3,9 @@
 The tree hangs under engine.errors.VoxgateError (see its docstring). Two
 constructors, side by side, make what a client reads, so tracebacks and paths
 never leak: `error_message` turns any exception into the socket's `error`
-event (unexpected exceptions become `internal` with a generic message and are
-logged instead), and `http_error` builds every HTTP error response.
+event, an `ErrorEvent` (unexpected exceptions become `internal` with a generic
+message and are logged instead), and `http_error` builds every HTTP error
+response. The other server events live in gateway/stream/events.py.
 
 The HTTP body is OpenAI's error object, `{"error": {"code", "message",
 "type"}}`, which OpenAI's client libraries parse, with `code` and `message`
@@ -20,7 +21,8 @@ over HTTP, where the engine's own EngineBusyError (the engine is full) is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from engine.errors import VoxgateError
 
@@ -67,16 +69,28 @@ class ShareExceededError(VoxgateError):
     status = 429
 
 
-def error_message(exc: BaseException, context_id: str | None = None) -> dict[str, Any]:
-    """The `error` event for an exception (PROTOCOL.md, Server -> client)."""
+@dataclass(slots=True, frozen=True)
+class ErrorEvent:
+    """The socket's `error` event (docs/protocol.md, "Errors")."""
+
+    type: ClassVar[str] = "error"
+    code: str
+    message: str
+    context_id: str | None = None
+    fatal: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "code": self.code, "message": self.message,
+                "context_id": self.context_id, "fatal": self.fatal}
+
+
+def error_message(exc: BaseException, context_id: str | None = None) -> ErrorEvent:
+    """The `error` event for an exception (docs/protocol.md, "Errors")."""
     if isinstance(exc, ProtocolError):
-        return {"type": "error", "code": exc.code, "message": exc.message,
-                "context_id": exc.context_id or context_id, "fatal": exc.fatal}
+        return ErrorEvent(exc.code, exc.message, exc.context_id or context_id, exc.fatal)
     if isinstance(exc, VoxgateError):
-        return {"type": "error", "code": exc.code, "message": str(exc),
-                "context_id": context_id, "fatal": False}
-    return {"type": "error", "code": "internal", "message": "internal error; the server logged it",
-            "context_id": context_id, "fatal": False}
+        return ErrorEvent(exc.code, str(exc), context_id)
+    return ErrorEvent("internal", "internal error; the server logged it", context_id)
 
 
 def http_error(status: int, code: str, message: str, *,

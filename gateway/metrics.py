@@ -1,13 +1,20 @@
-"""Prometheus metrics, one registry per app (so tests may build many apps)."""
+"""Prometheus metrics, one registry per app (so tests may build many apps).
+
+Gauges of the app's state are read at scrape time (the engine's through a
+collector, the sessions' and contexts' through `track_state`), never written
+on the audio path.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
-from engine.engine import STEP_BUCKETS
+from engine.stats import STEP_BUCKETS
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
 # Late audio: how long after its playback time a message left (the server's view of a gap).
@@ -73,10 +80,18 @@ class Metrics:
                                     buckets=LATE_BUCKETS, registry=r)
         self.audio_seconds = Counter("voxgate_audio_sent_seconds", "audio seconds sent", registry=r)
         self.errors = Counter("voxgate_errors", "error events sent, by code", ["code"], registry=r)
+        self.admissions = Counter("voxgate_socket_admissions", "socket handshakes by protocol (native, "
+                                  "elevenlabs, cartesia, deepgram) and result (admitted, or why not)",
+                                  ["protocol", "result"], registry=r)
         self.cancels = Counter("voxgate_cancels", "contexts cancelled by clients", registry=r)
         self.http_speech = Counter("voxgate_http_speech_requests", "POST /v1/audio/speech requests",
                                    registry=r)
         r.register(_EngineCollector(engine))
+
+    def track_state(self, num_sessions: Callable[[], int], num_contexts: Callable[[], int]) -> None:
+        """Read the open sessions and contexts from the app at scrape time."""
+        self.sessions.set_function(lambda: float(num_sessions()))
+        self.contexts.set_function(lambda: float(num_contexts()))
 
     def observe(self, name: str, value: float) -> None:
         if name == "ttfa":

@@ -15,7 +15,7 @@ model"), applies in order:
    to answer with its 4401 event). The principal (tenant, admin) a request acts
    for is put in the scope for the routes (`principal`).
 
-`POST /v1/session-tokens` issues the tokens (PROTOCOL.md, "Connection").
+`POST /v1/session-tokens` issues the tokens (gateway/access/tokens.py).
 """
 
 from __future__ import annotations
@@ -26,18 +26,9 @@ from urllib.parse import parse_qsl, urlencode
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
-from gateway.access.keys import (
-    OPERATOR,
-    Principal,
-    SessionTokens,
-    is_authorized,
-    is_loopback_host,
-    is_origin_allowed,
-    presented_key,
-    principal_of,
-)
+from gateway.access.keys import OPERATOR, Principal, is_authorized, presented_key, principal_of
+from gateway.access.origins import is_loopback_host, is_origin_allowed
 from gateway.errors import http_error
 
 _PRINCIPAL = "voxgate.principal"
@@ -108,23 +99,3 @@ class AccessGuard:
             return
         await receive()  # websocket.connect; a close before accept answers the handshake with 403
         await send({"type": "websocket.close", "code": 1008, "reason": code})
-
-
-async def create_session_token(request: Request) -> Response:
-    """`POST /v1/session-tokens`: a single-use token for the socket, for the key that asked."""
-    state = request.app.state.voxgate
-    auth = state.config.auth
-    if not auth.is_enabled:
-        return http_error(400, "auth_off", "auth is off: the socket needs no token")
-    key = presented_key(request.headers, {})
-    if key is None:  # a key in the query (?api_key=) may not mint tokens: a leaked URL would
-        return http_error(401, "unauthorized", "send the key as Authorization: Bearer <key>",
-                          headers={"WWW-Authenticate": "Bearer"})
-    tokens: SessionTokens = state.session_tokens
-    issued = tokens.issue(key, time.time())
-    if issued is None:
-        return http_error(429, "rate_limited", f"{tokens.max_tokens} session tokens are outstanding; "
-                          "try again in a minute")
-    token, expires_at = issued
-    return JSONResponse({"token": token, "expires_at": round(expires_at, 3),
-                         "expires_in_s": tokens.ttl_s}, headers={"Cache-Control": "no-store"})

@@ -1,33 +1,27 @@
-"""API keys, tenants, session tokens, browser origins, and keys kept out of logs.
+"""API keys and tenants: where keys come from, how they are checked, whom they name.
 
 Keys come from `VOXGATE_API_KEYS` (comma-separated) and/or a keys file (one
 key per line, `#` comments); admin keys, which also see every tenant's voices,
 from `VOXGATE_ADMIN_KEYS` and/or `--admin-keys-file`. Clients send
 `Authorization: Bearer <key>`, or, where they cannot set headers (browsers),
-`?token=` (a short-lived single-use token from `POST /v1/session-tokens`) or
+`?token=` (a short-lived single-use token: gateway/access/tokens.py) or
 `?api_key=<key>`. Keys are compared in constant time and never stored: a
 tenant is named by a hash of its key. With no keys configured, auth is off
 (one tenant), which the server allows only when bound to loopback (see
-`check_exposure`); then only loopback Host headers and origins are accepted
-(docs/operations.md, "Security model").
-
-Query strings reach the access log; `redact` and `RedactingFilter` replace
-every key-like query value there with `[redacted]`.
+`check_exposure`, and gateway/access/origins.py for the names and origins
+then accepted). `KeyCounter` counts the open sockets per key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
-import logging
 import os
-import re
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+
+from gateway.access.origins import is_loopback
 
 
 @dataclass(slots=True)
@@ -68,15 +62,6 @@ def load_keys(env: Mapping[str, str] | None = None, keys_file: str | Path | None
             if line:
                 keys.append(line)
     return tuple(dict.fromkeys(keys))
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_exposure(host: str, auth: AuthConfig) -> str:
@@ -139,156 +124,30 @@ def principal_of(auth: AuthConfig, key: str | None) -> Principal:
     return Principal(tenant_of(key), is_admin=_matches(auth.admin_keys, key))
 
 
-def host_name(host_header: str | None) -> str:
-    """The name in a Host header without its port: "[::1]:8000" -> "::1"."""
-    host = (host_header or "").strip().lower()
-    if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else ""
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-
-
-def is_loopback_host(host_header: str | None) -> bool:
-    """A Host header naming this machine (DNS rebinding sends the attacker's name instead)."""
-    return is_loopback(host_name(host_header))
-
-
-def is_origin_allowed(auth: AuthConfig, origin: str | None, host: str | None) -> bool:
-    """Non-browser clients send no Origin; listed origins (or `*`) pass; then pages served
-    by this server itself, same origin as Host. In loopback mode that origin must also be
-    a loopback one: a DNS-rebound page has Origin and Host both naming the attacker's
-    domain, so Host alone proves nothing (with auth on, such a page still needs a key).
-    """
-    if origin is None or "*" in auth.allowed_origins:
-        return True
-    if origin in auth.allowed_origins:
-        return True
-    netloc = urlsplit(origin).netloc.lower()
-    if not host or netloc != str(host).lower():
-        return False
-    return not auth.is_loopback_mode or is_loopback_host(netloc)
-
-
-# -- keys kept out of logs -----------------------------------------------------
-
-#: query parameters whose values are secrets (api_key, token, key, access_token, ...)
-_SECRET_QUERY = re.compile(r"(?i)([?&;](?:[a-z0-9_.-]*(?:key|token|secret|password|passwd|auth|"
-                           r"signature|sig|credential)[a-z0-9_.-]*)=)[^&;\s\"']*")
-
-
-def redact(text: str) -> str:
-    """`text` with every key-like query value replaced: "?api_key=sk-1" -> "?api_key=[redacted]"."""
-    return _SECRET_QUERY.sub(r"\1[redacted]", text)
-
-
-class RedactingFilter(logging.Filter):
-    """Redacts key-like query values in a record's message and arguments.
-
-    uvicorn's access log prints the raw path with its query ("GET /v1/voices?api_key=..."),
-    and its WebSocket lines ("WebSocket /v1/stream?api_key=..." [accepted]) do too.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
-        elif isinstance(record.args, Mapping):
-            record.args = {k: redact(v) if isinstance(v, str) else v for k, v in record.args.items()}
-        return True
-
-
-_LOGGERS_WITH_QUERIES = ("uvicorn.access", "uvicorn.error", "uvicorn", "websockets.server",
-                         "websockets", "voxgate")
-
-
-def install_log_redaction() -> None:
-    """Put the filter on the loggers that may print a query and on every handler they
-    use (a logger's filter skips records propagated from its children; a handler's
-    does not). Idempotent; call it after logging is configured (uvicorn.Config does)."""
-    targets: list[logging.Filterer] = [logging.getLogger()]
-    for name in _LOGGERS_WITH_QUERIES:
-        targets.append(logging.getLogger(name))
-    targets += [h for t in list(targets) if isinstance(t, logging.Logger) for h in t.handlers]
-    for target in targets:
-        if not any(isinstance(f, RedactingFilter) for f in target.filters):
-            target.addFilter(RedactingFilter())
-
-
-# -- session tokens ------------------------------------------------------------
-
-@dataclass(slots=True)
-class SessionTokens:
-    """Short-lived, single-use tokens that stand for the key that made them.
-
-    A browser gets one from `POST /v1/session-tokens` (with its key) and puts it
-    in the socket URL instead of the key, so a URL that leaks (a log, a proxy, the
-    history) grants nothing after its first use or its `ttl_s`. Only a digest of
-    each token is kept; at most `max_tokens` are outstanding (bounded memory),
-    `max_per_key` of them for one key.
-    Tokens live in this process: behind a load balancer, the socket must reach
-    the replica that issued it (docs/operations.md).
-    """
-
-    ttl_s: float = 60.0
-    max_tokens: int = 10000
-    max_per_key: int = 100  # one key cannot take every place
-    _tokens: dict[str, tuple[str, float]] = field(default_factory=dict)  # digest -> (key, expiry)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.ttl_s <= 3600:
-            raise ValueError(f"session token ttl_s must be within (0, 3600], got {self.ttl_s}")
-        if self.max_tokens < 1 or self.max_per_key < 1:
-            raise ValueError(f"max_tokens and max_per_key must be >= 1, got {self.max_tokens} and "
-                             f"{self.max_per_key}")
-
-    @staticmethod
-    def _digest(token: str) -> str:
-        return hashlib.sha256(token.encode()).hexdigest()
-
-    def issue(self, key: str, now: float) -> tuple[str, float] | None:
-        """A new token for `key` and its expiry; None when too many are outstanding."""
-        if len(self._tokens) >= self.max_tokens:
-            self._tokens = {d: e for d, e in self._tokens.items() if e[1] > now}
-            if len(self._tokens) >= self.max_tokens:
-                return None
-        mine = [d for d, e in self._tokens.items() if e[0] == key]
-        if len(mine) >= self.max_per_key:
-            for digest in mine:  # its expired ones go first
-                if self._tokens[digest][1] <= now:
-                    del self._tokens[digest]
-            if sum(1 for e in self._tokens.values() if e[0] == key) >= self.max_per_key:
-                return None
-        token = "vxt_" + secrets.token_urlsafe(24)
-        expires_at = now + self.ttl_s
-        self._tokens[self._digest(token)] = (key, expires_at)
-        return token, expires_at
-
-    def redeem(self, token: str, now: float) -> str | None:
-        """The key a token stands for, once: the token is spent either way."""
-        entry = self._tokens.pop(self._digest(token), None)
-        if entry is None or entry[1] <= now:
-            return None
-        return entry[0]
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-
 @dataclass(slots=True)
 class KeyCounter:
-    """Open sockets per key (a bounded dict: one entry per key in use)."""
+    """Open sockets per key (a bounded dict: one entry per key in use), and in all.
+
+    Acquired before the handshake is answered, with no await between the check
+    and the count, so sockets arriving together cannot all pass a cap.
+    """
 
     counts: dict[str, int] = field(default_factory=dict)
+    num_open: int = 0  # sockets holding a count, over every key
 
     def acquire(self, key: str, limit: int) -> bool:
         if self.counts.get(key, 0) >= limit:
             return False
         self.counts[key] = self.counts.get(key, 0) + 1
+        self.num_open += 1
         return True
 
     def release(self, key: str) -> None:
-        left = self.counts.get(key, 0) - 1
-        if left > 0:
-            self.counts[key] = left
+        held = self.counts.get(key, 0)
+        if held <= 0:
+            return
+        self.num_open -= 1
+        if held > 1:
+            self.counts[key] = held - 1
         else:
-            self.counts.pop(key, None)
+            del self.counts[key]

@@ -23,7 +23,8 @@ from gateway.compat.endpoint import serve
 from gateway.compat.formats import OutputFormat, native_format
 from gateway.errors import ProtocolError
 from gateway.stream.actions import Action
-from gateway.stream.messages import SessionOptions
+from gateway.stream.options import SessionOptions
+from gateway.voices.catalog import unknown_voice_message
 
 ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw",
              "pcm_alaw": "alaw"}
@@ -97,10 +98,8 @@ class CartesiaSession(CompatSession):
             if not isinstance(voice, dict) or voice.get("mode", "id") != "id" or not isinstance(voice_id, str):
                 raise ProtocolError("unsupported_option", "voice must be {mode: \"id\", id: <voice>}; "
                                     "embeddings are not offered")
-            if voice_id not in self.catalog.listed:
-                known = ", ".join(sorted(self.catalog.listed)[:20])
-                raise ProtocolError("unknown_voice", f"unknown voice {voice_id[:64]!r}; this server "
-                                    f"speaks: {known}")
+            if voice_id not in self.catalog.listed:  # the answer lists no voice: they may be a tenant's
+                raise ProtocolError("unknown_voice", unknown_voice_message(voice_id))
             delay = _buffer_delay(message)
         except ProtocolError as exc:
             exc.context_id = context_id
@@ -152,8 +151,8 @@ async def websocket_endpoint(websocket: WebSocket) -> None:
     state = websocket.app.state.voxgate
     default = OutputFormat("pcm_s16le", 24000)  # replaced by each context's own output_format
 
-    def make(*args: Any, **kwargs: Any) -> CartesiaSession:
-        return CartesiaSession(*args, output=default, **kwargs)
+    def make(**kwargs: Any) -> CartesiaSession:
+        return CartesiaSession(output=default, options=SessionOptions(voice=state.config.voice), **kwargs)
 
-    await serve(websocket, make, key=_key(websocket), error_json=_error_json,
-                options=SessionOptions(voice=state.config.voice))
+    await serve(websocket, make, protocol="cartesia", key=_key(websocket),
+                key_hint="the X-API-Key header, or ?api_key=", error_json=_error_json)

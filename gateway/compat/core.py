@@ -4,11 +4,15 @@
 rule of the native protocol (segmenting, deadlines, admission, barge-in that
 cancels engine requests, limits, backpressure) runs unchanged. A vendor
 adapter (elevenlabs.py, cartesia.py, deepgram.py) only translates: its
-`handle` turns one client frame into native messages, fed through the
-session's own `receive_frame`, and the native events the session returns
-come back through `_translate` as the vendor's frames (`VendorSend`, already
-encoded). `CompatConnection` is the native I/O loop (gateway/stream/endpoint.py) with that
-one difference in how a frame is encoded.
+`handle` turns one client frame, decoded once, into typed native messages
+(gateway/stream/messages.py) fed to the session's `receive_message`, never
+re-encoded; and the native events the session returns come back through
+`_translate` as the vendor's frames (`SendFrame`, already encoded). A vendor
+frame costs one token of the native message rate, however many native
+messages it becomes, and the size limit applies to the frame as the client
+sent it. `CompatConnection` is the native I/O loop
+(gateway/stream/endpoint.py) with one difference in how a native event is
+encoded.
 
 A vendor context maps onto native contexts one after another. A native
 context takes no text once flushed, while the vendors' `flush` only forces
@@ -21,32 +25,39 @@ contexts play in creation order keeps a vendor context's audio in order.
 from __future__ import annotations
 
 import itertools
-import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.types import AudioChunk, RequestId
 from gateway.compat.alignment import Tracked
 from gateway.compat.formats import OutputFormat, Transcoder, native_format
-from gateway.errors import ProtocolError
-from gateway.stream.actions import Action, Send
+from gateway.errors import ErrorEvent, ProtocolError
+from gateway.stream.actions import Action, Send, SendFrame
 from gateway.stream.context import Context
 from gateway.stream.endpoint import Connection
-from gateway.stream.messages import Limits, SessionOptions
+from gateway.stream.events import AudioEvent, ContextDone, SegmentEvent, encode_json
+from gateway.stream.messages import (
+    CancelMessage,
+    ClientMessage,
+    CloseMessage,
+    FlushMessage,
+    SessionUpdate,
+    TextMessage,
+    decode_json,
+)
+from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Session
 from gateway.voices.catalog import VoiceCatalog
 
-
-@dataclass(slots=True, frozen=True)
-class VendorSend(Send):
-    """A frame already in the vendor's shape (`frame`); `message` is kept for tests."""
-
-    frame: str | bytes = b""
+#: checks a key that came after the handshake (`Admission.rekey`); raises `Refused`
+Authorize = Callable[[str | None], None]
 
 
-def vendor_json(message: dict[str, Any]) -> VendorSend:
-    return VendorSend(message, frame=json.dumps(message, ensure_ascii=False, separators=(",", ":")))
+def vendor_json(message: dict[str, Any]) -> SendFrame:
+    """A vendor's JSON frame (strict JSON: every number in it was checked finite)."""
+    return SendFrame(encode_json(message))
 
 
 @dataclass(slots=True)
@@ -74,13 +85,15 @@ class CompatSession(Session):
     def __init__(self, session_id: str, *, catalog: VoiceCatalog, sample_rate: int,
                  options: SessionOptions, limits: Limits, output: OutputFormat,
                  admit: Callable[[str], None], release: Callable[[str], None],
-                 is_authorized: bool = True) -> None:
+                 authorize: Authorize | None = None) -> None:
+        """`authorize`: None when the key was checked at the handshake; else the session
+        is unauthorized until its first message brings a key that `authorize` takes."""
         codec, rate, _ = native_format(output)
         options.codec, options.sample_rate, options.encoding = codec, rate, "json"
         super().__init__(session_id, catalog=catalog, sample_rate=sample_rate, options=options,
                          limits=limits, admit=admit, release=release)
         self.output = output
-        self.is_authorized = is_authorized
+        self.authorize = authorize
         self.vendor_contexts: dict[str, VendorContext] = {}
         self._by_native: dict[str, VendorContext] = {}
         # the session's Context objects, kept past their end: a segment that starts in
@@ -110,49 +123,54 @@ class CompatSession(Session):
         return self.start_frames()
 
     def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
+        """One vendor frame: one rate-limit token, decoded once, handled by the adapter."""
         self.last_activity = now
         try:
+            self.take_message_token(now)
             return self.handle(self._parse(raw), now)
         except ProtocolError as exc:
             return [self.error_frame(exc.code, exc.message, exc.context_id, exc.fatal)]
 
-    def receive_audio(self, chunk: Any, now: float) -> list[Action]:
+    def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]:
         return self._translate(super().receive_audio(chunk, now))
 
-    def receive_engine_error(self, request_id: Any, exc: BaseException, now: float) -> list[Action]:
+    def receive_engine_error(self, request_id: RequestId, exc: BaseException,
+                             now: float) -> list[Action]:
         return self._translate(super().receive_engine_error(request_id, exc, now))
 
     def tick(self, now: float) -> list[Action]:
         return self._translate(super().tick(now))
 
     def encode_native(self, action: Send) -> str:
-        """A native event the I/O loop made itself (the idle-timeout error) in vendor shape."""
-        message = action.message
-        if message.get("type") == "error":
-            frame = self.error_frame(str(message.get("code")), str(message.get("message")),
-                                     None, bool(message.get("fatal")))
-            assert isinstance(frame, VendorSend) and isinstance(frame.frame, str)
+        """A native event the I/O loop made itself (an idle timeout, a slow consumer) in
+        vendor shape."""
+        event = action.message
+        if isinstance(event, ErrorEvent):
+            frame = self.error_frame(event.code, event.message, None, event.fatal)
+            assert isinstance(frame, SendFrame) and isinstance(frame.frame, str)
             return frame.frame
-        return json.dumps(message, separators=(",", ":"))
+        return encode_json(event.to_wire())
 
     # -- verbs for adapters -----------------------------------------------------
     def _parse(self, raw: str | bytes) -> dict[str, Any]:
+        """The client's frame as it came: its size checked, then parsed as strict JSON."""
         size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
         if size > self.limits.max_message_bytes:
             raise ProtocolError("message_too_large", f"message is {size} bytes; the limit is "
                                 f"{self.limits.max_message_bytes}")
         try:
-            message = json.loads(raw)
-        except ValueError as exc:
-            raise ProtocolError("bad_message", f"frame is not valid JSON: {exc}") from None
+            message = decode_json(raw)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise ProtocolError("bad_message", f"frame is not valid JSON: {str(exc)[:200]}") from None
         if not isinstance(message, dict):
             raise ProtocolError("bad_message", f"a message must be a JSON object, got "
                                 f"{type(message).__name__}")
         return message
 
-    def native(self, message: dict[str, Any], now: float) -> list[Action]:
-        """Feed one native message to the session; its answers come back translated."""
-        return self._translate(super().receive_frame(json.dumps(message), now))
+    def native(self, message: ClientMessage, now: float) -> list[Action]:
+        """Feed one native message to the session (no rate token: the vendor frame took
+        one); its answers come back translated."""
+        return self._translate(self.receive_message(message, now))
 
     def open_vendor(self, vendor_id: str, output: OutputFormat | None = None) -> VendorContext:
         vctx = self.vendor_contexts.get(vendor_id)
@@ -178,8 +196,7 @@ class CompatSession(Session):
                 actions += self.update_options(options, now)
             native_id = f"v{next(self._native_ids)}"
             self._by_native[native_id] = vctx
-            actions += self.native({"type": "text", "context_id": native_id, "text": text,
-                                    "flush": flush}, now)
+            actions += self.native(TextMessage(native_id, text, flush), now)
             if native_id in self.contexts:
                 self._native_contexts[native_id] = self.contexts[native_id]
                 vctx.live.append(native_id)
@@ -187,8 +204,7 @@ class CompatSession(Session):
             else:  # refused (busy, too many contexts): the error went out above
                 self._by_native.pop(native_id, None)
             return actions
-        actions += self.native({"type": "text", "context_id": vctx.current, "text": text,
-                                "flush": flush}, now)
+        actions += self.native(TextMessage(vctx.current, text, flush), now)
         if flush:
             vctx.current = None
         return actions
@@ -197,7 +213,7 @@ class CompatSession(Session):
         if vctx.current is None:
             return []
         native_id, vctx.current = vctx.current, None
-        return self.native({"type": "flush", "context_id": native_id}, now)
+        return self.native(FlushMessage(native_id), now)
 
     def end_vendor(self, vctx: VendorContext, now: float) -> list[Action]:
         """No more text: speak what is left, then the adapter's done frames."""
@@ -211,7 +227,7 @@ class CompatSession(Session):
         """Barge-in: the native cancel of each of its contexts (engine work freed at once)."""
         actions: list[Action] = []
         for native_id in vctx.live:
-            actions += self.native({"type": "cancel", "context_id": native_id}, now)
+            actions += self.native(CancelMessage(native_id), now)
             self._by_native.pop(native_id, None)
             self._native_contexts.pop(native_id, None)
         vctx.live.clear()
@@ -221,44 +237,46 @@ class CompatSession(Session):
 
     def update_options(self, fields: dict[str, Any], now: float) -> list[Action]:
         changes = {k: v for k, v in fields.items() if getattr(self.options, k) != v}
-        return self.native({"type": "session.update", **changes}, now) if changes else []
+        return self.native(SessionUpdate(changes), now) if changes else []
+
+    def close_session(self, now: float) -> list[Action]:
+        """The native close: open contexts finish, then the socket closes with 1000."""
+        return self.native(CloseMessage(), now)
 
     # -- native events -> vendor frames -----------------------------------------
     def _translate(self, actions: list[Action]) -> list[Action]:
         out: list[Action] = []
         for action in actions:
-            if not isinstance(action, Send) or isinstance(action, VendorSend):
+            if not isinstance(action, Send):
                 out.append(action)
                 continue
-            message = action.message
-            kind = message.get("type")
-            if kind == "segment":
-                self._track(message)
-            elif kind == "audio":
-                out += self._on_audio(message)
-            elif kind == "context.done":
-                out += self._on_done(str(message["context_id"]))
-            elif kind == "error":
-                native_id = message.get("context_id")
-                vctx = self._by_native.get(native_id) if isinstance(native_id, str) else None
-                out.append(self.error_frame(str(message["code"]), str(message["message"]),
-                                            vctx.vendor_id if vctx else None, bool(message["fatal"])))
-                if vctx is not None and isinstance(native_id, str) and native_id not in self.contexts:
+            event = action.message
+            if isinstance(event, SegmentEvent):
+                self._track(event)
+            elif isinstance(event, AudioEvent):
+                out += self._on_audio(event)
+            elif isinstance(event, ContextDone):
+                out += self._on_done(event.context_id)
+            elif isinstance(event, ErrorEvent):
+                native_id = event.context_id
+                vctx = self._by_native.get(native_id) if native_id is not None else None
+                out.append(self.error_frame(event.code, event.message,
+                                            vctx.vendor_id if vctx else None, event.fatal))
+                if vctx is not None and native_id is not None and native_id not in self.contexts:
                     # the error ended it (refused admission, an engine failure): no context.done comes
                     out += self._on_done(native_id)
             # session.ready / session.updated / cancelled: the adapter answers for itself
         return out
 
-    def _track(self, message: dict[str, Any]) -> None:
-        native_id = str(message["context_id"])
+    def _track(self, event: SegmentEvent) -> None:
+        native_id = event.context_id
         vctx = self._by_native.get(native_id)
         context = self._native_contexts.get(native_id)
         if vctx is None or context is None:
             return
         start = vctx.sub_start_ms.setdefault(native_id, vctx.audio_ms)
-        segment = context.segments[int(message["segment_id"])]
-        vctx.tracked.append(Tracked(segment, start + float(message["pts_ms"]),
-                                    is_first=vctx.num_segments == 0))
+        segment = context.segments[event.segment_id]
+        vctx.tracked.append(Tracked(segment, start + event.pts_ms, is_first=vctx.num_segments == 0))
         vctx.num_segments += 1
 
     def _ready(self, vctx: VendorContext, everything: bool = False) -> list[Tracked]:
@@ -268,12 +286,12 @@ class CompatSession(Session):
             ready.append(vctx.tracked.popleft())
         return ready
 
-    def _on_audio(self, message: dict[str, Any]) -> list[Action]:
-        vctx = self._by_native.get(str(message["context_id"]))
+    def _on_audio(self, event: AudioEvent) -> list[Action]:
+        vctx = self._by_native.get(event.context_id)
         if vctx is None:
             return []
-        vctx.audio_ms += float(message["duration_ms"])
-        data: bytes = message["data"]
+        vctx.audio_ms += event.duration_ms
+        data = event.data
         if vctx.transcoder is not None:
             data = vctx.transcoder.encode(data)
         aligned = self._ready(vctx)
@@ -301,11 +319,10 @@ class CompatSession(Session):
 
 
 class CompatConnection(Connection):
-    """The native I/O loop; frames come already shaped by the session's adapter."""
+    """The native I/O loop; the adapter's frames come already shaped (`SendFrame`), and the
+    native events the loop makes itself are put in the vendor's shape here."""
 
     def _encode(self, action: Send) -> str | bytes:
-        if isinstance(action, VendorSend):
-            return action.frame
         session = self.session
         assert isinstance(session, CompatSession)
         return session.encode_native(action)

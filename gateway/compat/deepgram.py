@@ -18,12 +18,12 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from gateway.compat.alignment import Tracked
-from gateway.compat.core import CompatSession, VendorContext, VendorSend, vendor_json
-from gateway.compat.endpoint import refuse, serve
+from gateway.compat.core import CompatSession, VendorContext, vendor_json
+from gateway.compat.endpoint import serve
 from gateway.compat.formats import OutputFormat
-from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, ProtocolError
-from gateway.stream.actions import Action, Close
-from gateway.stream.messages import SessionOptions
+from gateway.errors import CLOSE_NORMAL, ProtocolError
+from gateway.stream.actions import Action, Close, SendFrame
+from gateway.stream.options import SessionOptions
 
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_SAMPLE_RATE = 24000
@@ -103,7 +103,7 @@ class DeepgramSession(CompatSession):
         return vendor_json({"type": "Flushed", "sequence_id": self._num_flushed - 1})
 
     def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
-        return [VendorSend({"type": "audio", "bytes": len(data)}, frame=data)] if data else []
+        return [SendFrame(data)] if data else []
 
     def done_frames(self, vctx: VendorContext) -> list[Action]:
         self._num_flushed += 1
@@ -127,21 +127,16 @@ def _error_json(code: str, message: str) -> str:
 
 async def speak_endpoint(websocket: WebSocket) -> None:
     state = websocket.app.state.voxgate
-    query = dict(websocket.query_params)
-    try:
-        output = parse_output(query)
-    except ProtocolError as exc:
-        await refuse(websocket, _error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code)
-        return
-    model = query.get("model")
-    voice: str = model if model is not None and model in state.catalog.listed else state.config.voice
-    warning = (f"model {model[:64]!r} is not a voice of this server; speaking with {voice!r}"
-               if model and model != voice else None)
 
-    def make(*args: Any, **kwargs: Any) -> DeepgramSession:
-        session = DeepgramSession(*args, output=output, **kwargs)
-        session.warning = warning
+    def make(**kwargs: Any) -> DeepgramSession:
+        query = dict(websocket.query_params)
+        output = parse_output(query)
+        model = query.get("model")
+        voice: str = model if model is not None and model in state.catalog.listed else state.config.voice
+        session = DeepgramSession(output=output, options=SessionOptions(voice=voice), **kwargs)
+        if model and model != voice:
+            session.warning = f"model {model[:64]!r} is not a voice of this server; speaking with {voice!r}"
         return session
 
-    await serve(websocket, make, key=_key(websocket), error_json=_error_json,
-                options=SessionOptions(voice=voice))
+    await serve(websocket, make, protocol="deepgram", key=_key(websocket),
+                key_hint="Authorization: Token <key>, or ?token=", error_json=_error_json)

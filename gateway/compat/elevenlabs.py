@@ -22,19 +22,21 @@ from the vendor. The rules that are ours:
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from typing import Any
 
 from starlette.websockets import WebSocket
 
-from gateway.access.keys import is_authorized
+from gateway.access.admission import Refused
 from gateway.audio.formats import MAX_SPEED, MIN_SPEED
 from gateway.compat.alignment import Tracked, segment_chars
-from gateway.compat.core import CompatSession, VendorContext, VendorSend, vendor_json
-from gateway.compat.endpoint import refuse, serve
+from gateway.compat.core import Authorize, CompatSession, VendorContext, vendor_json
+from gateway.compat.endpoint import serve
 from gateway.compat.formats import MP3_BITRATES, OPUS_BITRATES, PCM_RATES, OutputFormat
-from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CLOSE_UNAUTHORIZED, ProtocolError
+from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, ProtocolError
 from gateway.stream.actions import Action, Close
-from gateway.stream.messages import SessionOptions
+from gateway.stream.options import SessionOptions, finite_number
+from gateway.voices.catalog import unknown_voice_message
 
 AUTO_MODE_DELAY_MS = 50
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
@@ -71,10 +73,9 @@ def _speed(message: dict[str, Any]) -> float | None:
     settings = message.get("voice_settings")
     if not isinstance(settings, dict) or settings.get("speed") is None:
         return None
-    speed = settings["speed"]
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
-        raise ProtocolError("bad_message", "voice_settings.speed must be a number")
-    return min(MAX_SPEED, max(MIN_SPEED, float(speed)))
+    # a 400-digit integer would overflow float(): refused like NaN, as the native options are
+    speed = finite_number(settings["speed"], "voice_settings.speed")
+    return min(MAX_SPEED, max(MIN_SPEED, speed))
 
 
 class ElevenLabsSession(CompatSession):
@@ -91,13 +92,13 @@ class ElevenLabsSession(CompatSession):
                             "code": CLOSE_POLICY_VIOLATION if fatal else 400, **self._ids(vendor_id)})
 
     def handle(self, message: dict[str, Any], now: float) -> list[Action]:
-        if not self.is_authorized:
-            return self._authorize(message, now)
+        if self.authorize is not None:
+            return self._authorize(self.authorize, message, now)
         if message.get("close_socket") is True:
             actions: list[Action] = []
             for vctx in list(self.vendor_contexts.values()):
                 actions += self.cancel_vendor(vctx, now) + self.done_frames(vctx)
-            return actions + self.native({"type": "close"}, now)
+            return actions + self.close_session(now)
         if self.is_multi:
             raw_id = message.get("context_id", "default")
             if not isinstance(raw_id, str) or not raw_id or len(raw_id) > 256:
@@ -134,18 +135,20 @@ class ElevenLabsSession(CompatSession):
         return self.push_text(vctx, text, now, flush=flush,
                               options={"speed": vctx.state["speed"]})
 
-    def _authorize(self, message: dict[str, Any], now: float) -> list[Action]:
-        """No key at the handshake: the first message must carry one (`xi_api_key`)."""
+    def _authorize(self, authorize: Authorize, message: dict[str, Any], now: float) -> list[Action]:
+        """No key at the handshake: the first message must carry one (`xi_api_key`), which
+        the socket's admission checks and counts the socket against from now on."""
         key = message.get("xi_api_key")
         bearer = message.get("authorization")
         if not isinstance(key, str) and isinstance(bearer, str) and bearer.lower().startswith("bearer "):
             key = bearer[7:].strip()
-        if isinstance(key, str) and is_authorized(self.auth, key):
-            self.is_authorized = True
-            return self.handle(message, now)
-        return [self.error_frame("unauthorized", "a valid API key is required: the xi-api-key "
-                                 "header, or xi_api_key in the first message", None, True),
-                Close(CLOSE_UNAUTHORIZED, "unauthorized")]
+        try:
+            authorize(key if isinstance(key, str) else None)
+        except Refused as refusal:
+            return [self.error_frame(refusal.code, refusal.message, None, True),
+                    Close(refusal.close_code, refusal.code)]
+        self.authorize = None
+        return self.handle(message, now)
 
     def _close_context(self, vendor_id: str, now: float) -> list[Action]:
         vctx = self.vendor_contexts.get(vendor_id)
@@ -172,8 +175,6 @@ class ElevenLabsSession(CompatSession):
 
     def done_frames(self, vctx: VendorContext) -> list[Action]:
         return self.done_frames_for(vctx.vendor_id)
-
-    auth: Any = None  # the app's AuthConfig, set by the endpoint (first-message keys)
 
 
 class ElevenLabsMultiSession(ElevenLabsSession):
@@ -212,37 +213,35 @@ def _error_json(code: str, message: str) -> str:
     return frame
 
 
-async def _endpoint(websocket: WebSocket, session_class: type[ElevenLabsSession]) -> None:
+def _query_options(websocket: WebSocket) -> tuple[OutputFormat, SessionOptions, float]:
+    """(output format, options, inactivity timeout) from the socket's URL; raises ProtocolError."""
     state = websocket.app.state.voxgate
-    query = dict(websocket.query_params)
+    query = websocket.query_params
     voice_id = str(websocket.path_params.get("voice_id", ""))
+    output = parse_output_format(query.get("output_format", DEFAULT_OUTPUT_FORMAT))
+    if voice_id not in state.catalog.listed:  # the answer lists no voice: they may be a tenant's
+        raise ProtocolError("unknown_voice", unknown_voice_message(voice_id), fatal=True)
     try:
-        output = parse_output_format(query.get("output_format", DEFAULT_OUTPUT_FORMAT))
-        if voice_id not in state.catalog.listed:
-            known = ", ".join(sorted(state.catalog.listed)[:20])
-            raise ProtocolError("unknown_voice", f"unknown voice_id {voice_id[:64]!r}; this server "
-                                f"speaks: {known}", fatal=True)
-        try:
-            inactivity = float(query.get("inactivity_timeout", DEFAULT_INACTIVITY_S))
-        except ValueError:
-            raise ProtocolError("bad_message", "inactivity_timeout must be a number of seconds",
-                                fatal=True) from None
-        if not 0 < inactivity <= MAX_INACTIVITY_S:
-            raise ProtocolError("unsupported_option", f"inactivity_timeout must be within 1-"
-                                f"{MAX_INACTIVITY_S:.0f} s, got {inactivity:g}", fatal=True)
-    except ProtocolError as exc:
-        await refuse(websocket, _error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code)
-        return
-    delay = AUTO_MODE_DELAY_MS if _flag(query, "auto_mode", False) else 0
-    options = SessionOptions(voice=voice_id, max_buffer_delay_ms=delay)
+        inactivity = float(query.get("inactivity_timeout", DEFAULT_INACTIVITY_S))
+    except ValueError:
+        raise ProtocolError("bad_message", "inactivity_timeout must be a number of seconds",
+                            fatal=True) from None
+    if not 0 < inactivity <= MAX_INACTIVITY_S:
+        raise ProtocolError("unsupported_option", f"inactivity_timeout must be within 1-"
+                            f"{MAX_INACTIVITY_S:.0f} s, got {inactivity:g}", fatal=True)
+    delay = AUTO_MODE_DELAY_MS if _flag(dict(query), "auto_mode", False) else 0
+    return output, SessionOptions(voice=voice_id, max_buffer_delay_ms=delay), inactivity
 
-    def make(*args: Any, **kwargs: Any) -> ElevenLabsSession:
-        session = session_class(*args, output=output, **kwargs)
-        session.auth = state.config.auth
-        return session
 
-    await serve(websocket, make, key=_key(websocket), error_json=_error_json, options=options,
-                idle_timeout_s=inactivity, defer_auth=True)
+async def _endpoint(websocket: WebSocket, session_class: type[ElevenLabsSession]) -> None:
+    def make(**kwargs: Any) -> ElevenLabsSession:
+        output, options, inactivity = _query_options(websocket)
+        limits = replace(kwargs.pop("limits"), idle_timeout_s=inactivity)
+        return session_class(output=output, options=options, limits=limits, **kwargs)
+
+    await serve(websocket, make, protocol="elevenlabs", key=_key(websocket),
+                key_hint="the xi-api-key header, or xi_api_key in the first message",
+                error_json=_error_json, defer_auth=True)
 
 
 async def stream_input_endpoint(websocket: WebSocket) -> None:
@@ -253,5 +252,5 @@ async def multi_stream_input_endpoint(websocket: WebSocket) -> None:
     await _endpoint(websocket, ElevenLabsMultiSession)
 
 
-__all__ = ["ElevenLabsMultiSession", "ElevenLabsSession", "VendorSend", "multi_stream_input_endpoint",
+__all__ = ["ElevenLabsMultiSession", "ElevenLabsSession", "multi_stream_input_endpoint",
            "parse_output_format", "stream_input_endpoint"]

@@ -7,17 +7,27 @@ them out in order (`Connection._execute`), and tests read them directly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from engine.types import RequestId, SynthesisRequest
+from gateway.stream.events import AudioEvent, Event
 
 
 @dataclass(slots=True, frozen=True)
 class Send:
-    """A server message for the socket; `is_audio` ones are encoded as audio frames."""
+    """A server event for the socket, encoded in the session's encoding (audio as audio frames)."""
 
-    message: dict[str, Any]
-    is_audio: bool = False
+    message: Event
+
+    @property
+    def is_audio(self) -> bool:
+        return isinstance(self.message, AudioEvent)
+
+
+@dataclass(slots=True, frozen=True)
+class SendFrame:
+    """A frame already in its wire shape (the vendor sockets, gateway/compat, shape their own)."""
+
+    frame: str | bytes
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,4 +60,4 @@ class Observe:
     value: float
 
 
-Action = Send | Submit | Cancel | Close | Observe
+Action = Send | SendFrame | Submit | Cancel | Close | Observe

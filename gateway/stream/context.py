@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
-from gateway.stream.messages import SessionOptions
+from gateway.stream.options import SessionOptions
 from gateway.stream.playout import Playout
 from gateway.text.segmenter import Segmenter
 
@@ -113,8 +113,8 @@ class Context:
         """(spoken_text, unspoken_text) for a cut at `heard_ms` of this context's audio.
 
         Whole words where the engine gave timings, whole segments otherwise: a
-        segment counts as heard once its audio began playing (PROTOCOL.md,
-        `cancelled`).
+        segment counts as heard once its audio began playing (docs/protocol.md,
+        "Barge-in").
         """
         spoken: list[str] = []
         unspoken: list[str] = []

@@ -5,7 +5,8 @@ frames -> session), one consumer per engine request (chunks -> session), and
 the writer (a byte-bounded send queue -> socket). A timer wakes the session
 for time-based text release and realtime pacing. Every action the session
 returns is carried out in `_execute`, the only place that touches the socket
-or the engine.
+or the engine. Before any of it, `stream_endpoint` admits the socket through
+the one door every socket shares (gateway/access/admission.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Collection
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -24,51 +24,23 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.client import EngineClient
 from engine.errors import VoxgateError
 from engine.types import RequestId, SynthesisRequest
-from gateway.access.fair_share import FairShare, owner_of
-from gateway.access.keys import is_authorized, is_origin_allowed, presented_key
+from gateway.access.admission import Refused, admit
+from gateway.access.keys import presented_key
 from gateway.errors import (
-    CLOSE_FORBIDDEN,
     CLOSE_GOING_AWAY,
     CLOSE_IDLE_TIMEOUT,
     CLOSE_INTERNAL_ERROR,
     CLOSE_POLICY_VIOLATION,
     CLOSE_SLOW_CONSUMER,
-    CLOSE_TRY_AGAIN_LATER,
-    CLOSE_UNAUTHORIZED,
     ProtocolError,
     error_message,
 )
-from gateway.stream.actions import Action, Cancel, Close, Observe, Send, Submit
-from gateway.stream.messages import (
-    SessionOptions,
-    apply_update,
-    encode_audio,
-    encode_event,
-    encode_json,
-)
+from gateway.stream.actions import Action, Cancel, Close, Observe, Send, SendFrame, Submit
+from gateway.stream.events import AudioEvent, encode_audio, encode_event, encode_json
+from gateway.stream.options import SessionOptions, options_from_query
 from gateway.stream.session import Session
-from gateway.voices.catalog import VoiceCatalog
 
 log = logging.getLogger("voxgate.gateway")
-
-_INT_OPTIONS = ("sample_rate", "bitrate", "frame_ms", "max_buffer_delay_ms")
-_QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms", "encoding",
-                  "audio_as", "pacing", "speed", "max_buffer_delay_ms")
-
-
-def options_from_query(query: dict[str, str], base: SessionOptions,
-                       voice_ids: Collection[str]) -> SessionOptions:
-    """Initial options from the handshake's query string (all values arrive as text)."""
-    fields: dict[str, Any] = {}
-    for key in _QUERY_OPTIONS:
-        if key not in query:
-            continue
-        raw = query[key]
-        try:
-            fields[key] = int(raw) if key in _INT_OPTIONS else float(raw) if key == "speed" else raw
-        except ValueError:
-            raise ProtocolError("bad_message", f"query parameter {key} must be a number, got {raw!r}") from None
-    return apply_update(base, fields, voice_ids)
 
 
 class Connection:
@@ -213,6 +185,8 @@ class Connection:
         for action in actions:
             if isinstance(action, Send):
                 self._send(action)
+            elif isinstance(action, SendFrame):
+                self._send_frame(action.frame)
             elif isinstance(action, Submit):
                 self._start_request(action.request)
             elif isinstance(action, Cancel):
@@ -224,13 +198,15 @@ class Connection:
                 self.metrics.observe(action.name, action.value)
             elif isinstance(action, Close):
                 self._close(action)
-        self.metrics.contexts.set(sum(len(c.session.contexts) for c in self.state.connections))
         self._wake_timer.set()
 
     def _send(self, action: Send) -> None:
+        if self._closing is None:
+            self._send_frame(self._encode(action))
+
+    def _send_frame(self, frame: str | bytes) -> None:
         if self._closing is not None:
             return
-        frame = self._encode(action)
         self._outbox.append(frame)
         self._outbox_bytes += len(frame)
         self._wake_writer.set()
@@ -240,12 +216,13 @@ class Connection:
     def _encode(self, action: Send) -> str | bytes:
         """One frame for a Send (the compatible sockets, gateway/compat, shape their own)."""
         options = self.session.options
-        if action.is_audio:
+        if isinstance(action.message, AudioEvent):
             return encode_audio(action.message, options)
         return encode_event(action.message, options.encoding)
 
     def _slow_consumer(self, why: str) -> None:
-        """PROTOCOL.md: a client that stops reading may not grow server memory."""
+        """A client that stops reading may not grow server memory (docs/architecture.md,
+        "The backpressure story")."""
         if self._closing is not None:
             return
         # The writer is stuck on a full socket: drop what is queued and end the
@@ -254,7 +231,7 @@ class Connection:
         self._outbox_bytes = 0
         slow = error_message(ProtocolError("slow_consumer", "the client is not reading its audio "
                                            f"({why}); closing", fatal=True))
-        self._outbox.append(encode_event(slow, self.session.options.encoding))
+        self._outbox.append(self._encode(Send(slow)))
         self.metrics.observe("error:slow_consumer", 1)
         self._close(Close(CLOSE_SLOW_CONSUMER, "slow consumer"))
         log.warning("session %s: slow consumer (%s), closing", self.session.session_id, why)
@@ -304,11 +281,15 @@ class Connection:
             self._execute(self.session.tick(time.monotonic()))
 
 
-async def _refuse(websocket: WebSocket, code: str, message: str, close_code: int) -> None:
+async def refuse(websocket: WebSocket, frame: str, close_code: int, reason: str) -> None:
+    """Answer a socket that is not served: accept, one frame saying why, close."""
     await websocket.accept()
-    error = error_message(ProtocolError(code, message, fatal=True))
-    await websocket.send_text(encode_json(error))
-    await websocket.close(close_code, code)
+    await websocket.send_text(frame)
+    await websocket.close(close_code, reason[:120])
+
+
+#: where the native socket takes its key, for the `unauthorized` answer
+KEY_HINT = "Authorization: Bearer <key>, or ?api_key= (or a ?token=) for browsers"
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
@@ -316,74 +297,42 @@ async def stream_endpoint(websocket: WebSocket) -> None:
     config = state.config
     engine: EngineClient = state.engine
     query = dict(websocket.query_params)
-    key = presented_key(websocket.headers, query)
-    # Nothing is done for a socket before it is authorized (PROTOCOL.md: 4401).
-    if not is_authorized(config.auth, key):
-        state.metrics.observe("error:unauthorized", 1)
-        await _refuse(websocket, "unauthorized", "a valid API key is required (Authorization: Bearer "
-                      "<key>, or ?api_key= for browsers)", CLOSE_UNAUTHORIZED)
-        return
-    if not is_origin_allowed(config.auth, websocket.headers.get("origin"), websocket.headers.get("host")):
-        await _refuse(websocket, "unauthorized", "this origin is not allowed (see --allowed-origins)",
-                      CLOSE_FORBIDDEN)
-        return
-    if state.is_shutting_down:
-        await _refuse(websocket, "busy", "the server is shutting down", CLOSE_GOING_AWAY)
-        return
-    if len(state.connections) >= config.max_sessions:
-        state.metrics.observe("error:busy", 1)
-        await _refuse(websocket, "busy", f"the server holds {config.max_sessions} sessions; try again later",
-                      CLOSE_TRY_AGAIN_LATER)
-        return
-    # The key with auth on; with auth off, any key passes, so the client's address
-    # (gateway/access/fair_share.py): the socket cap and the engine share are per owner.
-    owner = owner_of(key, websocket.client.host if websocket.client else None,
-                     is_auth_enabled=config.auth.is_enabled)
-    key_slot = owner
-    if not state.key_counter.acquire(key_slot, config.max_sockets_per_key):
-        state.metrics.observe("error:rate_limited", 1)
-        who = "key" if config.auth.is_enabled else "client address"
-        await _refuse(websocket, "rate_limited", f"this {who} holds {config.max_sockets_per_key} sockets "
-                      "already", CLOSE_TRY_AGAIN_LATER)
-        return
     try:
-        catalog: VoiceCatalog = state.catalog
-        base = SessionOptions(voice=config.voice)
+        admission = admit(state, websocket, presented_key(websocket.headers, query),
+                          protocol="native", key_hint=KEY_HINT)
+    except Refused as refusal:
+        await refuse(websocket, encode_json(error_message(refusal).to_wire()), refusal.close_code,
+                     refusal.code)
+        return
+    with admission:
         try:
-            options = options_from_query(query, base, catalog.listed)
+            options = options_from_query(query, SessionOptions(voice=config.voice), state.catalog.listed)
         except ProtocolError as exc:
             exc.fatal = True
-            await websocket.accept()
-            await websocket.send_text(encode_json(error_message(exc)))
-            await websocket.close(CLOSE_POLICY_VIOLATION, exc.code)
+            await refuse(websocket, encode_json(error_message(exc).to_wire()), CLOSE_POLICY_VIOLATION,
+                         exc.code)
             return
         # Made before the first await, so the voice just validated is held at once.
-        fair_share: FairShare = state.fair_share
-        session = Session(uuid.uuid4().hex[:16], catalog=catalog, sample_rate=engine.sample_rate,
-                          options=options, limits=config.limits,
-                          admit=lambda context_key: fair_share.admit(owner, context_key),
-                          release=fair_share.release)
+        session = Session(uuid.uuid4().hex[:16], catalog=state.catalog, sample_rate=engine.sample_rate,
+                          options=options, limits=config.limits, admit=admission.admit_context,
+                          release=admission.release_context)
         await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
-    finally:
-        state.key_counter.release(key_slot)
 
 
 async def serve_session(websocket: WebSocket, session: Session, connection: Connection,
                         state: Any) -> None:
     """Accept the socket and run `connection` (native or a vendor adapter's) until it ends.
 
-    The connection is counted in the app's open connections and the sessions gauge
-    while it runs; the session lets go of its voice at the end even if `run` never
-    started (a no-op after `run`).
+    The connection is counted in the app's open connections while it runs (the
+    sessions and contexts gauges read them at scrape time); the session lets go
+    of its voice at the end even if `run` never started (a no-op after `run`).
     """
     try:
         await websocket.accept()
         state.connections.add(connection)
-        state.metrics.sessions.inc()
         try:
             await connection.run()
         finally:
             state.connections.discard(connection)
-            state.metrics.sessions.dec()
     finally:
         session.disconnect()

@@ -4,7 +4,7 @@
 protocol half (which segment speaks next, what was heard). It encodes PCM
 with the context's `StreamEncoder`, packs the codec frames into `audio`
 messages of up to `FRAMES_PER_MESSAGE` frames with gapless `seq` and
-`pts_ms` (PROTOCOL.md, "Rules the server keeps"), and holds them in an outbox
+`pts_ms` (docs/protocol.md, "Rules the server keeps"), and holds them in an outbox
 until pacing lets them go. Like the session it reads no clock: `release`
 takes `now`.
 
@@ -22,12 +22,11 @@ most `synthesis.MAX_SEGMENTS_AHEAD` segments at a time (docs/architecture.md,
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
 import numpy as np
 
 from gateway.audio.codecs import EncodedFrame, StreamEncoder
-from gateway.stream import messages
+from gateway.stream.events import AudioEvent
 
 FRAMES_PER_MESSAGE = 5
 REALTIME_LEAD_MS = 1500.0
@@ -53,7 +52,7 @@ class Playout:
         self.audio_ms_sent = 0.0
         self.play_started_at: float | None = None
         self.is_finished = False
-        self._outbox: deque[tuple[float, dict[str, Any]]] = deque()  # (pts_ms, audio message)
+        self._outbox: deque[AudioEvent] = deque()
 
     @property
     def is_empty(self) -> bool:
@@ -75,22 +74,22 @@ class Playout:
         """Drop what waits (cancel): no audio of this context leaves after this."""
         self._outbox.clear()
 
-    def release(self, now: float, playback_end: float) -> list[dict[str, Any]]:
+    def release(self, now: float, playback_end: float) -> list[AudioEvent]:
         """The messages pacing lets go at `now`, in order.
 
         `playback_end`: when the audio of the contexts before this one ends
         playing; this one's playback clock starts no earlier.
         """
-        out: list[dict[str, Any]] = []
+        out: list[AudioEvent] = []
         while self._outbox:
-            pts_ms, message = self._outbox[0]
-            if self.is_realtime and self._due_at(pts_ms) > now:
+            message = self._outbox[0]
+            if self.is_realtime and self._due_at(message.pts_ms) > now:
                 break
             self._outbox.popleft()
             if self.play_started_at is None:
                 # Contexts play one after another: this one starts when the last ends.
                 self.play_started_at = max(now, playback_end)
-            self.audio_ms_sent += float(message["duration_ms"])
+            self.audio_ms_sent += message.duration_ms
             out.append(message)
         return out
 
@@ -98,7 +97,7 @@ class Playout:
         """When the next waiting message is due under realtime pacing; None if none waits."""
         if not self.is_realtime or not self._outbox:
             return None
-        return self._due_at(self._outbox[0][0])
+        return self._due_at(self._outbox[0].pts_ms)
 
     def _due_at(self, pts_ms: float) -> float:
         start = self.play_started_at
@@ -110,8 +109,7 @@ class Playout:
         for start in range(0, len(frames), FRAMES_PER_MESSAGE):
             group = frames[start:start + FRAMES_PER_MESSAGE]
             duration = sum(f.duration_ms for f in group)
-            message = messages.audio(self.context_id, self.seq, self.audio_ms_queued, duration,
-                                     self.encoder.codec, [f.data for f in group])
+            self._outbox.append(AudioEvent(self.context_id, self.seq, self.audio_ms_queued, duration,
+                                           self.encoder.codec, tuple(f.data for f in group)))
             self.seq += 1
-            self._outbox.append((self.audio_ms_queued, message))
             self.audio_ms_queued += duration

@@ -5,7 +5,7 @@ clock: the endpoint passes `now` (monotonic seconds) into every call and
 carries out the returned actions (send a frame, submit or cancel an engine
 request, close). Tests drive it synchronously.
 
-Rules implemented here are PROTOCOL.md's "Rules the server keeps": contexts
+Rules implemented here are docs/protocol.md's "Rules the server keeps": contexts
 play one after another in creation order; a closed context id answers
 `context_closed` once; after `cancelled` no audio of that context follows;
 `seq` has no gaps and `pts_ms` grows by `duration_ms` (each context's
@@ -18,7 +18,9 @@ disconnect, so that a deleted voice stays speakable for whoever holds it.
 What is not protocol lives beside it: the engine half (segments submitted
 within the look-ahead window, admission, deadlines, audio routed back) in
 synthesis.py, the media half in playout.py, the actions in actions.py, the
-wire messages in messages.py, a turn's bookkeeping in context.py.
+client messages in messages.py (decoded once, typed: `receive_message` takes
+them), the server events in events.py, options and limits in options.py, a
+turn's bookkeeping in context.py.
 """
 
 from __future__ import annotations
@@ -26,25 +28,25 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId
 from gateway.audio.codecs import make_encoder
 from gateway.errors import ProtocolError, error_message
-from gateway.stream import messages
 from gateway.stream.actions import Action, Cancel, Close, Observe, Send, Submit
 from gateway.stream.context import Context, ContextState
+from gateway.stream.events import Cancelled, ContextDone, SessionReady, SessionUpdated
 from gateway.stream.messages import (
-    Limits,
-    SessionOptions,
-    TokenBucket,
-    apply_update,
-    context_id_of,
-    decode_frame,
-    optional_ms,
-    text_fields,
+    CancelMessage,
+    ClientMessage,
+    CloseMessage,
+    FlushMessage,
+    PlaybackMessage,
+    SessionUpdate,
+    TextMessage,
+    decode_message,
 )
+from gateway.stream.options import Limits, SessionOptions, TokenBucket, apply_update
 from gateway.stream.playout import Playout
 from gateway.stream.synthesis import Synthesis, frame_ready_audio
 from gateway.text.segmenter import Segmenter, SegmenterConfig
@@ -87,21 +89,38 @@ class Session:
     # -- entry points -------------------------------------------------------
     def start(self, now: float) -> list[Action]:
         self.last_activity = now
-        return [Send(messages.session_ready(self.session_id, self.options, self.limits))]
+        return [Send(SessionReady(self.session_id, self.options, self.limits))]
 
     def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
-        """One client frame. Bad input yields an `error`; the session goes on."""
+        """One client frame: a rate-limit token, then decoded once and handled as its message.
+
+        Bad input yields an `error`; the session goes on.
+        """
         self.last_activity = now
-        context_id: str | None = None
         try:
-            if not self._message_rate.take(1, now):
-                raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
-                                    "messages per second; the message was dropped")
-            message = decode_frame(raw, self.limits.max_message_bytes)
-            context_id = message.get("context_id") if isinstance(message.get("context_id"), str) else None
+            self.take_message_token(now)
+            message = decode_message(raw, self.limits.max_message_bytes)
+        except ProtocolError as exc:
+            return self._refused(exc)
+        return self.receive_message(message, now)
+
+    def receive_message(self, message: ClientMessage, now: float) -> list[Action]:
+        """One typed client message: decoded from a frame, or built by a vendor adapter.
+
+        Takes no rate-limit token (the frame it came in took one). Bad input
+        yields an `error`; the session goes on.
+        """
+        self.last_activity = now
+        try:
             return self._dispatch(message, now)
         except VoxgateError as exc:
-            return [Send(error_message(exc, context_id)), Observe("error:" + exc.code, 1)]
+            return self._refused(exc, getattr(message, "context_id", None))
+
+    def take_message_token(self, now: float) -> None:
+        """One client frame's place in the message rate; raises `rate_limited` when none is left."""
+        if not self._message_rate.take(1, now):
+            raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
+                                "messages per second; the message was dropped")
 
     def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]:
         if not self._synthesis.receive_audio(chunk):
@@ -110,12 +129,11 @@ class Session:
 
     def receive_engine_error(self, request_id: RequestId, exc: BaseException,
                              now: float) -> list[Action]:
-        """An engine failure ends that context only (PROTOCOL.md `internal`)."""
+        """An engine failure ends that context only (docs/protocol.md, "Errors": `internal`)."""
         context = self._synthesis.pop_request(request_id)
         if context is None or context.is_closed:
             return []
-        actions: list[Action] = [Send(error_message(exc, context.context_id)),
-                                 Observe("error:" + getattr(exc, "code", "internal"), 1)]
+        actions = self._refused(exc, context.context_id)
         actions += self._end_context(context, ContextState.FAILED)
         return actions + self._pump(now)
 
@@ -166,27 +184,27 @@ class Session:
         return min(times) if times else None
 
     # -- client messages -----------------------------------------------------
-    def _dispatch(self, message: dict[str, Any], now: float) -> list[Action]:
-        kind = message["type"]
-        if self.is_closing and kind != "close":
-            raise ProtocolError("bad_message", "the session is closing; no more messages are taken")
-        if kind == "text":
-            return self._on_text(message, now)
-        if kind == "flush":
-            return self._on_flush(message, now)
-        if kind == "cancel":
-            return self._on_cancel(message, now)
-        if kind == "playback":
-            return self._on_playback(message)
-        if kind == "session.update":
-            return self._on_update(message)
-        if kind == "close":
-            return self._on_close(now)
-        raise ProtocolError("bad_message", f"unknown message type {kind[:40]!r}; expected one of "
-                            "session.update, text, flush, cancel, playback, close")
+    def _refused(self, exc: BaseException, context_id: str | None = None) -> list[Action]:
+        event = error_message(exc, context_id)
+        return [Send(event), Observe("error:" + event.code, 1)]
 
-    def _on_text(self, message: dict[str, Any], now: float) -> list[Action]:
-        context_id, text, flush = text_fields(message)
+    def _dispatch(self, message: ClientMessage, now: float) -> list[Action]:
+        if self.is_closing and not isinstance(message, CloseMessage):
+            raise ProtocolError("bad_message", "the session is closing; no more messages are taken")
+        if isinstance(message, TextMessage):
+            return self._on_text(message, now)
+        if isinstance(message, FlushMessage):
+            return self._on_flush(message, now)
+        if isinstance(message, CancelMessage):
+            return self._on_cancel(message, now)
+        if isinstance(message, PlaybackMessage):
+            return self._on_playback(message)
+        if isinstance(message, SessionUpdate):
+            return self._on_update(message)
+        return self._on_close(now)
+
+    def _on_text(self, message: TextMessage, now: float) -> list[Action]:
+        context_id, text = message.context_id, message.text
         context = self._open_context(context_id, now)
         if context is None:
             return self._closed_answer(context_id)
@@ -203,13 +221,12 @@ class Session:
         context.num_text_chars += len(text)
         context.last_text_at = now
         actions = self._submit_segments(context, context.segmenter.push(text, now), now)
-        if flush:
+        if message.flush:
             actions += self._flush_context(context, now)
         return actions + self._pump(now)
 
-    def _on_flush(self, message: dict[str, Any], now: float) -> list[Action]:
-        context_id = context_id_of(message, required=True)
-        assert context_id is not None
+    def _on_flush(self, message: FlushMessage, now: float) -> list[Action]:
+        context_id = message.context_id
         context = self.contexts.get(context_id)
         if context is None:
             if context_id in self._closed:
@@ -218,9 +235,8 @@ class Session:
                                 context_id=context_id)
         return self._flush_context(context, now) + self._pump(now)
 
-    def _on_cancel(self, message: dict[str, Any], now: float) -> list[Action]:
-        context_id = context_id_of(message, required=False)
-        played_ms = optional_ms(message, "played_ms")
+    def _on_cancel(self, message: CancelMessage, now: float) -> list[Action]:
+        context_id, played_ms = message.context_id, message.played_ms
         if context_id is None:
             targets = list(self.contexts.values())
         elif context_id in self.contexts:
@@ -230,13 +246,11 @@ class Session:
             # pacing runs far ahead): split the text at what was heard.
             done = self._recent_done.pop(context_id)
             spoken, unspoken = done.split_heard(done.heard_ms(played_ms))
-            return [Send(messages.cancelled(context_id, audio_ms_sent=done.audio_ms_sent,
-                                            played_ms=played_ms, spoken_text=spoken,
-                                            unspoken_text=unspoken)), Observe("cancel", 1)]
+            return [Send(Cancelled(context_id, done.audio_ms_sent, played_ms, spoken, unspoken)),
+                    Observe("cancel", 1)]
         elif context_id in self._closed:
             # Already cancelled (or long finished): answer idempotently, nothing to stop.
-            return [Send(messages.cancelled(context_id, audio_ms_sent=None, played_ms=played_ms,
-                                            spoken_text=None, unspoken_text=None))]
+            return [Send(Cancelled(context_id, None, played_ms, None, None))]
         else:
             raise ProtocolError("bad_context_id", f"no open context {context_id!r}", context_id=context_id)
         actions: list[Action] = []
@@ -252,33 +266,28 @@ class Session:
             actions += self._end_context(context, ContextState.CANCELLED)
             actions.append(Observe("cancel", 1))
             if context_id is not None:
-                actions.append(Send(messages.cancelled(
-                    context.context_id, audio_ms_sent=context.audio_ms_sent,
-                    played_ms=played_ms if played_ms is not None else context.played_ms,
-                    spoken_text=spoken, unspoken_text=unspoken)))
+                actions.append(Send(Cancelled(
+                    context.context_id, context.audio_ms_sent,
+                    played_ms if played_ms is not None else context.played_ms, spoken, unspoken)))
         if context_id is None:
-            actions.append(Send(messages.cancelled(
-                None, audio_ms_sent=sent_total, played_ms=played_ms,
-                spoken_text=" ".join(s for s in spoken_all if s),
-                unspoken_text=" ".join(u for u in unspoken_all if u))))
+            actions.append(Send(Cancelled(None, sent_total, played_ms,
+                                          " ".join(s for s in spoken_all if s),
+                                          " ".join(u for u in unspoken_all if u))))
         return actions + self._pump(now)
 
-    def _on_update(self, message: dict[str, Any]) -> list[Action]:
-        options = apply_update(self.options, message, self.catalog.listed)
+    def _on_update(self, message: SessionUpdate) -> list[Action]:
+        options = apply_update(self.options, message.changes, self.catalog.listed)
         if options.voice != self.options.voice and self._is_holding_voice:
             self.catalog.hold(options.voice)
             self.catalog.release(self.options.voice)
         self.options = options
-        return [Send(messages.session_updated(options))]
+        return [Send(SessionUpdated(options))]
 
-    def _on_playback(self, message: dict[str, Any]) -> list[Action]:
-        context_id = context_id_of(message, required=True)
-        played_ms = optional_ms(message, "played_ms")
-        if played_ms is None:
-            raise ProtocolError("bad_message", "'playback' needs a number field 'played_ms'")
-        context = self.contexts.get(context_id or "") or self._recent_done.get(context_id or "")
+    def _on_playback(self, message: PlaybackMessage) -> list[Action]:
+        context_id = message.context_id
+        context = self.contexts.get(context_id) or self._recent_done.get(context_id)
         if context is not None:
-            context.played_ms = played_ms
+            context.played_ms = message.played_ms
         return []
 
     def _on_close(self, now: float) -> list[Action]:
@@ -370,15 +379,15 @@ class Session:
             actions += self._submit_ready(now)
             if context.is_closed:
                 continue  # refused admission: it ended, the next context is active
-            for message in context.playout.release(now, self._playback_end):
-                actions += [Send(message, is_audio=True), Observe("audio_ms", message["duration_ms"])]
-                late_s = now - (context.playout.play_started_at or now) - message["pts_ms"] / 1000.0
+            for audio in context.playout.release(now, self._playback_end):
+                actions += [Send(audio), Observe("audio_ms", audio.duration_ms)]
+                late_s = now - (context.playout.play_started_at or now) - audio.pts_ms / 1000.0
                 if late_s > 0:  # sent after its playback time: the server's view of a gap
                     actions.append(Observe("late_audio", late_s))
             if not context.is_drained():
                 break
-            actions.append(Send(messages.context_done(context.context_id, context.audio_ms_sent,
-                                                      len(context.segments))))
+            actions.append(Send(ContextDone(context.context_id, context.audio_ms_sent,
+                                            len(context.segments))))
             actions += self._end_context(context, ContextState.DONE)
         if not self.contexts and self.is_closing:
             actions.append(Close(1000, "session closed by client"))

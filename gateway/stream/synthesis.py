@@ -19,9 +19,9 @@ from collections.abc import Callable
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
 from gateway.errors import error_message
-from gateway.stream import messages
 from gateway.stream.actions import Action, Cancel, Observe, Send, Submit
 from gateway.stream.context import Context, Segment
+from gateway.stream.events import SegmentEvent
 
 #: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
 #: segments per socket with the engine or waiting to be framed; the engine's
@@ -130,7 +130,7 @@ class Synthesis:
 
 
 def _deadline(contexts: dict[str, Context], context: Context, index: int, now: float) -> float:
-    """When segment `index` of `context` must have audio (DESIGN.md, Engine).
+    """When segment `index` of `context` must have audio (docs/architecture.md, "Deadline scheduling").
 
     The first segment of a turn that nothing plays before is due now (its
     TTFA); any other is due when the audio before it runs out: the
@@ -162,9 +162,8 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
                 # A streamed segment's words tile its audio: the last one ends with it.
                 duration = (chunk.duration_ms if chunk.is_last
                             else chunk.words[-1].end_ms if chunk.words else None)
-                actions.append(Send(messages.segment(context.context_id, segment.segment_id,
-                                                     segment.text, segment.pts_ms, duration,
-                                                     chunk.words)))
+                actions.append(Send(SegmentEvent(context.context_id, segment.segment_id,
+                                                 segment.text, segment.pts_ms, duration, chunk.words)))
                 if segment.segment_id == 0:
                     actions.append(Observe("ttfa", now - segment.released_at))
             segment.audio_ms += chunk.duration_ms

@@ -35,12 +35,13 @@ def test_an_http_error_is_openais_error_object_with_code_and_message_mirrored() 
 
 
 def test_the_error_event_keeps_a_protocol_errors_context_and_hides_unexpected_ones() -> None:
-    assert error_message(ProtocolError("bad_context_id", "no context", context_id="c", fatal=True)) == {
-        "type": "error", "code": "bad_context_id", "message": "no context", "context_id": "c", "fatal": True}
-    assert error_message(EngineBusyError("full"), "c")["code"] == "busy"
-    assert error_message(UnknownVoiceError("who?"))["code"] == "unknown_voice"
+    event = error_message(ProtocolError("bad_context_id", "no context", context_id="c", fatal=True))
+    assert event.to_wire() == {"type": "error", "code": "bad_context_id", "message": "no context",
+                               "context_id": "c", "fatal": True}
+    assert error_message(EngineBusyError("full"), "c").code == "busy"
+    assert error_message(UnknownVoiceError("who?")).code == "unknown_voice"
     hidden = error_message(RuntimeError("/secret/path exploded"), "c")
-    assert hidden["code"] == "internal" and "/secret" not in hidden["message"]
+    assert hidden.code == "internal" and "/secret" not in hidden.message
 
 
 def test_a_protocol_error_refuses_a_code_the_protocol_does_not_have() -> None:

@@ -15,27 +15,30 @@ import numpy as np
 
 from engine.errors import EngineBusyError
 from engine.types import AudioChunk, WordTiming
+from gateway.access.admission import Refused
 from gateway.compat.cartesia import CartesiaSession
-from gateway.compat.core import CompatSession, VendorSend
+from gateway.compat.core import CompatSession
 from gateway.compat.deepgram import DeepgramSession
 from gateway.compat.elevenlabs import ElevenLabsMultiSession, ElevenLabsSession, parse_output_format
 from gateway.compat.formats import OutputFormat
-from gateway.stream.actions import Action, Cancel, Close, Submit
-from gateway.stream.messages import Limits, SessionOptions
+from gateway.stream.actions import Action, Cancel, Close, SendFrame, Submit
+from gateway.stream.options import Limits, SessionOptions
 from gateway.voices.catalog import VoiceCatalog
 
 RATE = 22050
 
 
-def _make(kind: type[CompatSession], output: OutputFormat) -> Any:
+def _make(kind: type[CompatSession], output: OutputFormat, limits: Limits | None = None,
+          **kwargs: Any) -> Any:
     session = kind("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, options=SessionOptions(voice="joe"),
-                   limits=Limits(), output=output, admit=lambda key: None, release=lambda key: None)
+                   limits=limits or Limits(), output=output, admit=lambda key: None,
+                   release=lambda key: None, **kwargs)
     session.start(0.0)
     return session
 
 
 def _frames(actions: list[Action]) -> list[dict[str, Any]]:
-    return [json.loads(a.frame) for a in actions if isinstance(a, VendorSend) and isinstance(a.frame, str)]
+    return [json.loads(a.frame) for a in actions if isinstance(a, SendFrame) and isinstance(a.frame, str)]
 
 
 def _chunk(submit: Submit, seconds: float, *, is_last: bool) -> AudioChunk:
@@ -141,3 +144,72 @@ def test_a_context_the_engine_refuses_gets_the_vendor_error_and_its_end() -> Non
     assert frames[0]["error"] == "busy" and frames[0]["contextId"] == "a"
     assert frames[-1] == {"isFinal": True, "contextId": "a", "context_id": "a"}
     assert session.vendor_contexts == {}
+
+
+def test_a_vendor_frame_costs_one_rate_token_however_many_native_messages_it_becomes() -> None:
+    # three tokens; each frame below becomes two native messages (session.update for the
+    # speed, then the text) or more, which used to cost a token each on top of nothing
+    limits = Limits(max_messages_per_s=1.0, burst_s=3.0)
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), limits)
+    speeds = (1.1, 1.2, 1.3)
+    submitted = []
+    for n, speed in enumerate(speeds):
+        frame = {"text": f"Turn number {n} is here. ", "context_id": f"c{n}", "flush": True,
+                 "voice_settings": {"speed": speed}}
+        actions = session.receive_frame(json.dumps(frame), 0.0)
+        assert _frames(actions) == []  # no error
+        submitted += _submits(actions)
+    assert [s.request.params.speed for s in submitted] == list(speeds)
+    (refused,) = _frames(session.receive_frame(json.dumps({"text": "One more. ", "context_id": "c9"}), 0.0))
+    assert refused["error"] == "rate_limited"
+
+
+def test_a_frame_of_chinese_is_sized_as_the_client_sent_it_and_spoken() -> None:
+    text = "今天天气很好，我们一起去公园散步吧。" * 1000  # 18,000 characters, 54,000 bytes of UTF-8
+    frame = json.dumps({"text": text, "context_id": "zh", "flush": True}, ensure_ascii=False)
+    assert 50_000 < len(frame.encode("utf-8")) < Limits().max_message_bytes < len(json.dumps({"text": text}))
+    limits = Limits(max_text_chars_per_s=4000.0, burst_s=5.0)
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), limits)
+    actions = session.receive_frame(frame, 0.0)
+    assert _frames(actions) == []  # neither message_too_large nor anything else
+    submits = _submits(actions)
+    assert submits and submits[0].request.text.startswith("今天天气很好")
+
+
+def test_a_frame_too_large_as_sent_is_refused_before_it_is_read() -> None:
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(max_message_bytes=100))
+    (error,) = _frames(session.receive_frame(json.dumps({"text": "x" * 200, "context_id": "a"}), 0.0))
+    assert error["error"] == "message_too_large" and "the limit is 100" in error["message"]
+
+
+def test_a_vendor_frame_nested_thousands_deep_is_a_bad_message_not_a_crash() -> None:
+    session = _make(CartesiaSession, OutputFormat("pcm_s16le", 24000))
+    (error,) = _frames(session.receive_frame("[" * 5000 + "]" * 5000, 0.0))
+    assert error["title"] == "bad_message" and "not valid JSON" in error["error"]
+
+
+def test_a_key_in_the_first_message_is_checked_by_the_admission_and_only_then_speaks() -> None:
+    seen: list[str | None] = []
+
+    def authorize(key: str | None) -> None:
+        seen.append(key)
+        if key != "good-key-123":
+            raise Refused("unauthorized", "a valid API key is required: xi_api_key", 4401)
+
+    refused = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), authorize=authorize)
+    actions = refused.receive_frame(json.dumps({"text": "Hi there. ", "context_id": "a",
+                                                "xi_api_key": "wrong-key-000", "flush": True}), 0.0)
+    assert _frames(actions)[0]["error"] == "unauthorized" and not _submits(actions)
+    assert any(isinstance(a, Close) and a.code == 4401 for a in actions)
+    accepted = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), authorize=authorize)
+    actions = accepted.receive_frame(json.dumps({"text": "Hi there. ", "context_id": "a",
+                                                 "xi_api_key": "good-key-123", "flush": True}), 0.0)
+    assert _submits(actions) and accepted.authorize is None  # checked once, for the socket
+    assert seen == ["wrong-key-000", "good-key-123"]
+
+
+def test_a_speed_too_large_for_a_float_is_a_bad_message_not_a_crash() -> None:
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"))
+    frame = '{"text": "Hi. ", "context_id": "a", "voice_settings": {"speed": ' + "1" * 400 + "}}"
+    (error,) = _frames(session.receive_frame(frame, 0.0))
+    assert error["error"] == "bad_message" and "voice_settings.speed must be a finite number" in error["message"]

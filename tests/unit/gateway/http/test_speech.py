@@ -100,7 +100,7 @@ def test_the_voice_and_the_engine_capacity_are_let_go_when_the_body_ends(app: An
 @pytest.mark.parametrize(("body", "status", "code", "words"), [
     ({"input": ""}, 400, "bad_request", "non-empty string"),
     ({"input": "x" * 5000}, 400, "text_too_long", "the limit is 4096"),
-    ({"voice": "zed"}, 400, "unknown_voice", "expected one of: v"),
+    ({"voice": "zed"}, 400, "unknown_voice", "unknown voice 'zed'; GET /v1/voices lists"),
     ({"response_format": "ogg"}, 400, "unsupported_option", "response_format must be one of"),
     ({"speed": 5}, 400, "unsupported_option", "within 0.25-4.0, got 5"),
     ({"speed": True}, 400, "unsupported_option", "got True"),
@@ -173,3 +173,25 @@ def test_a_server_shutting_down_answers_busy(app: Any) -> None:
     response = speak(client)
     assert response.status_code == 503 and response.json()["error"]["type"] == "server_error"
     assert response.json()["code"] == "busy"
+
+
+def test_another_tenants_voice_is_unknown_to_a_key_and_the_error_lists_no_voice(tmp_path: Path) -> None:
+    from gateway.access.keys import AuthConfig, tenant_of
+
+    key_a, key_b = "sk-tenant-a-0123", "sk-tenant-b-0123"
+    backend = RecordingBackend()
+    config = GatewayConfig(voice="v", data_dir=tmp_path, web_dir=tmp_path / "no-web",
+                           auth=AuthConfig(api_keys=(key_a, key_b)))
+    application = create_app(config, engine=Engine(backend, EngineConfig(warmup_text="")))
+    with TestClient(application, base_url="http://localhost") as client:
+        application.state.voxgate.catalog.add("a-private", owner=tenant_of(key_a))
+        for voice in ("a-private", "nope"):
+            response = client.post("/v1/audio/speech", json={"input": "Hello.", "voice": voice},
+                                   headers={"Authorization": f"Bearer {key_b}"})
+            assert (response.status_code, response.json()["code"]) == (400, "unknown_voice")
+            assert response.json()["message"] == (f"unknown voice {voice!r}; GET /v1/voices lists "
+                                                   "the voices this key may use")
+        assert backend.requests == []
+        mine = client.post("/v1/audio/speech", json={"input": "Hello.", "voice": "v"},
+                           headers={"Authorization": f"Bearer {key_b}"})
+        assert mine.status_code == 200  # the built-in voice is everyone's

@@ -10,7 +10,7 @@ import pytest
 from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
 from gateway.audio.codecs import make_encoder
 from gateway.stream.context import Context, ContextState, Segment
-from gateway.stream.messages import SessionOptions
+from gateway.stream.options import SessionOptions
 from gateway.stream.playout import Playout
 from gateway.text.segmenter import Segmenter
 

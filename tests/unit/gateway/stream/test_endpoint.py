@@ -21,10 +21,9 @@ from engine.engine import Engine, EngineConfig
 from gateway.app import AppState
 from gateway.audio.codecs import decode_pcm16
 from gateway.config import GatewayConfig
-from gateway.errors import ProtocolError
 from gateway.metrics import Metrics
-from gateway.stream.endpoint import Connection, options_from_query
-from gateway.stream.messages import Limits, SessionOptions
+from gateway.stream.endpoint import Connection
+from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Session
 from tests.support.scripted_backend import ScriptedBackend
 
@@ -193,14 +192,3 @@ def test_close_finishes_the_open_context_then_closes_normally(tmp_path: Path) ->
         assert ws.closed == (1000, "session closed by client")
 
     run(scenario, tmp_path=tmp_path)
-
-
-def test_query_options_arrive_as_text_and_are_checked_like_an_update() -> None:
-    options = options_from_query({"codec": "pcm16", "sample_rate": "16000", "speed": "1.5",
-                                  "voice": "ada", "api_key": "ignored"}, SessionOptions(), {"joe", "ada"})
-    assert (options.codec, options.sample_rate, options.speed, options.voice) == ("pcm16", 16000, 1.5, "ada")
-    with pytest.raises(ProtocolError, match="sample_rate must be a number, got 'fast'"):
-        options_from_query({"sample_rate": "fast"}, SessionOptions(), {"joe"})
-    with pytest.raises(ProtocolError) as caught:
-        options_from_query({"voice": "zed"}, SessionOptions(), {"joe"})
-    assert caught.value.code == "unknown_voice"

@@ -27,7 +27,7 @@ def test_pushed_audio_waits_in_the_outbox_until_released() -> None:
     playout.push(tone(0.2))
     assert not playout.is_empty and playout.audio_ms_sent == 0.0
     messages = playout.release(now=1.0, playback_end=0.0)
-    assert sum(m["duration_ms"] for m in messages) == pytest.approx(200.0)
+    assert sum(m.duration_ms for m in messages) == pytest.approx(200.0)
     assert playout.is_empty and playout.audio_ms_sent == pytest.approx(200.0)
 
 
@@ -37,11 +37,11 @@ def test_messages_have_gapless_seq_contiguous_pts_and_at_most_five_frames() -> N
         playout.push(tone(0.13))
     playout.finish()
     messages = playout.release(now=0.0, playback_end=0.0)
-    assert [m["seq"] for m in messages] == list(range(len(messages)))
+    assert [m.seq for m in messages] == list(range(len(messages)))
     for before, after in itertools.pairwise(messages):
-        assert after["pts_ms"] == pytest.approx(before["pts_ms"] + before["duration_ms"])
-    assert max(len(m["data"]) for m in messages) == FRAMES_PER_MESSAGE * 640  # 20 ms of PCM16
-    assert all(m["type"] == "audio" and m["context_id"] == "c" and m["codec"] == "pcm16"
+        assert after.pts_ms == pytest.approx(before.pts_ms + before.duration_ms)
+    assert max(len(m.data) for m in messages) == FRAMES_PER_MESSAGE * 640  # 20 ms of PCM16
+    assert all(m.type == "audio" and m.context_id == "c" and m.codec == "pcm16"
                for m in messages)
     # whole frames out, sample-exact PCM in: 0.91 s becomes 46 frames of 20 ms
     assert playout.pcm_ms_framed == pytest.approx(910.0)
@@ -54,7 +54,7 @@ def test_the_pcm16_bytes_released_are_the_pcm_pushed() -> None:
     playout.push(pcm[:1000])
     playout.push(pcm[1000:])
     playout.finish()
-    data = b"".join(m["data"] for m in playout.release(0.0, 0.0))
+    data = b"".join(m.data for m in playout.release(0.0, 0.0))
     np.testing.assert_allclose(decode_pcm16(data)[: len(pcm)], pcm, atol=1 / 32767)
 
 
@@ -64,8 +64,8 @@ def test_opus_messages_carry_a_list_of_packets_that_decode_back() -> None:
     playout.push(tone(0.5))
     playout.finish()
     messages = playout.release(0.0, 0.0)
-    packets = [p for m in messages for p in m["packets"]]
-    assert all(isinstance(p, bytes) for p in packets) and "data" not in messages[0]
+    packets = [p for m in messages for p in m.payloads]
+    assert all(isinstance(p, bytes) for p in packets) and messages[0].to_wire().keys() >= {"packets"} and "data" not in messages[0].to_wire()
     decoded = decode_opus_packets(packets, 48000, pre_skip=encoder.pre_skip)
     assert len(decoded) >= 0.5 * 48000
 
@@ -77,7 +77,7 @@ def test_finish_flushes_the_padded_tail_once() -> None:
     playout.finish()
     playout.finish()
     (message,) = playout.release(0.0, 0.0)
-    assert message["duration_ms"] == 20.0 and playout.is_finished
+    assert message.duration_ms == 20.0 and playout.is_finished
 
 
 def test_clear_drops_what_waits_and_nothing_of_it_is_sent() -> None:
@@ -92,13 +92,13 @@ def test_realtime_pacing_keeps_the_client_at_most_the_lead_ahead() -> None:
     playout.push(tone(5.0))
     first = playout.release(now=10.0, playback_end=0.0)
     assert playout.play_started_at == 10.0
-    lead_ms = sum(m["duration_ms"] for m in first)
+    lead_ms = sum(m.duration_ms for m in first)
     assert REALTIME_LEAD_MS <= lead_ms <= REALTIME_LEAD_MS + 100  # one message of slack
     due = playout.next_release()
     assert due is not None and 10.0 < due <= 10.1
     assert playout.release(now=due - 0.01, playback_end=0.0) == []
     later = playout.release(now=11.0, playback_end=0.0)
-    assert lead_ms + sum(m["duration_ms"] for m in later) == pytest.approx(REALTIME_LEAD_MS + 1000, abs=100)
+    assert lead_ms + sum(m.duration_ms for m in later) == pytest.approx(REALTIME_LEAD_MS + 1000, abs=100)
 
 
 def test_a_context_starts_playing_when_the_one_before_it_ends() -> None:

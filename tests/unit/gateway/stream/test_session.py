@@ -9,7 +9,9 @@ import pytest
 
 from engine.errors import BackendFailure, EngineBusyError
 from engine.types import AudioChunk, WordTiming
-from gateway.stream.messages import Limits, SessionOptions
+from gateway.stream.events import AudioEvent
+from gateway.stream.messages import CancelMessage, TextMessage
+from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Cancel, Close, Send, Session, Submit
 from gateway.voices.catalog import VoiceCatalog
 
@@ -29,7 +31,13 @@ def text(session: Session, context_id: str, value: str, now: float = 0.0, flush:
 
 
 def sent(actions: list, kind: str | None = None) -> list[dict]:
-    return [a.message for a in actions if isinstance(a, Send) and (kind is None or a.message["type"] == kind)]
+    """The events sent, as their wire objects."""
+    return [a.message.to_wire() for a in actions
+            if isinstance(a, Send) and (kind is None or a.message.type == kind)]
+
+
+def audio_of(actions: list) -> list[AudioEvent]:
+    return [a.message for a in actions if isinstance(a, Send) and isinstance(a.message, AudioEvent)]
 
 
 def submits(actions: list) -> list:
@@ -67,9 +75,9 @@ def test_audio_is_framed_in_order_and_context_done_follows_flush() -> None:
     segments = sent(actions, "segment")
     assert [s["segment_id"] for s in segments] == [0, 1]
     assert segments[1]["pts_ms"] == pytest.approx(300.0, abs=0.1)
-    audio = [a.message for a in actions if isinstance(a, Send) and a.is_audio]
-    assert [a["seq"] for a in audio] == list(range(len(audio)))
-    assert sum(a["duration_ms"] for a in audio) == pytest.approx(800.0, abs=20.0)
+    audio = audio_of(actions)
+    assert [a.seq for a in audio] == list(range(len(audio)))
+    assert sum(a.duration_ms for a in audio) == pytest.approx(800.0, abs=20.0)
     done = sent(actions, "context.done")
     assert done and done[0]["segments"] == 2
 
@@ -79,9 +87,9 @@ def test_contexts_play_one_after_another() -> None:
     (ra,) = submits(text(session, "a", "Context A speaks. ", flush=True))
     (rb,) = submits(text(session, "b", "Context B speaks. ", flush=True))
     held = session.receive_audio(chunk(rb.request_id, 0.2), 0.1)
-    assert not [a for a in held if isinstance(a, Send) and a.is_audio]
+    assert not audio_of(held)
     actions = session.receive_audio(chunk(ra.request_id, 0.2), 0.2)
-    order = [a.message["context_id"] for a in actions if isinstance(a, Send) and a.is_audio]
+    order = [a.context_id for a in audio_of(actions)]
     assert order == sorted(order) and set(order) == {"a", "b"}
 
 
@@ -200,11 +208,11 @@ def test_realtime_pacing_keeps_a_bounded_lead() -> None:
     session = make_session(options=SessionOptions(codec="pcm16", sample_rate=24000, pacing="realtime"))
     (r1,) = submits(text(session, "c", "A long segment of speech. ", flush=True))
     first = session.receive_audio(chunk(r1.request_id, 5.0), 10.0)
-    sent_ms = sum(a.message["duration_ms"] for a in first if isinstance(a, Send) and a.is_audio)
+    sent_ms = sum(a.duration_ms for a in audio_of(first))
     assert 1500 <= sent_ms <= 1700
     assert session.next_wakeup() is not None
     later = session.tick(11.0)
-    sent_ms += sum(a.message["duration_ms"] for a in later if isinstance(a, Send) and a.is_audio)
+    sent_ms += sum(a.duration_ms for a in audio_of(later))
     assert 2500 <= sent_ms <= 2700
     rest = session.tick(20.0)
     assert sent(rest, "context.done")
@@ -237,3 +245,32 @@ def test_cancel_after_all_audio_was_sent_still_splits_by_what_was_heard() -> Non
     session.receive_frame(json.dumps({"type": "playback", "context_id": "c", "played_ms": 150}), 0.2)
     cancelled = sent(session.receive_frame(json.dumps({"type": "cancel", "context_id": "c"}), 0.3))[0]
     assert cancelled["spoken_text"] == "Alpha" and cancelled["unspoken_text"] == "beta gamma."
+
+
+def test_a_misspelt_flag_gets_bad_message_naming_it_and_flushes_nothing() -> None:
+    session = make_session()
+    text(session, "c", "An unfinished turn")
+    frame = json.dumps({"type": "text", "context_id": "c", "text": " here.", "flsh": True})
+    actions = session.receive_frame(frame, 0.1)
+    (error,) = sent(actions, "error")
+    assert error["code"] == "bad_message" and error["context_id"] == "c"
+    assert error["message"] == "unknown field 'flsh' in 'text'; expected context_id, text, flush"
+    assert submits(actions) == []  # the delta was dropped: nothing flushed, nothing spoken
+    assert session.contexts["c"].segmenter.pending_text == "An unfinished turn"
+
+
+def test_a_typed_message_takes_no_rate_token_and_a_frame_takes_one() -> None:
+    session = make_session(limits=Limits(max_messages_per_s=1.0, burst_s=2.0))  # two tokens
+    for n in range(10):  # typed messages (a vendor adapter's) are not counted again
+        assert sent(session.receive_message(TextMessage(f"t{n}", "x"), 0.0), "error") == []
+        session.receive_message(CancelMessage(f"t{n}"), 0.0)
+    frame = json.dumps({"type": "cancel"})
+    assert sent(session.receive_frame(frame, 0.0), "error") == []
+    assert sent(session.receive_frame(frame, 0.0), "error") == []
+    assert sent(session.receive_frame(frame, 0.0), "error")[0]["code"] == "rate_limited"
+
+
+def test_a_typed_message_error_names_its_context() -> None:
+    session = make_session(limits=Limits(max_text_per_context=5))
+    (error,) = sent(session.receive_message(TextMessage("c", "far too long"), 0.0), "error")
+    assert (error["code"], error["context_id"]) == ("text_too_long", "c")

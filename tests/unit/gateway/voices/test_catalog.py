@@ -19,7 +19,7 @@ from engine.engine import Engine, EngineConfig
 from engine.errors import UnknownVoiceError
 from engine.types import SynthesisRequest, VoiceInfo
 from gateway.stream.actions import Action, Send, Submit
-from gateway.stream.messages import SessionOptions
+from gateway.stream.options import SessionOptions
 from gateway.stream.session import Session
 from gateway.voices.catalog import VoiceCatalog
 from gateway.voices.service import VoiceConfig, VoiceService
@@ -29,7 +29,7 @@ from tests.support.scripted_backend import ScriptedBackend
 
 
 def sent(actions: list[Action], kind: str) -> list[dict[str, Any]]:
-    return [a.message for a in actions if isinstance(a, Send) and a.message["type"] == kind]
+    return [a.message.to_wire() for a in actions if isinstance(a, Send) and a.message.type == kind]
 
 
 def say(session: Session, context_id: str, text: str, now: float = 0.0) -> list[Action]:
@@ -213,3 +213,67 @@ def test_a_voice_registered_again_while_held_is_not_removed_by_the_old_holder(tm
         assert "ada" in service.catalog.listed
 
     run_with_service(tmp_path, body)
+
+
+def test_a_tenant_chooses_its_own_voices_and_the_shared_ones_and_an_admin_all() -> None:
+    from gateway.access.keys import OPERATOR, Principal
+
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+    catalog = VoiceCatalog({"joe", "alice-1", "bob-1"}, owners={"alice-1": alice.tenant,
+                                                                "bob-1": bob.tenant})
+    catalog.add("alice-2", owner=alice.tenant)
+    assert set(catalog.view(alice).listed) == {"joe", "alice-1", "alice-2"}
+    assert "bob-1" not in catalog.view(alice).listed and "bob-1" in catalog.view(bob).listed
+    assert len(catalog.view(bob).listed) == 2
+    assert set(catalog.view(Principal("")).listed) == {"joe"}  # a keyless caller: the shared ones
+    assert set(catalog.view(OPERATOR).listed) == catalog.listed  # an admin key, or auth off
+    assert set(catalog.view(Principal("c" * 32, is_admin=True)).listed) == catalog.listed
+
+
+def test_a_view_holds_in_the_shared_catalog_and_can_be_rekeyed() -> None:
+    from gateway.access.keys import Principal
+
+    alice = Principal("a" * 32)
+    catalog = VoiceCatalog({"joe", "alice-1"}, owners={"alice-1": alice.tenant})
+    view = catalog.view(Principal(""))
+    assert "alice-1" not in view.listed
+    view.rekey(alice)  # a socket whose key came in its first message
+    assert "alice-1" in view.listed
+    view.hold("alice-1")
+    assert catalog.num_holders("alice-1") == 1
+    view.release("alice-1")
+    assert catalog.num_holders("alice-1") == 0
+
+
+def test_a_voice_deleted_and_registered_again_by_another_tenant_changes_hands() -> None:
+    from gateway.access.keys import Principal
+
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+    catalog = VoiceCatalog({"joe"})
+    catalog.add("x", owner=alice.tenant)
+    catalog.retire("x")
+    catalog.add("x", owner=bob.tenant)
+    assert "x" in catalog.view(bob).listed and "x" not in catalog.view(alice).listed
+    catalog.retire("x")
+    catalog.add("x")  # the operator's now: everyone's
+    assert "x" in catalog.view(alice).listed and catalog.owner("x") == ""
+
+
+def test_a_session_on_a_tenants_view_cannot_switch_to_another_tenants_voice() -> None:
+    from gateway.access.keys import Principal
+
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+    catalog = VoiceCatalog({"joe", "alice-1"}, owners={"alice-1": alice.tenant})
+    session = Session("s", catalog=catalog.view(bob), sample_rate=16000)
+    (error,) = sent(session.receive_frame(json.dumps({"type": "session.update", "voice": "alice-1"}),
+                                          0.0), "error")
+    assert error["code"] == "unknown_voice" and "joe" not in error["message"]
+    assert catalog.num_holders("alice-1") == 0
+
+
+def test_the_unknown_voice_message_names_the_id_asked_for_and_nothing_else() -> None:
+    from gateway.voices.catalog import unknown_voice_message
+
+    assert unknown_voice_message("nope") == ("unknown voice 'nope'; GET /v1/voices lists the voices "
+                                             "this key may use")
+    assert len(unknown_voice_message("x" * 10000)) < 200

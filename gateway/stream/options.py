@@ -1,0 +1,235 @@
+"""A session's options and limits: what `session.update` and the query string may set.
+
+docs/protocol.md, "Options". `SessionOptions` holds the effective options of a
+session; `check_option` validates one option against the values the protocol
+offers, `apply_update` applies a set of checked changes (and the voice list,
+which only the session knows); `options_from_query` reads the handshake's query
+string the same way. `Limits` are the per-session limits announced in
+`session.ready`, and `TokenBucket` enforces the rate ones with the time passed
+in. Every refusal is a ProtocolError saying what was expected and what came.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from gateway.audio.formats import (
+    CODECS,
+    FRAME_MS,
+    MAX_OPUS_BITRATE,
+    MAX_SPEED,
+    MIN_OPUS_BITRATE,
+    MIN_SPEED,
+    SAMPLE_RATES,
+)
+from gateway.errors import ProtocolError
+from gateway.voices.catalog import unknown_voice_message
+
+ENCODINGS = ("json", "msgpack")
+AUDIO_AS = ("binary", "base64")
+PACINGS = ("asap", "realtime")
+
+
+@dataclass(slots=True)
+class Limits:
+    """Per-session limits, announced in `session.ready`."""
+
+    max_message_bytes: int = 65536
+    max_text_per_context: int = 50000
+    max_open_contexts: int = 16
+    idle_timeout_s: float = 300.0
+    #: an open context that gets no text for this long is flushed (docs/protocol.md, "A turn")
+    context_idle_timeout_s: float = 20.0
+    max_send_buffer_bytes: int = 4 * 1024 * 1024
+    slow_consumer_timeout_s: float = 10.0
+    #: token buckets per socket: sustained rate, with bursts of `burst_s` seconds' worth
+    max_text_chars_per_s: float = 4000.0
+    max_messages_per_s: float = 400.0
+    burst_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_text_per_context", "max_open_contexts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        if self.context_idle_timeout_s <= 0:
+            raise ValueError(f"context_idle_timeout_s must be > 0, got {self.context_idle_timeout_s}")
+        if self.max_text_chars_per_s <= 0 or self.max_messages_per_s <= 0 or self.burst_s <= 0:
+            raise ValueError("rate limits must be > 0")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"max_message_bytes": self.max_message_bytes,
+                "max_text_per_context": self.max_text_per_context,
+                "max_open_contexts": self.max_open_contexts,
+                "idle_timeout_s": self.idle_timeout_s,
+                "context_idle_timeout_s": self.context_idle_timeout_s,
+                "max_text_chars_per_s": self.max_text_chars_per_s,
+                "max_messages_per_s": self.max_messages_per_s}
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """A rate limit with bursts; time is passed in."""
+
+    rate: float
+    capacity: float
+    tokens: float = -1.0
+    updated: float = 0.0
+
+    def take(self, amount: float, now: float) -> bool:
+        if self.tokens < 0:
+            self.tokens, self.updated = self.capacity, now
+        self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if amount > self.tokens:
+            return False
+        self.tokens -= amount
+        return True
+
+
+@dataclass(slots=True)
+class SessionOptions:
+    """The effective options of a session (docs/protocol.md, "Options")."""
+
+    voice: str = "joe"
+    language: str | None = None
+    instructions: str | None = None
+    speed: float = 1.0
+    codec: str = "opus"
+    sample_rate: int = 48000
+    bitrate: int | None = None
+    frame_ms: int = 20
+    encoding: str = "json"
+    audio_as: str = "binary"
+    pacing: str = "asap"
+    max_buffer_delay_ms: int = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+#: every option a `session.update` may carry, in the order the protocol lists them
+OPTION_NAMES = tuple(f.name for f in fields(SessionOptions))
+
+
+def _expect(value: Any, kind: type | tuple[type, ...], name: str) -> Any:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int in Python, never on the wire.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise ProtocolError("bad_message",
+                            f"{name} must be {_kind_name(kind)}, got {type(value).__name__}")
+    return value
+
+
+def finite_number(value: Any, name: str) -> float:
+    """A finite number as a float: JSON's 1e400 (inf), msgpack's NaN and a 400-digit
+    integer (too large for a float) are refused like any other wrong type."""
+    _expect(value, (int, float), name)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ProtocolError("bad_message", f"{name} must be a finite number, got {str(value)[:40]}")
+    return number
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+             "NoneType": "null", "dict": "an object"}
+    return " or ".join(names.get(k.__name__, k.__name__) for k in kinds)
+
+
+def _choice(value: Any, choices: tuple[Any, ...], name: str) -> Any:
+    if value not in choices:
+        raise ProtocolError("unsupported_option",
+                            f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+    return value
+
+
+#: the options chosen from a list: their type on the wire, and the values offered
+_CHOICES: dict[str, tuple[type, tuple[Any, ...]]] = {
+    "codec": (str, CODECS), "sample_rate": (int, SAMPLE_RATES), "frame_ms": (int, FRAME_MS),
+    "encoding": (str, ENCODINGS), "audio_as": (str, AUDIO_AS), "pacing": (str, PACINGS),
+}
+
+
+def check_option(key: Any, value: Any) -> Any:
+    """One option's value, checked against what the protocol offers (the voice list aside:
+    only the session knows it); an unknown option is `unsupported_option`."""
+    if key == "voice":
+        return _expect(value, str, "voice")
+    if key in ("language", "instructions"):
+        return _expect(value, (str, type(None)), key)
+    if key == "speed":
+        speed = finite_number(value, "speed")
+        if not MIN_SPEED <= speed <= MAX_SPEED:
+            raise ProtocolError("unsupported_option",
+                                f"speed must be within {MIN_SPEED}-{MAX_SPEED}, got {speed:g}")
+        return speed
+    if key in _CHOICES:
+        kind, choices = _CHOICES[key]
+        return _choice(_expect(value, kind, key), choices, key)
+    if key == "bitrate":
+        _expect(value, (int, type(None)), "bitrate")
+        if value is not None and not MIN_OPUS_BITRATE <= value <= MAX_OPUS_BITRATE:
+            raise ProtocolError("unsupported_option", "bitrate must be within "
+                                f"{MIN_OPUS_BITRATE}-{MAX_OPUS_BITRATE}, got {str(value)[:40]}")
+        return value
+    if key == "max_buffer_delay_ms":
+        _expect(value, int, "max_buffer_delay_ms")
+        if not 0 <= value <= 60000:
+            raise ProtocolError("unsupported_option",
+                                f"max_buffer_delay_ms must be within 0-60000, got {str(value)[:40]}")
+        return value
+    raise ProtocolError("unsupported_option", f"unknown option {str(key)[:40]!r}; expected one of "
+                        f"{', '.join(OPTION_NAMES)}")
+
+
+def check_options(changes: Mapping[Any, Any]) -> dict[str, Any]:
+    """Every change checked (`check_option`), in the order given."""
+    return {str(key): check_option(key, value) for key, value in changes.items()}
+
+
+def apply_update(options: SessionOptions, changes: Mapping[str, Any],
+                 voice_ids: Collection[str]) -> SessionOptions:
+    """New options: `options` with `changes` applied, each checked.
+
+    `voice_ids` are the voices a session may choose now (its view of the voice catalog).
+    """
+    checked = check_options(changes)
+    voice = checked.get("voice")
+    if voice is not None and voice not in voice_ids:  # the answer lists no voice: they may be a tenant's
+        raise ProtocolError("unknown_voice", unknown_voice_message(voice))
+    updated = replace(options, **checked)
+    if updated.codec == "mulaw":
+        updated.sample_rate = 8000
+    return updated
+
+
+_INT_OPTIONS = ("sample_rate", "bitrate", "frame_ms", "max_buffer_delay_ms")
+_QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms", "encoding",
+                  "audio_as", "pacing", "speed", "max_buffer_delay_ms")
+
+
+def options_from_query(query: Mapping[str, str], base: SessionOptions,
+                       voice_ids: Collection[str]) -> SessionOptions:
+    """Initial options from the handshake's query string (all values arrive as text).
+
+    Other query parameters (`api_key`, `token`...) are not options and are left alone.
+    """
+    changes: dict[str, Any] = {}
+    for key in _QUERY_OPTIONS:
+        if key not in query:
+            continue
+        raw = query[key]
+        try:
+            changes[key] = int(raw) if key in _INT_OPTIONS else float(raw) if key == "speed" else raw
+        except ValueError:
+            raise ProtocolError("bad_message", f"query parameter {key} must be a number, got {raw!r}") from None
+    return apply_update(base, changes, voice_ids)

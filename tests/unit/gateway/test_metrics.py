@@ -1,0 +1,47 @@
+"""Metrics: the app's gauges are read when /metrics is scraped, never written on the audio path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.engine import Engine, EngineConfig
+from gateway.app import AppState
+from gateway.config import GatewayConfig
+from gateway.metrics import Metrics
+from tests.support.scripted_backend import ScriptedBackend
+
+
+class FakeConnection:
+    """A stand-in for `Connection`: the gauges read only its session's open contexts."""
+
+    def __init__(self, contexts: dict[str, Any]) -> None:
+        self.session = self
+        self.contexts = contexts
+
+
+def gauge(state: AppState, name: str) -> float:
+    for line in state.metrics.render().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_the_sessions_and_contexts_gauges_are_read_from_the_connections_at_scrape_time(
+        tmp_path: Path) -> None:
+    engine = Engine(ScriptedBackend(), EngineConfig(warmup_text=""))
+    state = AppState(GatewayConfig(voice="v", data_dir=tmp_path), engine, Metrics(engine))
+    assert gauge(state, "voxgate_sessions") == 0 and gauge(state, "voxgate_contexts") == 0
+    first, second = FakeConnection({"a": 1, "b": 2}), FakeConnection({"c": 3})
+    state.connections |= {first, second}
+    assert gauge(state, "voxgate_sessions") == 2 and gauge(state, "voxgate_contexts") == 3
+    del first.session.contexts["a"]  # nothing is told: the next scrape sees it
+    assert gauge(state, "voxgate_contexts") == 2 == state.num_open_contexts()
+
+
+def test_socket_admissions_are_counted_by_protocol_and_result(tmp_path: Path) -> None:
+    engine = Engine(ScriptedBackend(), EngineConfig(warmup_text=""))
+    metrics = Metrics(engine)
+    metrics.admissions.labels(protocol="deepgram", result="rate_limited").inc()
+    text = metrics.render().decode()
+    assert 'voxgate_socket_admissions_total{protocol="deepgram",result="rate_limited"} 1.0' in text
