@@ -31,7 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_piper_limit import corpus_sentences
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
 from engine.backends.piper.loader import LoadedVoice
 from engine.backends.piper.windows import decode_window, flow_slice
 from engine.types import RequestId, SynthesisRequest

@@ -8,11 +8,11 @@ the forms taking turns call by call so that the host's noise falls on all
 alike:
 
 - 1-D: the decoder as cut from the voice's graph;
-- 2-D: `piper_windows.decoder_as_2d` (the loader's form before round twelve);
+- 2-D: `graphs.split.decoder_as_2d` (the loader's form before round twelve);
 - blocked: `piper_blocked.blocked_decoder` over the 2-D form (the loader's
   form where it converts).
 
-Sessions as the backend opens them (`piper_voices.open_session`, one thread,
+Sessions as the backend opens them (`loader.open_session`, one thread,
 no spinning). Prints the minimum and median ms per call, the share of the
 2-D form's median, and the largest difference from the 1-D form's audio.
 """
@@ -29,8 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backends.piper.graphs.blocked import blocked_decoder
+from engine.backends.piper.graphs.split import decoder_as_2d, latent_channels, split_voice
 from engine.backends.piper.loader import default_voice_files, open_session, read_patched_model
-from engine.backends.piper.windows import decoder_as_2d, latent_channels, split_voice
 
 
 def main() -> None:

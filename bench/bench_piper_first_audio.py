@@ -39,10 +39,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_ttfa import SENTENCES
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
 from engine.backends.piper.graphs.layernorm import fuse_layer_norms
+from engine.backends.piper.graphs.split import split_voice
 from engine.backends.piper.loader import LoadedVoice, open_session, read_patched_model
-from engine.backends.piper.windows import split_voice
 from engine.engine import Engine, EngineConfig
 from engine.types import RequestId, SynthesisRequest
 

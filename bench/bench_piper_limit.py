@@ -39,7 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
 from engine.engine import Engine, EngineConfig
 from engine.options import config_from_options
 from engine.types import RequestId, SynthesisRequest

@@ -12,6 +12,11 @@ A backend whose steps share no state says so (`concurrent_steps`, piper):
 the engine then runs `parallelism` one-request steps side by side on lane
 threads, and prepare, release and the voice methods may run while they do;
 a request is still never in two steps at once nor released during its step.
+The engine decides, the backend runs: with each item of a step it hands the
+backend a `StepPlan` (the item's due time, whether the step runs alone or
+beside another lane's work due soon, whether the item's context is the only
+one with prepared work), and a backend that sizes its work by the load
+(piper's window pace) reads that plan rather than counting steps itself.
 
 Registered voices (docs/voices.md) use four optional methods, also called in
 that worker thread (the engine's voice verbs run them there):
@@ -37,6 +42,24 @@ from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SynthesisRequest, VoiceInfo, WordTiming
 
 
+@dataclass(slots=True, frozen=True)
+class StepPlan:
+    """What the engine saw when it started a step with an item, for the backend to run it by.
+
+    `due` is the item's `due_of` then (on time.monotonic()'s clock). `is_alone`: no
+    other lane's step runs beside this one (its calls may take every core).
+    `is_contended`: another lane's step runs work due within that backend's
+    `busy_lead_s` (look-ahead work beside it does not count). `is_lone`: the item's
+    context is the only one with prepared work (one talking session). A backend
+    stepped without an engine (a test, a bench) reads `StepPlan(due_of(item))` (`plan_of`).
+    """
+
+    due: float
+    is_alone: bool = True
+    is_contended: bool = False
+    is_lone: bool = False
+
+
 @dataclass(slots=True)
 class BackendRequest:
     """A request as a backend holds it between steps.
@@ -50,16 +73,29 @@ class BackendRequest:
     `due` is when the request's next piece of audio must exist: the engine
     sets it before each schedule from the request's playback clock (None:
     `request.deadline`, the due time of its first audio). Backends leave it.
+    `plan` is set by the engine as it starts a step with the request (`StepPlan`);
+    backends read it and leave it (None: stepped without an engine).
     """
 
     request: SynthesisRequest
     state: Any = None
     est_audio_s: float = 0.0
     due: float | None = None
+    plan: StepPlan | None = None
 
     @property
     def request_id(self) -> RequestId:
         return self.request.request_id
+
+
+def due_of(item: BackendRequest) -> float:
+    """When the request's next piece of audio must exist (its first: `request.deadline`)."""
+    return item.request.deadline if item.due is None else item.due
+
+
+def plan_of(item: BackendRequest) -> StepPlan:
+    """The plan the engine gave the item for this step; stepped without one, its due alone."""
+    return item.plan if item.plan is not None else StepPlan(due_of(item))
 
 
 @dataclass(slots=True)
@@ -94,6 +130,9 @@ class Backend(ABC):
     #: release and the voice methods while a step runs (they share no state with it):
     #: the engine then runs `parallelism` one-request steps side by side (lanes)
     concurrent_steps: bool = False
+    #: a step whose work is due within this many seconds is busy: a step that starts
+    #: beside it is `StepPlan.is_contended` (work due later is look-ahead that can wait)
+    busy_lead_s: float = 0.5
     #: Implements `add_voice`, `retire_voice` and `remove_voice` (registered voices).
     can_register_voices: bool = False
     #: Registration refuses reference audio without its transcript (cosyvoice's prompt text).
@@ -124,6 +163,14 @@ class Backend(ABC):
     def release(self, item: BackendRequest) -> None:
         """Free what the request holds (a finished or cancelled request)."""
         item.state = None
+
+    def end_context(self, context_key: str) -> None:
+        """A context (`SynthesisRequest.context_key`) ended: its turn is over or cancelled.
+
+        Called on the worker thread, after or before the release of its last request. A
+        backend that keeps state across a context's requests (cosyvoice's LM sequence)
+        frees it here; the default keeps none.
+        """
 
     # -- registered voices (optional) ---------------------------------------
 

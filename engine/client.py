@@ -22,7 +22,7 @@ import numpy as np
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 
 if TYPE_CHECKING:
-    from engine.engine import EngineStats
+    from engine.stats import EngineStats
 
 
 class SchedulerStatsView(Protocol):

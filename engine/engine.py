@@ -19,12 +19,17 @@ has `parallelism` lanes instead: steps of different requests run side by
 side, each started the moment a lane is free (no step waits for a slower
 one beside it); prepare and the voice verbs run on the worker meanwhile,
 and releases on whichever thread steps next. A request is never in two
-steps at once, and is released only once no step holds it.
+steps at once, and is released only once no step holds it. As it starts a
+step the engine hands each item its `StepPlan` (engine.backend): whether
+another lane's step runs beside it and is due soon, and whether the item's
+context is the only one with prepared work; a backend sizes its work by that
+plan and never counts lanes itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,16 +40,15 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine import clock
-from engine.backend import Backend, BackendRequest, StepResult
+from engine.backend import Backend, BackendRequest, StepResult, due_of
 from engine.clock import RequestHandle
 from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
-from engine.scheduler import Scheduler, SchedulerConfig, due_of
-from engine.stats import STEP_BUCKETS, EngineStats
+from engine.scheduler import Scheduler, SchedulerConfig, context_of, is_busy, plan_step
+from engine.stats import EngineStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 from engine.voice_verbs import VoiceVerbs
 
-# EngineStats and STEP_BUCKETS live in engine.stats; they stay importable from here.
-__all__ = ["STEP_BUCKETS", "Engine", "EngineConfig", "EngineStats"]
+__all__ = ["Engine", "EngineConfig"]
 
 log = logging.getLogger("voxgate.engine")
 
@@ -80,17 +84,36 @@ class EngineConfig:
             raise ValueError(f"lane_slack_s must be within 0-60, got {self.lane_slack_s}")
 
 
+@dataclass(slots=True)
+class _Step:
+    """A step running in a lane: its batch, when it started, and whether it is busy (`is_busy`)."""
+
+    batch: list[BackendRequest]
+    started: float
+    is_busy: bool
+
+
 class Engine(VoiceVerbs):
     """Runs one backend for all sessions with continuous batching."""
 
     def __init__(self, backend: Backend, config: EngineConfig | None = None) -> None:
         self.backend = backend
-        self.config = config or EngineConfig()
-        self.config.scheduler.max_batch_size = min(
-            self.config.scheduler.max_batch_size, backend.max_batch_size
+        self.config = config or EngineConfig()  # as the caller gave it: never rewritten
+        # Lanes: a backend whose steps may run side by side (Backend.concurrent_steps) gets
+        # `parallelism` steps at once, each on a thread of its own, each started as soon as
+        # a lane is free, each of one request; any other backend steps on the worker, one
+        # step at a time of up to `parallelism` items.
+        parallelism = max(1, getattr(backend, "parallelism", 1))
+        #: steps that may run side by side (1 for a backend without concurrent steps)
+        self.num_lanes = parallelism if getattr(backend, "concurrent_steps", False) else 1
+        is_laned = self.num_lanes > 1
+        #: the scheduler's config as it runs: the caller's, within what the backend can batch
+        self.scheduler_config = dataclasses.replace(
+            self.config.scheduler,
+            max_batch_size=min(self.config.scheduler.max_batch_size, backend.max_batch_size),
+            parallelism=1 if is_laned else parallelism,
+            serial_items=is_laned or bool(getattr(backend, "serial_items", False)),
         )
-        self.config.scheduler.parallelism = max(1, getattr(backend, "parallelism", 1))
-        self.config.scheduler.serial_items = bool(getattr(backend, "serial_items", False))
         self.stats = EngineStats()
         self._handles: dict[RequestId, RequestHandle] = {}
         self._incoming: list[RequestHandle] = []
@@ -98,29 +121,16 @@ class Engine(VoiceVerbs):
         self._to_release: list[BackendRequest] = []  # released on the worker before the next step
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-engine")
-        # Lanes: a backend whose steps may run side by side (Backend.concurrent_steps) gets
-        # `parallelism` steps at once, each on a thread of its own, each started as soon as
-        # a lane is free; any other backend steps on the worker, one step at a time.
-        self._num_lanes = 1
-        self._lanes = self._executor
-        if getattr(backend, "concurrent_steps", False) and self.config.scheduler.parallelism > 1:
-            self._num_lanes = self.config.scheduler.parallelism
-            self._lanes = ThreadPoolExecutor(self._num_lanes, thread_name_prefix="voxgate-lane")
-            self.config.scheduler.parallelism = 1  # a step per lane, one request each
-            self.config.scheduler.serial_items = True
+        self._lanes = (ThreadPoolExecutor(self.num_lanes, thread_name_prefix="voxgate-lane")
+                       if is_laned else self._executor)
         self._in_flight: set[RequestId] = set()  # requests in a running step
-        self.scheduler = Scheduler(self.config.scheduler)
+        self.scheduler = Scheduler(self.scheduler_config)
         self._task: asyncio.Task[None] | None = None
         self._voices: list[VoiceInfo] = []
         self.is_ready = False
         self.num_failed_steps_in_row = 0
 
     # -- lifecycle --------------------------------------------------------
-    @property
-    def num_lanes(self) -> int:
-        """Steps that may run side by side (1 for a backend without concurrent steps)."""
-        return self._num_lanes
-
     @property
     def sample_rate(self) -> int:
         return self.backend.sample_rate
@@ -188,6 +198,14 @@ class Engine(VoiceVerbs):
 
     def release_context(self, context_key: str) -> None:
         self.scheduler.release_context(context_key)
+        if self._task is not None:  # the backend frees what the context held, on its worker thread
+            self._executor.submit(self._end_context, context_key)
+
+    def _end_context(self, context_key: str) -> None:
+        try:
+            self.backend.end_context(context_key)
+        except Exception:  # a faulty backend must not stop the loop
+            log.exception("backend end_context failed for %s", context_key)
 
     # -- requests ---------------------------------------------------------
     def submit(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
@@ -257,7 +275,7 @@ class Engine(VoiceVerbs):
     # -- the loop ---------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        running: dict[asyncio.Future[list[StepResult]], tuple[list[BackendRequest], float]] = {}
+        running: dict[asyncio.Future[list[StepResult]], _Step] = {}
         try:
             while True:
                 now = time.monotonic()
@@ -268,14 +286,16 @@ class Engine(VoiceVerbs):
                         self._admit_prepared(handle, outcome)
                 now = time.monotonic()
                 self._set_dues(now)
-                while len(running) < self._num_lanes:
+                while len(running) < self.num_lanes:
                     due_by = now + self.config.lane_slack_s if running else None
                     batch = self.scheduler.schedule(now, self._is_runnable, self._is_ahead, due_by)
                     if not batch:
                         break
                     self._in_flight.update(item.request_id for item in batch)
-                    future = loop.run_in_executor(self._lanes, self._work, self._take_releases(), batch)
-                    running[future] = (batch, time.monotonic())
+                    releases = self._take_releases()
+                    is_step_busy = self._plan(batch, running)
+                    future = loop.run_in_executor(self._lanes, self._work, releases, batch)
+                    running[future] = _Step(batch, time.monotonic(), is_step_busy)
                 if not running:
                     if self._to_release:
                         await loop.run_in_executor(self._executor, self._release_all, self._take_releases())
@@ -285,20 +305,38 @@ class Engine(VoiceVerbs):
                         await self._sleep(self._next_wake_s(time.monotonic()))
                     continue
                 for future in await self._wait_steps(running):
-                    batch, started = running.pop(future)
-                    results = await self._results(future, batch)
-                    self._in_flight.difference_update(item.request_id for item in batch)
-                    self._route(batch, results, time.monotonic() - started)
+                    step = running.pop(future)
+                    results = await self._results(future, step.batch)
+                    self._in_flight.difference_update(item.request_id for item in step.batch)
+                    self._route(step.batch, results, time.monotonic() - step.started)
         finally:
             for future in running:
                 future.cancel()
 
+    def _plan(self, batch: list[BackendRequest],
+              running: dict[asyncio.Future[list[StepResult]], _Step]) -> bool:
+        """Give each item of a step about to start its `StepPlan`; whether the step is busy.
+
+        The scheduler decides, the backend runs: what runs beside the step (the lanes'
+        steps not yet ended, and whether each is busy) and which contexts have prepared
+        work (every request not yet released: held by the scheduler, or waiting for its
+        release; the releases this step makes first are no longer counted) are known
+        here, and handed on, so a backend never counts lanes itself.
+        """
+        now = time.monotonic()
+        beside = [step.is_busy for future, step in running.items() if not future.done()]
+        live = {context_of(item.request) for item in self.scheduler.items()}
+        live.update(context_of(item.request) for item in self._to_release)
+        for item, plan in zip(batch, plan_step(batch, now, beside, live), strict=True):
+            item.plan = plan
+        return is_busy(batch, now, self.backend.busy_lead_s)
+
     async def _wait_steps(
-        self, running: dict[asyncio.Future[list[StepResult]], tuple[list[BackendRequest], float]],
+        self, running: dict[asyncio.Future[list[StepResult]], _Step],
     ) -> set[asyncio.Future[list[StepResult]]]:
         """The steps that ended (`running` holds one or more); back early for new work or a
         clock with lanes (new requests are prepared on the worker while the lanes step)."""
-        if self._num_lanes == 1:  # the worker is busy: nothing else could run
+        if self.num_lanes == 1:  # the worker is busy: nothing else could run
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             return done
         self._wake.clear()
@@ -306,7 +344,7 @@ class Engine(VoiceVerbs):
         waiting: list[asyncio.Future[Any]] = [*running, woken]
         now = time.monotonic()
         timeout = self._next_wake_s(now)
-        if len(running) < self._num_lanes:  # back when held work falls due
+        if len(running) < self.num_lanes:  # back when held work falls due
             held = self._held_s(now)
             if held is not None:
                 timeout = held if timeout is None else min(timeout, held)

@@ -15,6 +15,10 @@ engine's look-ahead (`is_ahead`) runs only when no other request is
 runnable, and then alone, so idle time is used but a new turn's first piece
 waits behind at most one short step of such work.
 
+Lanes (a backend whose steps run side by side): `plan_step` tells each step
+what runs beside it (`StepPlan`), so a backend that sizes its work by the load
+reads the engine's view rather than counting steps of its own.
+
 Admission control counts open contexts against a capacity estimated from the
 measured step costs (`StepCostModel`): a context that cannot be served without
 breaking the deadlines already held is refused with `busy` at once.
@@ -25,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from engine.backend import BackendRequest
-from engine.types import RequestId
+from engine.backend import BackendRequest, StepPlan, due_of
+from engine.types import RequestId, SynthesisRequest
 
 
 @dataclass(slots=True)
@@ -120,9 +124,28 @@ class StepCostModel:
         return max_batch_size * self.audio_s_per_item / self.step_seconds(max_batch_size)
 
 
-def due_of(item: BackendRequest) -> float:
-    """When the request's next piece of audio must exist (its first: `request.deadline`)."""
-    return item.request.deadline if item.due is None else item.due
+def context_of(request: SynthesisRequest) -> str:
+    """The talking context a request belongs to (a request without one is its own)."""
+    return request.context_key or f"request:{request.request_id}"
+
+
+def is_busy(batch: list[BackendRequest], now: float, busy_lead_s: float) -> bool:
+    """Whether a step of `batch` runs work due within `busy_lead_s` (not look-ahead that can wait)."""
+    return min((due_of(item) for item in batch), default=now) - now <= busy_lead_s
+
+
+def plan_step(batch: list[BackendRequest], now: float, beside: Iterable[bool],
+              live_contexts: set[str]) -> list[StepPlan]:
+    """Each item's `StepPlan` for a step of `batch` that starts at `now`.
+
+    `beside`: for each step already running (another lane's), whether it is busy
+    (`is_busy` when it started); `live_contexts`: the contexts (`context_of`) of every
+    request prepared and not yet released, the batch's own among them.
+    """
+    beside = list(beside)
+    is_alone, is_contended = not beside, any(beside)
+    return [StepPlan(due_of(item), is_alone, is_contended,
+                     live_contexts <= {context_of(item.request)}) for item in batch]
 
 
 @dataclass(slots=True)

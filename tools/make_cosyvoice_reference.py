@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends.cosyvoice.loader import PIPER_VOICE_ID, REFERENCE_PATH, REFERENCE_TEXT
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
 from engine.types import RequestId, SamplingParams, SynthesisRequest
 
 

@@ -17,7 +17,8 @@ BACKEND_NAMES = ("piper", "cosyvoice")
 def create_backend(name: str, **options: Any) -> Backend:
     """A backend by name, its config built from `options` (not loaded yet: call `load()`)."""
     if name == "piper":
-        from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+        from engine.backends.piper.backend import PiperBackend
+        from engine.backends.piper.config import PiperBackendConfig
 
         return PiperBackend(config_from_options(PiperBackendConfig, "piper", options, "VOXGATE_PIPER_"))
     if name == "cosyvoice":  # imports torch: only when asked for

@@ -39,8 +39,8 @@ import numpy as np
 from ray.exceptions import RayError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from engine.engine import EngineStats
 from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
+from engine.stats import EngineStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
 from gateway.ray_serve import routing, wire
 from gateway.ray_serve.replicas import Replica, SchedulerTotals, roomiest, sum_reports

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.engine import EngineStats
 from engine.scheduler import SchedulerStats
+from engine.stats import EngineStats
 
 
 @dataclass(slots=True)

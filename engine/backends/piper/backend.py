@@ -1,15 +1,18 @@
 """The piper backend: Piper VITS voices on onnxruntime, streamed in decoder windows.
 
-Each voice's graph is split at its flow and decoder (piper_windows): a
+Each voice's graph is split at its flow and decoder (graphs/split.py): a
 segment's first step runs its text part (encoder, durations, prior) once, the
 flow over the frames the first window needs, and decodes that window; later
-steps decode the next windows (the flow runs 256 frames ahead of them at a time). Window
-sizes follow the playback clock: a segment due now on a box that keeps up
-gets a small first window and the flow slice (first audio soon; a smaller
-one, its front part on threads that spin while it runs, when its session is
-the only one talking: `Pace.LONE`); one with
-lead, or whose listener already waits, gets long windows and the flow in long
-pieces (more audio per second of work). So the engine's unit of work is a
+steps decode the next windows (the flow runs 256 frames ahead of them at a
+time; windows.py). Window sizes follow the playback clock and the engine's
+plan for the step (`StepPlan`, mapped onto a `Pace` by plan.py's
+`PacePolicy`): a segment due now on a box that keeps up gets a small first
+window and the flow slice (first audio soon; a smaller one, its front part
+on threads that spin while it runs, when its session is the only one
+talking: `Pace.LONE`); one with lead, or whose listener already waits, gets
+long windows and the flow in long pieces (more audio per second of work).
+The backend never counts lanes or sessions itself: the engine knows what
+runs beside each step and says so. So the engine's unit of work is a
 window, a cancel stops a segment within one window, and a new turn's first
 audio waits behind one window (the engine runs one window per core side by
 side: lanes, `concurrent_steps`).
@@ -24,8 +27,8 @@ ONE onnxruntime call: phoneme ids padded to the longest item, `input_lengths`
 per item. The model masks the padding, but its vocoder still
 writes audio past each item's end (convolution biases over the masked frames),
 so every item is cut to its true length, sum(durations) * hop_length, from the
-duration output that piper_voices patches into the graph. The same durations
-give the word timings (piper_align).
+duration output that the loader patches into the graph. The same durations
+give the word timings (alignment.py).
 
 Loudness: piper's own `synthesize` peak-normalizes each sentence, which makes
 consecutive segments of one turn jump in level. We apply one fixed gain per
@@ -42,21 +45,21 @@ installed base voice (`meta["base_voice"]`, the server's default voice unless
 the registration names another). It is a named alias with its own listing.
 
 This module owns the backend itself: voices, prepare, and how a step's items
-are split into onnxruntime calls and run. Its options are in piper_config, a
-segment's state and the finishing of its output in piper_segment.
+are split into onnxruntime calls and run. Its options are in config.py, a
+segment's state and the finishing of its output in segment.py, the window
+sizes and paces in plan.py, a windowed segment's run in windows.py.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from engine.backend import Backend, BackendRequest, StepResult
+from engine.backend import Backend, BackendRequest, StepResult, plan_of
 from engine.backends.piper.alignment import align_words
 from engine.backends.piper.config import PiperBackendConfig
 from engine.backends.piper.loader import (
@@ -67,8 +70,8 @@ from engine.backends.piper.loader import (
     discover_voices,
     load_voice,
 )
-from engine.backends.piper.segment import PiperState, finish_segment, segment_timings, silent_result
-from engine.backends.piper.windows import Pace, decode_window, flow_slice
+from engine.backends.piper.segment import PiperState, finish_segment, silent_result
+from engine.backends.piper.windows import run_window
 from engine.errors import (
     BackendFailure,
     EngineError,
@@ -76,9 +79,7 @@ from engine.errors import (
     UnsupportedOptionError,
 )
 from engine.types import SynthesisRequest, VoiceInfo
-
-# The config and the segment state live in their own modules; tests import them from here.
-__all__ = ["PiperBackend", "PiperBackendConfig", "PiperState", "pack_by_length"]
+from engine.voice_table import VoiceTable
 
 logger = logging.getLogger("voxgate.engine")
 
@@ -125,9 +126,7 @@ class PiperBackend(Backend):
         self._aliases = {alias: f.voice_id for f in self._files.values() for alias in f.aliases}
         self._voices: dict[str, LoadedVoice] = {}
         # Registered voices: id -> (listing, id of the installed voice that speaks for it).
-        # Retired ones are deleted but still held by sessions: unlisted, still speakable.
-        self._registered: dict[str, tuple[VoiceInfo, str]] = {}
-        self._retired: dict[str, tuple[VoiceInfo, str]] = {}
+        self._registered: VoiceTable[tuple[VoiceInfo, str]] = VoiceTable()
         self.sample_rate = 22050
         self.parallelism = self.config.num_parallel_calls
         # One call per item: a bigger batch only makes a longer step (a new turn's first
@@ -135,13 +134,11 @@ class PiperBackend(Backend):
         self.serial_items = self.config.one_call_per_item
         # Calls share no state: the engine runs `parallelism` steps side by side (lanes).
         self.concurrent_steps = self.config.one_call_per_item
-        self._num_running = 0  # steps running now (lanes); a lone one may use every core
-        self._num_busy = 0  # of them, steps of work due soon (`window_busy_lead_s`)
-        self._running_lock = threading.Lock()
-        # Segments prepared and not yet released, by context (`_context_of`): one context
-        # alone means one talking session, whose first audio may take `Pace.LONE`.
-        self._live: dict[str, int] = {}
+        # A step of work due within this makes the steps started beside it contended
+        # (`StepPlan.is_contended`): they take no short windows.
+        self.busy_lead_s = self.config.window_busy_lead_s
         self._plan = self.config.window_plan
+        self._policy = self.config.pace_policy
         self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
                       if self.config.num_parallel_calls > 1 else None)
 
@@ -169,7 +166,7 @@ class PiperBackend(Backend):
 
     def voices(self) -> list[VoiceInfo]:
         installed = [voice.info for voice in self._voices.values()]
-        return installed + [info for info, _ in list(self._registered.values())]
+        return installed + [info for info, _ in self._registered.listed()]
 
     def get_voice(self, voice_id: str) -> LoadedVoice:
         """A loaded voice by id or alias; raises UnknownVoiceError."""
@@ -177,10 +174,10 @@ class PiperBackend(Backend):
             raise EngineError("piper backend is not loaded; expected load() before prepare()")
         voice = self._voices.get(self._aliases.get(voice_id, voice_id))
         if voice is None:
-            entry = self._registered.get(voice_id) or self._retired.get(voice_id)
+            entry = self._registered.get(voice_id)
             voice = None if entry is None else self._voices.get(entry[1])
         if voice is None:
-            expected = ", ".join([*self._voices, *self._registered])
+            expected = ", ".join([*self._voices, *self._registered.ids()])
             raise UnknownVoiceError(f"unknown voice {voice_id!r}; expected one of: {expected}")
         return voice
 
@@ -200,23 +197,15 @@ class PiperBackend(Backend):
             sample_rate=self.sample_rate,
             is_builtin=False,
         )
-        self._retired.pop(voice_id, None)
-        self._registered[voice_id] = (info, base.info.voice_id)
+        self._registered.add(voice_id, (info, base.info.voice_id))
         return info
 
     def retire_voice(self, voice_id: str) -> None:
-        entry = self._registered.pop(voice_id, None)
-        if entry is None:
-            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
-        self._retired[voice_id] = entry
+        self._registered.retire(voice_id)
 
     def remove_voice(self, voice_id: str) -> None:
         # Prepared requests hold their LoadedVoice: they finish with it.
-        if (
-            self._registered.pop(voice_id, None) is None
-            and self._retired.pop(voice_id, None) is None
-        ):
-            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
+        self._registered.remove(voice_id)
 
     def get_files(self, voice_id: str) -> VoiceFiles:
         """Where a known voice (loaded or not) lives on disk; raises UnknownVoiceError."""
@@ -255,31 +244,7 @@ class PiperBackend(Backend):
         if phonemes:
             est = voice.sec_overhead + len(phonemes) * voice.sec_per_phoneme
             est *= length_scale / config.length_scale
-        key = self._context_of(request)
-        with self._running_lock:
-            self._live[key] = self._live.get(key, 0) + 1
         return BackendRequest(request=request, state=state, est_audio_s=est)
-
-    def release(self, item: BackendRequest) -> None:
-        if isinstance(item.state, PiperState):
-            key = self._context_of(item.request)
-            with self._running_lock:
-                left = self._live.get(key, 0) - 1
-                if left > 0:
-                    self._live[key] = left
-                else:
-                    self._live.pop(key, None)
-        item.state = None
-
-    @staticmethod
-    def _context_of(request: SynthesisRequest) -> str:
-        """The talking context a request belongs to (a request without one is its own)."""
-        return request.context_key or f"request:{request.request_id}"
-
-    def _is_lone(self, request: SynthesisRequest) -> bool:
-        """Whether the request's context is the only one with prepared work."""
-        with self._running_lock:
-            return self._live.keys() <= {self._context_of(request)}
 
     def step(self, batch: list[BackendRequest]) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(batch)
@@ -310,34 +275,25 @@ class PiperBackend(Backend):
         # onnxruntime releases the GIL: separate calls of one step run on separate cores.
         states_per_call = [[batch[i].state for i in indices] for indices in calls]
         num_windowed = len(windowed)
+        plans = [plan_of(item) for item in batch]
         now = time.monotonic()
-        leads = [self._lead(item, now) for item in batch]
-        # Busy: this step's work is due soon (not look-ahead that could wait).
-        is_busy = min(leads, default=0.0) <= self.config.window_busy_lead_s
-        with self._running_lock:
-            self._num_running += 1
-            self._num_busy += is_busy
-            is_alone = self._num_running == 1  # no other lane's step runs beside this one
-            is_contended = self._num_busy - is_busy > 0  # another lane's step is due soon too
-        try:
-            for index in windowed:
-                state = batch[index].state
-                if state.num_windows == 0:
-                    is_lone = not is_contended and self._is_lone(batch[index].request)
-                    state.pace = self._pace(leads[index], is_contended, is_lone)
-                else:
-                    state.is_catching_up = self._is_catching_up(state, leads[index])
-                    state.has_caught_up |= state.is_catching_up
-            if len(calls) > 1 and self._pool is not None:
-                outputs = list(self._pool.map(
-                    lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
-            else:  # one after another, each on every core unless another lane runs beside it
-                outputs = [self._run_call(states, k < num_windowed, is_alone)
-                           for k, states in enumerate(states_per_call)]
-        finally:
-            with self._running_lock:
-                self._num_running -= 1
-                self._num_busy -= is_busy
+        for index in windowed:
+            state, plan = batch[index].state, plans[index]
+            if state.num_windows == 0:
+                state.pace = self._policy.pace(plan, now)
+            else:
+                state.is_catching_up = (not state.has_caught_up
+                                        and self._plan.can_catch_up(state.num_windows, state.pace)
+                                        and self._policy.is_catching_up(plan, now))
+                state.has_caught_up |= state.is_catching_up
+        # No other lane's step runs beside this one: its calls may take every core.
+        is_alone = all(plan.is_alone for plan in plans)
+        if len(calls) > 1 and self._pool is not None:
+            outputs = list(self._pool.map(
+                lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
+        else:  # one after another, each on every core unless another lane runs beside it
+            outputs = [self._run_call(states, k < num_windowed, is_alone)
+                       for k, states in enumerate(states_per_call)]
         for indices, output in zip(calls, outputs, strict=True):
             for index, result in zip(indices, output, strict=True):
                 results[index] = result
@@ -347,138 +303,10 @@ class PiperBackend(Backend):
                 batch[index].est_audio_s = state.num_frames * state.voice.config.hop_length / self.sample_rate
         return [r if r is not None else StepResult(is_finished=True) for r in results]
 
-    @staticmethod
-    def _lead(item: BackendRequest, now: float) -> float:
-        """Seconds until the item's next audio is due (`due` is on time.monotonic()'s clock)."""
-        return (item.request.deadline if item.due is None else item.due) - now
-
-    def _pace(self, lead: float, is_contended: bool, is_lone: bool = False) -> Pace:
-        """How a segment's windows are cut, decided at its first window (WindowPlan).
-
-        Short pieces (a small first window, a flow slice) only for a segment whose
-        next audio is due soon (`lead` seconds from now) and whose step runs alone
-        or beside look-ahead work only: light load, where first audio is what
-        counts. Beside another lane's step of work due soon, small windows cost
-        every stream (context decoded twice, a step each, and a stream with 0.1 s
-        of audio back for more while others wait), so such a segment, urgent or
-        due within `window_medium_lead_s` (its lead is positive: its listener
-        hears the turn), gets one medium first window, the flow sliced for it,
-        then long ones: its audio comes in half the time of a long first window
-        (docs/benchmarks.md, "Round nine": at 12 sessions on seed 1 TTFA p95 fell
-        from 270-429 to 167-213 ms). A segment with lead to spare, or whose
-        listener has waited longer than `window_behind_s` already, takes long
-        windows: the box is behind, and long windows, more audio per second of
-        work, catch up sooner. An urgent segment whose context is the only one
-        with work (`is_lone`: one talking session) starts with a smaller window:
-        no other stream's work is there to delay its second.
-        """
-        config = self.config
-        is_urgent = -config.window_behind_s <= lead <= config.window_urgent_lead_s
-        if is_urgent and not is_contended:
-            return Pace.LONE if is_lone else Pace.SHORT
-        if is_urgent or 0.0 < lead <= config.window_medium_lead_s:
-            return Pace.MEDIUM
-        return Pace.LONG
-
-    def _is_catching_up(self, state: PiperState, lead: float) -> bool:
-        """Whether a segment's later window, its audio due in `lead` s, is cut short (WindowPlan).
-
-        Where its listener runs dry within `window_catchup_lead_s` (or ran dry no
-        longer than `window_behind_s` ago) and the window would be longer than a
-        short one; once per segment, so a box behind keeps the long windows that
-        make more audio per second of work (docs/benchmarks.md, "Round eleven").
-        """
-        config = self.config
-        return (config.window_catchup_lead_s > 0 and not state.has_caught_up
-                and self._plan.can_catch_up(state.num_windows, state.pace)
-                and -config.window_behind_s <= lead <= config.window_catchup_lead_s)
-
     def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
         if is_window:
-            return [self._run_window(states[0], is_solo)]
+            return [run_window(states[0], self._plan, self.sample_rate, is_solo)]
         return self._run_group(states, is_solo=is_solo)
-
-    def _run_window(self, state: PiperState, is_solo: bool) -> StepResult:
-        """One window of a split voice; the segment's first also runs its front part."""
-        voice = state.voice
-        hop = voice.config.hop_length
-        sids = None
-        if voice.config.num_speakers > 1:
-            sids = np.full(1, voice.config.default_speaker_id, dtype=np.int64)
-        try:
-            words = None
-            if state.latent is None:
-                ids = np.array([state.ids], dtype=np.int64)  # [1, L]
-                lengths = np.array([len(state.ids)], dtype=np.int64)  # [1]
-                scales = np.array(state.scales, dtype=np.float32)  # [3]
-                outputs, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo,
-                                                     is_lone=state.pace is Pace.LONE)
-                frames = np.rint(durations[0, : len(state.ids)]).astype(np.int64)  # [L]
-                state.num_frames = total = int(frames.sum())
-                padded = next(iter(outputs.values())).shape[2]
-                if total > padded:
-                    raise BackendFailure(f"expected at most {padded} frames from durations, got {total}")
-                words = segment_timings(state, frames, self.sample_rate)
-                if total == 0:
-                    return StepResult(words=words, is_finished=True)
-                if voice.has_flow:
-                    state.prior = flow_slice(voice.flow_feeds(outputs, sids), 0, total, padded)
-                    state.latent = np.zeros((1, state.prior[voice.flow_inputs[0]].shape[1], 0), np.float32)
-                else:
-                    state.latent = outputs[voice.latent_name][:, :, :total]  # [1, C, T]
-            start = state.cursor
-            end = self._plan.window_end(start, state.num_windows, state.num_frames, state.pace,
-                                        state.is_catching_up)
-            context = self._plan.context_frames
-            latent = self._run_flow(state, min(state.num_frames, end + context), is_solo)
-            raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), latent,
-                                start, end, context, hop)
-            pcm = np.clip(raw * voice.gain, -1.0, 1.0).astype(np.float32)
-            state.cursor, state.num_windows = end, state.num_windows + 1
-            is_finished = end >= state.num_frames
-            if is_finished:
-                state.latent = None  # the latent is the big part of the state: free it at once
-            return StepResult(pcm=pcm, words=words, is_finished=is_finished)
-        except Exception as exc:  # onnxruntime raises its own types
-            logger.exception("piper window failed")
-            error = exc if isinstance(exc, BackendFailure) else BackendFailure(f"piper synthesis failed: {exc}")
-            return StepResult(is_finished=True, error=error)
-
-    def _run_flow(self, state: PiperState, needed: int, is_solo: bool) -> np.ndarray:
-        """Grow the segment's latent to at least `needed` frames through the flow; the latent to decode.
-
-        On slices with the flow's context on each side, which equal the whole: for a
-        long segment cut in short pieces (`Pace.SHORT`: its first two windows;
-        `Pace.MEDIUM`: its first) a slice is only the frames its window needs; the
-        rest run `flow_frames` ahead (`WindowPlan.flow_end`). Running the flow over a
-        whole long segment at its first window would make that window, and every
-        stream waiting behind it, pay for audio due seconds later; and a short first
-        window covers only ~120 ms of playback, within which the second must follow
-        (at 12 sessions a second window that also ran a 256-frame flow piece came
-        58 ms late). A short first slice whose frames the second slice recomputes
-        anyway runs on less context and is not kept
-        (`WindowPlan.is_first_slice_provisional`): first audio sooner, no more work.
-        """
-        prior, latent = state.prior, state.latent
-        assert latent is not None
-        if prior is None or latent.shape[2] >= needed:
-            return latent
-        total, done = state.num_frames, latent.shape[2]
-        context = self._plan.flow_context_frames
-        is_sliced = state.is_catching_up or self._plan.is_flow_sliced(state.pace, state.num_windows)
-        if is_sliced and 2 * (needed + context) < total - done:
-            end = needed
-            if done == 0 and self._plan.is_first_slice_provisional(needed):
-                hi = min(total, end + self._plan.first_flow_context_frames)
-                return state.voice.run_flow(flow_slice(prior, 0, hi, total), is_solo=is_solo)[:, :, :end]
-        else:
-            end = self._plan.flow_end(done, needed, total)
-        lo, hi = max(0, done - context), min(total, end + context)
-        more = state.voice.run_flow(flow_slice(prior, lo, hi, total), is_solo=is_solo)
-        state.latent = np.concatenate([latent, more[:, :, done - lo: end - lo]], axis=2)
-        if end >= total:
-            state.prior = None
-        return state.latent
 
     # -- internals ------------------------------------------------------------
 

@@ -3,10 +3,10 @@
 This module owns every knob of the piper backend and its validation: where
 extra voices live, batch size and onnxruntime threads, the fixed loudness
 target, how a step's items are packed into onnxruntime calls (padding waste,
-one call per item, calls in parallel), and the decoder window sizes, which it
-hands on as a `WindowPlan` (piper_windows). The order of its fields is the
-order of the option list (tests/unit/engine/test_options.py). The measurements behind the
-defaults are in docs/benchmarks.md.
+one call per item, calls in parallel), and the decoder window sizes and leads,
+which it hands on as a `WindowPlan` and a `PacePolicy` (plan.py). The order of
+its fields is the order of the option list (tests/unit/engine/test_options.py).
+The measurements behind the defaults are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.backends.piper.windows import WindowPlan
+from engine.backends.piper.plan import PacePolicy, WindowPlan
 
 
 def _default_num_threads() -> int:
@@ -64,8 +64,8 @@ class PiperBackendConfig:
     # the next window comes, so a window ending short of a frame boundary leaves its
     # listener up to 20 ms less to wait in. At 22050 Hz (hop 256) a 12-frame first window
     # (139 ms) reached the listener as 120 ms, 14 (163 ms) as 160; 12 + 36 as 540 ms,
-    # 14 + 38 as 600; a 48-frame medium window as 540 ms, 52 as 600 (tests/
-    # test_piper_windows.py; docs/benchmarks.md, "Round ten").
+    # 14 + 38 as 600; a 48-frame medium window as 540 ms, 52 as 600 (tests/unit/
+    # engine/piper/test_windows.py; docs/benchmarks.md, "Round ten").
     windowed: bool = True
     window_first_frames: int = 14
     window_second_frames: int = 38
@@ -101,8 +101,9 @@ class PiperBackendConfig:
     # TTFA p95 by a third: docs/benchmarks.md, "Round nine".) One with more lead, or
     # whose listener has waited longer (the box is behind), takes `window_frames` windows
     # and the flow in `window_flow_frames` pieces, which makes more audio per second of
-    # work (less context computed twice). A step beside look-ahead work (due later than `window_busy_lead_s`)
-    # counts as alone: that work can wait, and a turn's second segment due 114 ms after its
+    # work (less context computed twice). A step beside look-ahead work (due later than
+    # `window_busy_lead_s`: the engine's `StepPlan.is_contended` is false) counts as alone:
+    # that work can wait, and a turn's second segment due 114 ms after its
     # text came, cut long beside it, was 23 ms late. (0.3 s here instead of 0.1 made more
     # urgent segments short and, at 12 sessions, 11-26 gaps where 0.1 had 1-3.)
     window_urgent_lead_s: float = 0.1
@@ -144,7 +145,6 @@ class PiperBackendConfig:
                 f"max_padding_waste must be >= 0 or None, got {self.max_padding_waste}"
             )
 
-
     @property
     def window_plan(self) -> WindowPlan:
         return WindowPlan(self.window_first_frames, self.window_second_frames,
@@ -152,3 +152,8 @@ class PiperBackendConfig:
                           self.window_context_frames, self.window_flow_context_frames,
                           self.window_flow_frames, self.window_lone_first_frames,
                           self.window_first_flow_context_frames)
+
+    @property
+    def pace_policy(self) -> PacePolicy:
+        return PacePolicy(self.window_urgent_lead_s, self.window_behind_s, self.window_medium_lead_s,
+                          self.window_catchup_lead_s)

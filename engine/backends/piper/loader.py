@@ -6,7 +6,9 @@ log-durations, `w_ceil`: frames per phoneme id) as a second output, the way
 piper's `patch_voice_with_alignment` does, and hand the bytes to onnxruntime;
 the file on disk is never changed. Phonemization is piper's own (espeak-ng,
 process-wide, behind piper's lock), reached through a `PiperVoice` that holds
-the config.
+the config. This module owns finding voices, a `LoadedVoice`'s sessions and
+calls, and calibration; the graphs it opens are cut by graphs/split.py and
+rewritten, where that changes no output, by graphs/checked.py.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.backends.piper.graphs.blocked import blocked_decoder
-from engine.backends.piper.graphs.layernorm import fuse_layer_norms
-from engine.backends.piper.windows import DECODER_ENTRY, decoder_as_2d, latent_channels, split_voice
+from engine.backends.piper.graphs.checked import fastest_decoder, fused_front
+from engine.backends.piper.graphs.split import DECODER_ENTRY, split_voice
 from engine.errors import ModelLoadError
 from engine.types import VoiceInfo
 
@@ -100,7 +101,7 @@ class LoadedVoice:
     # voice has no `solo_session`: without spinning, two threads ran its front part no
     # faster than one.
     lone_session: Any = None
-    # Split voices (piper_windows): `session`/`solo_session` run the front part and
+    # Split voices (graphs/split.py): `session`/`solo_session` run the front part and
     # these the decoder; None for a voice synthesized whole.
     decoder: Any = None
     solo_decoder: Any = None
@@ -253,8 +254,9 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     if split is None:
         logger.warning("piper voice %r: its graph has no %s to split at; it synthesizes whole "
                        "segments (no decoder windows)", files.voice_id, DECODER_ENTRY)
-    front, session = _fused_front(model.SerializeToString() if split is None else split.front,
-                                  piper_config, files.voice_id, num_threads)
+    front, session = fused_front(model.SerializeToString() if split is None else split.front,
+                                 piper_config, files.voice_id, lambda graph: open_session(num_threads, graph),
+                                 lambda graph: open_session(1, graph))
     cores = os.cpu_count() or 1
     # A lone call (light load: the first segment of a turn) may use every core.
     solo_session = open_session(cores, front) if cores > num_threads and split is None else None
@@ -278,8 +280,8 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         voice.lone_session = open_session(cores, front, spin=True) if cores > num_threads else None
         # The 2-D form is faster on one thread and slower on several (measured on joe with
         # both cores: 1-D 15.5 and 60 ms, 2-D 18.8 and 80 ms for 36 and 152 frames).
-        lifted = _fastest_decoder(split.decoder, split.latent_name, lambda graph: open_session(1, graph),
-                                  files.voice_id)
+        lifted = fastest_decoder(split.decoder, split.latent_name, lambda graph: open_session(1, graph),
+                                 files.voice_id)
         voice.decoder = open_session(num_threads, lifted if num_threads == 1 else split.decoder)
         voice.solo_decoder = open_session(cores, split.decoder) if cores > num_threads else None
         voice.latent_name = split.latent_name
@@ -343,86 +345,6 @@ def open_session(threads: int, graph: bytes, *, spin: bool = False) -> Any:
     return onnxruntime.InferenceSession(
         graph, sess_options=options, providers=["CPUExecutionProvider"]
     )
-
-
-def _fused_front(front: bytes, piper_config: Any, voice_id: str, num_threads: int) -> tuple[bytes, Any]:
-    """The front part with its LayerNorms fused (piper_fuse) where that equals the original,
-    and its session on `num_threads` cores.
-
-    Checked once at load on random phoneme ids with the noise off: durations
-    equal, every other output within 1e-4; otherwise the original runs (logged).
-    """
-    fused, count = fuse_layer_norms(front)
-    if count == 0:
-        return front, open_session(num_threads, front)
-    try:
-        session = open_session(num_threads, fused)  # the voice's own: checked, then kept
-        rng = np.random.default_rng(0)
-        feeds = {"input": rng.integers(1, max(2, piper_config.num_symbols), (1, 40), dtype=np.int64),
-                 "input_lengths": np.array([40], dtype=np.int64),
-                 "scales": np.array([0.0, 1.0, 0.0], dtype=np.float32)}  # noise off: deterministic
-        if piper_config.num_speakers > 1:
-            feeds["sid"] = np.zeros(1, dtype=np.int64)
-        want = open_session(1, front).run(None, feeds)
-        got = session.run(None, feeds)
-        if not np.array_equal(want[-1], got[-1]):
-            raise ValueError("the durations differ")
-        for a, b in zip(want[:-1], got[:-1], strict=True):
-            difference = float(np.abs(np.asarray(a) - np.asarray(b)).max()) if np.size(a) else 0.0
-            if np.shape(a) != np.shape(b) or difference > 1e-4:
-                raise ValueError(f"an output differs by {difference:.2e}")
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the original stays
-        logger.warning("piper voice %r: its LayerNorms stay unfused: %s", voice_id, exc)
-        return front, open_session(num_threads, front)
-    logger.info("piper voice %r: %d LayerNorms fused in its text part", voice_id, count)
-    return fused, session
-
-
-def _fastest_decoder(decoder: bytes, latent_name: str, open_session: Any, voice_id: str) -> bytes:
-    """The decoder in its fastest form on one x86 thread that converts and equals the original.
-
-    First its 2-D form (piper_windows.decoder_as_2d), then that form with its
-    activations kept in onnxruntime's blocked layout between convolutions
-    (piper_blocked). Each is checked once at load on a random latent; a form that
-    does not convert, or differs by more than float rounding, is not taken (logged).
-    """
-    lifted = decoder_as_2d(decoder)
-    if lifted is None:
-        logger.info("piper voice %r: its decoder runs in 1-D (it does not convert to 2-D)", voice_id)
-        return decoder
-    channels = latent_channels(decoder, latent_name)
-    if channels is None:
-        logger.warning("piper voice %r: its decoder runs in 1-D: no convolution reads the latent", voice_id)
-        return decoder
-    latent = np.random.default_rng(0).standard_normal((1, channels, 40)).astype(np.float32)
-    try:
-        (want,) = open_session(decoder).run(None, {latent_name: latent})
-        want = np.asarray(want).reshape(-1)
-        _check_decoder(open_session(lifted), latent_name, latent, want, "2-D")
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the 1-D graph stays
-        logger.warning("piper voice %r: its decoder runs in 1-D: %s", voice_id, exc)
-        return decoder
-    try:
-        blocked = blocked_decoder(lifted, channels)
-        if blocked is None:
-            return lifted  # onnxruntime blocks nothing here (no NCHWc kernels on this CPU)
-        _check_decoder(open_session(blocked), latent_name, latent, want, "blocked 2-D")
-    except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the 2-D graph stays
-        logger.warning("piper voice %r: its decoder keeps onnxruntime's layout reorders: %s", voice_id, exc)
-        return lifted
-    logger.info("piper voice %r: its decoder runs in 2-D, in onnxruntime's blocked layout", voice_id)
-    return blocked
-
-
-def _check_decoder(session: Any, latent_name: str, latent: np.ndarray, want: np.ndarray, form: str) -> None:
-    """Raise ValueError where `session` decodes `latent` [1, C, T] other than `want` by over 1e-4."""
-    (got,) = session.run(None, {latent_name: latent})
-    got = np.asarray(got).reshape(-1)
-    if got.shape != want.shape:
-        raise ValueError(f"the {form} decoder made {got.shape[0]} samples, expected {want.shape[0]}")
-    difference = float(np.abs(want - got).max())
-    if difference > 1e-4:
-        raise ValueError(f"the {form} decoder differs by {difference:.2e}")
 
 
 def _calibrate(voice: LoadedVoice, target_peak: float | None) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from engine.backend import StepResult
 from engine.backends.piper.alignment import word_timings
 from engine.backends.piper.loader import LoadedVoice
-from engine.backends.piper.windows import Pace
+from engine.backends.piper.plan import Pace
 from engine.errors import BackendFailure
 from engine.types import WordTiming
 

@@ -1,360 +1,119 @@
-"""Piper voices split at their flow and decoder, so that a segment streams in windows.
+"""A split piper voice run window by window: the front part, the flow's slices, the decoder windows.
 
-A Piper VITS graph is a text part (text encoder, duration predictor, the
-prior `z_p` drawn over the expanded frames), a flow (WaveNet coupling layers,
-`z_p` -> the latent), and a HiFi-GAN decoder that turns the masked latent
-[B, 192, T] (T frames of `hop_length` samples) into audio. The decoder begins
-at `/dec/conv_pre/Conv`; its input is `flow(z_p) * mask`. Graph surgery (onnx's
-Extractor, the file on disk is never changed) gives three graphs:
-
-- the front part: the voice's inputs -> (z_p, mask, durations), once per segment;
-- the flow: (z_p, mask) -> latent, run on a short slice for an urgent
-  segment's first window and then `flow_frames` (256) ahead of the windows
-  at a time, never over a whole long segment at once;
-- the decoder: latent (plus `sid` for multi-speaker voices) -> audio, run over
-  windows of the latent: W frames plus C frames of context on each side, the
-  context's samples cut from the output.
-
-Flow and decoder are convolutional with finite receptive fields, so a slice
-with enough context equals the whole. Measured on joe (1 thread, a 4.4 s
-sentence, DESIGN.md "piper backend"): the decoder is ~70-78% of the cost;
-W=64, C=16 equals the whole decode exactly (max abs 0.0) and costs 1.16x the
-whole decode, W=128, C=16 1.03x; C=8 differs by 1e-4; W=16 costs 2.6x. With
-both cores, W=128, C=12 matches to 2e-8 and decodes ~10% faster than C=16. The
-flow matches exactly with 32 frames of context and costs 36 ms over a whole
-2.7 s sentence against 13 ms over the 72 frames a first window needs
-(docs/benchmarks.md, "piper windows"). So a segment's first window is small
-(first audio = text part + a short flow slice + one short decode), later ones
-large (`WindowPlan`). On one thread the decoder runs as 2-D convolutions
-of height 1 (`decoder_as_2d`): onnxruntime's blocked x86 kernels take 2-D
-ones, ~20% faster on joe and equal to float rounding (on several threads
-they are slower, and the 1-D graph stays). A graph without the decoder cut (an unknown export) is
-not split: `split_voice` returns None, the caller logs it and synthesizes
-whole segments; one whose flow cannot be cut out keeps the flow in its front
-part (`SplitGraphs.flow` None) and streams the decoder alone.
+This module owns the runtime of a windowed segment (the voice cut at load by
+engine/backends/piper/graphs/split.py; the sizes from the `WindowPlan` in
+engine/backends/piper/plan.py). A segment's first window runs its front part
+(text encoder, durations, prior) once, which fixes its length and word
+timings; every window then grows the latent through the flow as far as it
+needs (`grow_latent`: a slice with the flow's context on each side, or a
+`flow_frames` piece ahead) and decodes its frames with `context_frames` of
+context each side, cut from the output (`decode_window`). Flow and decoder
+are convolutional with finite receptive fields, so a slice with enough
+context equals the whole; one fixed gain per voice is applied to every
+window. Which window sizes and which slices a segment gets (its `Pace`) is
+decided before it runs, by the backend from the engine's plan.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any
 
 import numpy as np
 
+from engine.backend import StepResult
+from engine.backends.piper.plan import Pace, WindowPlan
+from engine.backends.piper.segment import PiperState, segment_timings
+from engine.errors import BackendFailure
+
 logger = logging.getLogger("voxgate.engine")
 
-DECODER_ENTRY = "/dec/conv_pre/Conv"
 
+def run_window(state: PiperState, plan: WindowPlan, sample_rate: int, is_solo: bool) -> StepResult:
+    """One window of a split voice's segment; the segment's first also runs its front part.
 
-class Pace(Enum):
-    """How a segment's windows are cut (WindowPlan), decided at its first window."""
-
-    # due now, and its context is the only one with work (one talking session): a smaller
-    # first window, then as SHORT; nobody else's work is there to delay the second
-    LONE = "lone"
-    SHORT = "short"  # due now and its step runs alone: small first windows, the flow sliced
-    # due soon, not yet, beside work due soon: its listener hears the turn, and a long first
-    # window would be late (a gap); one medium first window, the flow sliced
-    MEDIUM = "medium"
-    LONG = "long"  # anything else: long windows, the flow in long pieces
-
-
-@dataclass(slots=True, frozen=True)
-class WindowPlan:
-    """Window sizes in latent frames, by a segment's pace (`Pace`).
-
-    A segment whose first audio is due now and whose step runs alone (no other
-    lane busy: light load) takes a small first window and a medium second one,
-    so first audio comes soon; one due soon (not yet: its listener hears the
-    turn) beside other work one medium first window, which is ready in time
-    where a long one might not be; any other takes long windows throughout. Small
-    windows cost context decoded twice and a step each, and under load every
-    other stream pays for that (docs/benchmarks.md, "Round four"). A segment
-    due now whose context is the only one with work (`Pace.LONE`) starts with a
-    smaller window (`lone_first_frames`): no other stream's work is there to come
-    before its second (docs/benchmarks.md, "Round six"). A short first flow slice
-    runs on `first_flow_context_frames` where the second recomputes its frames anyway.
-    The sizes come from `PiperBackendConfig` (its `window_*` options, where the
-    defaults and their measurements are); its defaults end a turn's first
-    windows just past the 20 ms frame grid of the gateway's Opus encoder at
-    22050 Hz and hop 256: what does not fill a frame reaches the listener only
-    with the next window (docs/benchmarks.md, "Round ten").
+    `is_solo`: the step runs alone, and its calls may take every core.
     """
-
-    first_frames: int
-    second_frames: int
-    medium_first_frames: int
-    frames: int
-    context_frames: int
-    flow_context_frames: int
-    flow_frames: int
-    lone_first_frames: int
-    first_flow_context_frames: int
-
-    def __post_init__(self) -> None:
-        for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames",
-                     "lone_first_frames"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("context_frames", "flow_context_frames", "first_flow_context_frames"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-    def flow_end(self, done: int, needed: int, total: int) -> int:
-        """Where the flow's next run ends: at least `needed`, `flow_frames` past `done`, no sliver left."""
-        end = min(total, max(needed, done + self.flow_frames))
-        if total - end < self.flow_frames // 2:
-            end = total  # one call over the last short stretch costs less than two
-        return end
-
-    def is_first_slice_provisional(self, needed: int) -> bool:
-        """Whether a segment's first flow slice, `needed` frames, may run on the short context.
-
-        The next slice begins at frame 0 anyway (`needed` is within the flow's context), so
-        its frames are recomputed there exactly and only the first window's audio reads
-        them: the flow's error at the slice's end stays in the decoder's context, cut off.
-        """
-        return self.first_flow_context_frames < self.flow_context_frames and needed <= self.flow_context_frames
-
-    @staticmethod
-    def is_flow_sliced(pace: Pace, index: int) -> bool:
-        """Whether window `index` at `pace` runs only the flow it needs (the short windows)."""
-        return index < {Pace.LONE: 2, Pace.SHORT: 2, Pace.MEDIUM: 1, Pace.LONG: 0}[pace]
-
-    def size(self, index: int, pace: Pace) -> int:
-        """Frames of window `index` (from 0) at `pace`, before a segment's end cuts it."""
-        if pace in (Pace.SHORT, Pace.LONE) and index < 2:
-            first = self.lone_first_frames if pace is Pace.LONE else self.first_frames
-            return first if index == 0 else self.second_frames
-        if pace is Pace.MEDIUM and index == 0:
-            return self.medium_first_frames
-        return self.frames
-
-    def can_catch_up(self, index: int, pace: Pace) -> bool:
-        """Whether window `index` at `pace`, if due too soon, would be cut shorter (`window_end`)."""
-        return index > 0 and self.size(index, pace) > self.second_frames
-
-    def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT,
-                   is_catching_up: bool = False) -> int:
-        """Where window `index` (from 0) that begins at frame `start` ends, at `pace`.
-
-        A later window `is_catching_up` (due too soon for a long one: `can_catch_up`)
-        is at most `second_frames`: ready sooner, and its listener's wait for the next longer.
-        """
-        size = self.size(index, pace)
-        if is_catching_up:
-            size = min(size, self.second_frames)
-        end = min(total, start + size)
-        if total - end < max(1, size // 4):
-            end = total  # no sliver of a last window: it would cost a whole call
-        return end
-
-
-@dataclass(slots=True)
-class SplitGraphs:
-    """The serialized graphs and the tensor names that join them.
-
-    With `flow` the front part outputs (z_p, mask, durations) and the flow
-    graph takes `flow_inputs` (z_p, mask, then graph inputs it also needs);
-    without it the front part outputs (latent, durations).
-    """
-
-    front: bytes
-    decoder: bytes
-    latent_name: str
-    decoder_inputs: tuple[str, ...]  # latent first, then graph inputs it also needs (sid)
-    flow: bytes | None = None
-    flow_inputs: tuple[str, ...] = ()
-
-
-def split_voice(model: Any) -> SplitGraphs | None:
-    """Cut a patched piper graph (outputs: audio, durations) at its flow and decoder.
-
-    None if the decoder cannot be cut out; `flow` None if only the flow cannot.
-    """
-    from onnx.utils import Extractor
-
-    graph = model.graph
-    entry = next((n for n in graph.node if n.name == DECODER_ENTRY), None)
-    if entry is None or len(graph.output) != 2:
-        return None
-    latent = entry.input[0]
-    audio_name, durations_name = graph.output[0].name, graph.output[1].name
-    inputs = [i.name for i in graph.input]
-    extra = _inputs_needed(model, audio_name, {latent}, inputs)
+    voice = state.voice
+    hop = voice.config.hop_length
+    sids = None
+    if voice.config.num_speakers > 1:
+        sids = np.full(1, voice.config.default_speaker_id, dtype=np.int64)
     try:
-        extractor = Extractor(model)
-        decoder = extractor.extract_model([latent, *extra], [audio_name])
-    except Exception as exc:  # noqa: BLE001 - onnx raises its own types for a graph it cannot cut
-        logger.warning("piper graph cannot be split at %s: %s", DECODER_ENTRY, exc)
-        return None
-    if any(i.name == durations_name for i in decoder.graph.input):
-        return None  # the decoder depends on the durations: not the graph we know
-    split = SplitGraphs(b"", decoder.SerializeToString(), latent, (latent, *extra))
-    flow = _split_flow(extractor, model, latent, inputs, durations_name)
-    if flow is not None:
-        split.front, split.flow, split.flow_inputs = flow
-        return split
-    try:  # the flow stays in the front part
-        split.front = extractor.extract_model(inputs, [latent, durations_name]).SerializeToString()
-    except Exception as exc:  # noqa: BLE001 - as above
-        logger.warning("piper graph cannot be split at %s: %s", DECODER_ENTRY, exc)
-        return None
-    return split
+        words = None
+        if state.latent is None:
+            ids = np.array([state.ids], dtype=np.int64)  # [1, L]
+            lengths = np.array([len(state.ids)], dtype=np.int64)  # [1]
+            scales = np.array(state.scales, dtype=np.float32)  # [3]
+            outputs, durations = voice.run_front(ids, lengths, scales, sids, is_solo=is_solo,
+                                                 is_lone=state.pace is Pace.LONE)
+            frames = np.rint(durations[0, : len(state.ids)]).astype(np.int64)  # [L]
+            state.num_frames = total = int(frames.sum())
+            padded = next(iter(outputs.values())).shape[2]
+            if total > padded:
+                raise BackendFailure(f"expected at most {padded} frames from durations, got {total}")
+            words = segment_timings(state, frames, sample_rate)
+            if total == 0:
+                return StepResult(words=words, is_finished=True)
+            if voice.has_flow:
+                state.prior = flow_slice(voice.flow_feeds(outputs, sids), 0, total, padded)
+                state.latent = np.zeros((1, state.prior[voice.flow_inputs[0]].shape[1], 0), np.float32)
+            else:
+                state.latent = outputs[voice.latent_name][:, :, :total]  # [1, C, T]
+        start = state.cursor
+        end = plan.window_end(start, state.num_windows, state.num_frames, state.pace,
+                              state.is_catching_up)
+        context = plan.context_frames
+        latent = grow_latent(state, plan, min(state.num_frames, end + context), is_solo)
+        raw = decode_window(lambda z: voice.run_decoder(z, sids, is_solo=is_solo), latent,
+                            start, end, context, hop)
+        pcm = np.clip(raw * voice.gain, -1.0, 1.0).astype(np.float32)
+        state.cursor, state.num_windows = end, state.num_windows + 1
+        is_finished = end >= state.num_frames
+        if is_finished:
+            state.latent = None  # the latent is the big part of the state: free it at once
+        return StepResult(pcm=pcm, words=words, is_finished=is_finished)
+    except Exception as exc:  # onnxruntime raises its own types
+        logger.exception("piper window failed")
+        error = exc if isinstance(exc, BackendFailure) else BackendFailure(f"piper synthesis failed: {exc}")
+        return StepResult(is_finished=True, error=error)
 
 
-def _split_flow(extractor: Any, model: Any, latent: str, inputs: list[str],
-                durations_name: str) -> tuple[bytes, bytes, tuple[str, ...]] | None:
-    """(front part up to z_p and mask, the flow, the flow's inputs); None (logged) if it cannot."""
-    cut = _flow_cut(model, latent)
-    if cut is None:
-        logger.warning("piper graph: no flow input found before %s; the flow runs whole", DECODER_ENTRY)
-        return None
-    flow_inputs = (*cut, *_inputs_needed(model, latent, set(cut), inputs))
-    try:
-        flow = extractor.extract_model(list(flow_inputs), [latent])
-        front = extractor.extract_model(inputs, [*cut, durations_name])
-    except Exception as exc:  # noqa: BLE001 - onnx raises its own types for a graph it cannot cut
-        logger.warning("piper graph: the flow cannot be cut out (%s); it runs whole", exc)
-        return None
-    if {i.name for i in flow.graph.input} != set(flow_inputs):
-        logger.warning("piper graph: the flow reads more than (z_p, mask); it runs whole")
-        return None
-    return front.SerializeToString(), flow.SerializeToString(), flow_inputs
+def grow_latent(state: PiperState, plan: WindowPlan, needed: int, is_solo: bool) -> np.ndarray:
+    """Grow the segment's latent to at least `needed` frames through the flow; the latent to decode.
 
-
-def _flow_cut(model: Any, latent: str) -> tuple[str, str] | None:
-    """(z_p, mask): the flow's input and the frame mask, found by the graph's shape.
-
-    The latent is `Mul(flow(z_p), mask)`; z_p is `m_p + noise * exp(logs_p) * noise_scale`,
-    the first Add after the graph's last RandomNormalLike.
+    On slices with the flow's context on each side, which equal the whole: for a
+    long segment cut in short pieces (`Pace.SHORT`: its first two windows;
+    `Pace.MEDIUM`: its first) a slice is only the frames its window needs; the
+    rest run `flow_frames` ahead (`WindowPlan.flow_end`). Running the flow over a
+    whole long segment at its first window would make that window, and every
+    stream waiting behind it, pay for audio due seconds later; and a short first
+    window covers only ~120 ms of playback, within which the second must follow
+    (at 12 sessions a second window that also ran a 256-frame flow piece came
+    58 ms late). A short first slice whose frames the second slice recomputes
+    anyway runs on less context and is not kept
+    (`WindowPlan.is_first_slice_provisional`): first audio sooner, no more work.
     """
-    nodes = list(model.graph.node)
-    producer = {out: node for node in nodes for out in node.output}
-    product = producer.get(latent)
-    if product is None or product.op_type != "Mul" or len(product.input) != 2:
-        return None
-    mask = product.input[1]
-    noises = [n for n in nodes if n.op_type == "RandomNormalLike"]
-    if not noises:
-        return None
-    consumers: dict[str, list[Any]] = {}
-    for node in nodes:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-    frontier = [noises[-1].output[0]]
-    for _ in range(4):  # noise -> Mul(exp(logs_p)) -> Mul(noise_scale) -> Add(m_p)
-        following = [n for name in frontier for n in consumers.get(name, [])]
-        adds = [n for n in following if n.op_type == "Add"]
-        if adds:
-            return adds[0].output[0], mask
-        frontier = [out for n in following for out in n.output]
-    return None
-
-
-def _inputs_needed(model: Any, output: str, stops: set[str], inputs: list[str]) -> tuple[str, ...]:
-    """The graph inputs reached walking back from `output` without passing `stops`."""
-    producer = {out: node for node in model.graph.node for out in node.output}
-    seen: set[str] = set()
-    todo = [output]
-    while todo:
-        name = todo.pop()
-        if name in seen or name in stops:
-            continue
-        seen.add(name)
-        node = producer.get(name)
-        if node is not None:
-            todo.extend(i for i in node.input if i)
-    return tuple(name for name in inputs if name in seen)
-
-
-# Ops the 2-D form carries over unchanged: elementwise on same-shaped tensors or scalars.
-_ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "LeakyRelu", "Relu", "Tanh", "Identity"})
-
-
-def decoder_as_2d(decoder: bytes) -> bytes | None:
-    """The decoder with every 1-D convolution as a 2-D one of height 1, or None.
-
-    onnxruntime runs 2-D convolutions on x86 in its blocked (NCHWc) kernels and
-    1-D ones through im2col: measured on joe with one thread, a 152-frame window
-    decodes in 90-95 ms against 112-115 ms, equal to 1.3e-7; with two threads
-    the blocked kernels are slower (80 against 60 ms), so the loader uses this
-    form for one-thread sessions only (docs/benchmarks.md, "Round three"). The latent [B, C, T] enters through an Unsqueeze to
-    [B, C, 1, T]; the output keeps its samples in order (callers reshape it).
-    None for a graph with any other op (a multi-speaker decoder's speaker
-    conditioning, say): that one runs as it is.
-    """
-    import onnx
-    from onnx import helper, numpy_helper
-
-    model = onnx.load_from_string(decoder)
-    graph = model.graph
-    if len(graph.input) != 1 or len(graph.output) != 1:
-        return None
-    weights = {init.name: init for init in graph.initializer}
-    constants = {node.output[0]: node for node in graph.node if node.op_type == "Constant"}
-
-    def is_scalar(name: str) -> bool:
-        if name in weights:
-            return int(np.prod(weights[name].dims)) == 1
-        node = constants.get(name)
-        return node is not None and int(np.prod(node.attribute[0].t.dims)) == 1
-
-    output = graph.output[0].name
-    for node in graph.node:
-        if node.op_type in ("Conv", "ConvTranspose"):
-            weight = weights.get(node.input[1])
-            if weight is None or len(weight.dims) != 3:
-                return None
-            for attr in node.attribute:
-                if attr.name in ("kernel_shape", "strides", "dilations", "output_padding"):
-                    attr.ints[:] = [1 if attr.name != "output_padding" else 0, *attr.ints]
-                elif attr.name == "pads":
-                    begin, end = list(attr.ints)
-                    attr.ints[:] = [0, begin, 0, end]
-                elif attr.name not in ("group",):
-                    return None  # auto_pad and the like: not the graph we know
-            array = numpy_helper.to_array(weight)
-            weight.CopyFrom(numpy_helper.from_array(array[:, :, None, :], weight.name))
-        elif node.op_type == "Unsqueeze" and node.output[0] == output:
-            node.op_type = "Identity"  # the samples are already in order: [B, 1, 1, T]
-            del node.input[1:]
-            del node.attribute[:]
-        elif node.op_type == "Constant" or (
-                node.op_type in _ELEMENTWISE and all(
-                    is_scalar(name) or name not in weights and name not in constants
-                    for name in node.input)):
-            continue
-        else:
-            return None
-    latent = graph.input[0].name
-    lifted = latent + "/as_2d"
-    for node in graph.node:
-        node.input[:] = [lifted if name == latent else name for name in node.input]
-    graph.initializer.append(numpy_helper.from_array(np.array([2], dtype=np.int64), lifted + "/axes"))
-    graph.node.insert(0, helper.make_node("Unsqueeze", [latent, lifted + "/axes"], [lifted], name=lifted))
-    used = {name for node in graph.node for name in node.input}
-    for init in [init for init in graph.initializer if init.name not in used]:
-        graph.initializer.remove(init)
-    del graph.value_info[:]  # the 3-D shapes recorded inside no longer hold
-    out_type = graph.output[0].type.tensor_type
-    out_type.ClearField("shape")
-    return model.SerializeToString()
-
-
-def latent_channels(decoder: bytes, latent_name: str) -> int | None:
-    """Channels of the decoder's latent input, read off the first convolution's weight."""
-    import onnx
-
-    graph = onnx.load_from_string(decoder).graph
-    weights = {init.name: init for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Conv" and node.input[0] == latent_name and node.input[1] in weights:
-            return int(weights[node.input[1]].dims[1])
-    return None
+    prior, latent = state.prior, state.latent
+    assert latent is not None
+    if prior is None or latent.shape[2] >= needed:
+        return latent
+    total, done = state.num_frames, latent.shape[2]
+    context = plan.flow_context_frames
+    is_sliced = state.is_catching_up or plan.is_flow_sliced(state.pace, state.num_windows)
+    if is_sliced and 2 * (needed + context) < total - done:
+        end = needed
+        if done == 0 and plan.is_first_slice_provisional(needed):
+            hi = min(total, end + plan.first_flow_context_frames)
+            return state.voice.run_flow(flow_slice(prior, 0, hi, total), is_solo=is_solo)[:, :, :end]
+    else:
+        end = plan.flow_end(done, needed, total)
+    lo, hi = max(0, done - context), min(total, end + context)
+    more = state.voice.run_flow(flow_slice(prior, lo, hi, total), is_solo=is_solo)
+    state.latent = np.concatenate([latent, more[:, :, done - lo: end - lo]], axis=2)
+    if end >= total:
+        state.prior = None
+    return state.latent
 
 
 def decode_window(

@@ -8,7 +8,8 @@ the real backend and raises inside `step` for any segment containing "FAULT".
 from __future__ import annotations
 
 from engine.backend import BackendRequest, StepResult
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
 from engine.engine import Engine, EngineConfig
 from gateway.app import create_app as create_voxgate_app
 from gateway.config import GatewayConfig

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from engine.engine import Engine, EngineConfig
+from engine.backend import BackendRequest, StepPlan, due_of
+from engine.engine import Engine, EngineConfig, _Step
 from engine.errors import BackendFailure, EngineBusyError, UnknownVoiceError
 from engine.scheduler import SchedulerConfig
 from engine.types import RequestId, SynthesisRequest
@@ -259,6 +260,7 @@ class LaneBackend(ScriptedBackend):
         self.lock = threading.Lock()
         self.log: list[str] = []
         self.violations: list[str] = []
+        self.plans: list[tuple[str, StepPlan | None]] = []  # each item's plan, by step
 
     def step(self, batch):  # type: ignore[no-untyped-def]
         names = [str(item.request_id) for item in batch]
@@ -266,6 +268,7 @@ class LaneBackend(ScriptedBackend):
             assert not self.running.intersection(names), "a request ran in two steps at once"
             self.running.update(names)
             self.log += [f"begin:{n}" for n in names]
+            self.plans += [(str(item.request_id), item.plan) for item in batch]
         try:
             for name in names:
                 if name in self.gates:
@@ -353,3 +356,75 @@ def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_no
     assert backend.log.index("release:victim") > backend.log.index("end:victim")
     assert backend.log.count("begin:victim") == 1, "the cancelled request was stepped again"
     assert engine.stats.num_failed == 0 and engine.num_failed_steps_in_row == 0
+
+
+def test_with_lanes_a_step_beside_one_due_soon_is_told_so_by_the_engine() -> None:
+    # The engine decides, the backend runs: the step of "fast" starts while "slow" (due now:
+    # busy) holds the other lane, and its plan says so; the first step of "slow" ran alone.
+    async def scenario() -> LaneBackend:
+        backend, engine, slow = await blocked_in_a_lane("slow")
+        fast = await asyncio.wait_for(_collect(engine.submit(request("fast"))), 5)
+        assert fast and fast[-1].is_last
+        backend.gates["slow"].set()
+        await asyncio.wait_for(slow, 5)
+        await engine.stop()
+        return backend
+
+    plans = run(scenario()).plans
+    slow_first = next(plan for name, plan in plans if name == "slow")
+    fast_first = next(plan for name, plan in plans if name == "fast")
+    assert slow_first is not None and slow_first.is_alone and not slow_first.is_contended
+    assert slow_first.is_lone, "the only talking context was not planned as such"
+    assert fast_first is not None and not fast_first.is_alone and fast_first.is_contended
+    assert not fast_first.is_lone, "another context with work held a lane"
+
+
+def test_each_step_is_planned_from_the_running_steps_and_the_contexts_with_work() -> None:
+    # No loop runs and no thread steps: the plan is driven by hand, as the loop would.
+    backend = LaneBackend()
+    engine = Engine(backend, EngineConfig(warmup_text=""))
+    now = time.monotonic()
+
+    def held(name: str, context: str, due_in: float) -> BackendRequest:
+        item = BackendRequest(SynthesisRequest(RequestId(name), "hi", "v", now + due_in, context_key=context))
+        engine.scheduler.add(item)
+        return item
+
+    mine, my_next = held("a1", "s1", 0.0), held("a2", "s1", 5.0)
+    assert engine._plan([mine], {}) is True  # due now: busy
+    assert mine.plan == StepPlan(due_of(mine), is_alone=True, is_contended=False, is_lone=True)
+    other = held("b1", "s2", 3.0)  # another session's segment, prepared: s1 no longer talks alone
+    loop = asyncio.new_event_loop()
+    try:
+        beside_ahead = {loop.create_future(): _Step([other], now, is_busy=False)}
+        assert engine._plan([my_next], beside_ahead) is False  # due in 5 s: look-ahead work
+        assert my_next.plan == StepPlan(due_of(my_next), is_alone=False, is_contended=False)
+        engine._plan([mine], {loop.create_future(): _Step([other], now, is_busy=True)})
+        assert mine.plan == StepPlan(due_of(mine), is_alone=False, is_contended=True)
+        ended = loop.create_future()
+        ended.set_result([])  # a step that returned runs beside nothing, routed or not
+        engine._plan([mine], {ended: _Step([other], now, is_busy=True)})
+        assert mine.plan is not None and mine.plan.is_alone and not mine.plan.is_contended
+    finally:
+        loop.close()
+    engine._retire(other.request_id)  # finished: s2 talks until its release is made
+    engine._plan([mine], {})
+    assert mine.plan is not None and not mine.plan.is_lone
+    assert [item.request_id for item in engine._take_releases()] == ["b1"]  # made before the step
+    engine._plan([mine], {})
+    assert mine.plan is not None and mine.plan.is_lone
+
+
+def test_the_callers_config_is_left_as_given_and_the_effective_one_is_shown() -> None:
+    scheduler = SchedulerConfig(max_batch_size=16, parallelism=1, serial_items=False)
+    config = EngineConfig(scheduler=scheduler, warmup_text="")
+    laned = Engine(LaneBackend(max_batch_size=4), config)
+    plain = Engine(ScriptedBackend(max_batch_size=4), config)  # the same config, reused
+    assert (scheduler.max_batch_size, scheduler.parallelism, scheduler.serial_items) == (16, 1, False)
+    assert config.scheduler is scheduler
+    assert laned.num_lanes == 2 and plain.num_lanes == 1
+    effective = laned.scheduler_config  # a step per lane, one request each
+    assert (effective.max_batch_size, effective.parallelism, effective.serial_items) == (4, 1, True)
+    assert laned.scheduler.config is effective
+    effective = plain.scheduler_config
+    assert (effective.max_batch_size, effective.parallelism, effective.serial_items) == (4, 1, False)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.backends import create_backend
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
 from engine.options import config_from_options
 from tests.support.server import REPO, free_port
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from engine.backend import BackendRequest
-from engine.scheduler import Scheduler, SchedulerConfig, StepCostModel
+from engine.backend import BackendRequest, StepPlan, due_of
+from engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    StepCostModel,
+    context_of,
+    is_busy,
+    plan_step,
+)
 from engine.types import RequestId, SynthesisRequest
 
 
@@ -151,3 +158,30 @@ def test_due_by_holds_back_work_that_can_wait_for_a_running_step() -> None:
     scheduler.remove(RequestId("soon"))
     assert scheduler.schedule(100.0, due_by=100.5) == [], "work due in 2 s took a second lane"
     assert [str(i.request_id) for i in scheduler.schedule(100.0)] == ["later"]
+
+
+def test_a_request_is_due_at_its_deadline_until_its_clock_says_otherwise() -> None:
+    first = item("first", 2.0)
+    assert due_of(first) == 2.0
+    first.due = 3.5  # the engine's playback clock, once the request runs
+    assert due_of(first) == 3.5
+
+
+def test_a_step_is_busy_only_with_work_due_within_the_backends_lead() -> None:
+    assert is_busy([item("now", 10.0), item("later", 30.0)], now=10.0, busy_lead_s=0.5)
+    assert is_busy([item("soon", 10.5)], now=10.0, busy_lead_s=0.5)
+    assert not is_busy([item("ahead", 10.6)], now=10.0, busy_lead_s=0.5)
+
+
+def test_each_item_is_planned_with_what_runs_beside_its_step_and_who_talks() -> None:
+    mine = BackendRequest(SynthesisRequest(RequestId("a"), "text", "v", 1.0, context_key="s1"))
+    own = BackendRequest(SynthesisRequest(RequestId("b"), "text", "v", 2.0))  # no context: its own
+    assert context_of(own.request) == "request:b"
+    # nothing beside it, its context the only one with work: alone, the one talking session
+    assert plan_step([mine], 0.0, [], {"s1"}) == [StepPlan(1.0, is_alone=True, is_lone=True)]
+    # beside look-ahead work of another lane, another session talking
+    assert plan_step([mine], 0.0, [False], {"s1", "s2"}) == [StepPlan(1.0, is_alone=False)]
+    # beside work due soon: contended; each item of a step has its own due and context
+    plans = plan_step([mine, own], 0.0, [False, True], {"s1", "request:b"})
+    assert plans == [StepPlan(1.0, is_alone=False, is_contended=True),
+                     StepPlan(2.0, is_alone=False, is_contended=True)]

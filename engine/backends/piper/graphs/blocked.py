@@ -19,7 +19,7 @@ reordered once for all its readers. A convolution whose only reader adds its
 output to another blocked tensor takes that tensor as its `Sum` input (the
 kernel adds it before its activation, as onnxruntime's own fusion does in
 ResNets). What is left is a pair of reorders around each interleave, and the
-graph's input and output. `piper_voices` checks the result against the
+graph's input and output. The loader checks the result against the
 original at load and keeps the original where they differ.
 """
 
@@ -37,7 +37,7 @@ _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "LeakyRelu", "Relu", "Tanh
 
 
 def blocked_decoder(decoder: bytes, latent_channels: int) -> bytes | None:
-    """The decoder (a 2-D graph, `piper_windows.decoder_as_2d`) with fewer layout reorders.
+    """The decoder (a 2-D graph, `graphs.split.decoder_as_2d`) with fewer layout reorders.
 
     `latent_channels` is the channel count of its input [B, C, T]. None where
     onnxruntime blocks nothing on this machine (no NCHWc kernels, or no 2-D

@@ -11,7 +11,7 @@ onnxruntime sees the graph (the transposes stay; onnxruntime runs
 LayerNormalization at every opset). joe's text part has 36 of them (text
 encoder and duration predictor); on one thread it went from 24.7 to 22.2 ms,
 its durations equal and z_p within 7e-6 (docs/benchmarks.md, "Round six").
-`piper_voices` checks each rewrite against the original at load and keeps
+The loader checks each rewrite against the original at load and keeps
 the original where they differ.
 """
 

@@ -12,12 +12,9 @@ import pytest
 from engine.backend import BackendRequest
 from engine.backends import create_backend
 from engine.backends.piper.alignment import align_words
-from engine.backends.piper.backend import (
-    PiperBackend,
-    PiperBackendConfig,
-    PiperState,
-    pack_by_length,
-)
+from engine.backends.piper.backend import PiperBackend, pack_by_length
+from engine.backends.piper.config import PiperBackendConfig
+from engine.backends.piper.segment import PiperState
 from engine.errors import UnknownVoiceError, UnsupportedOptionError
 from engine.types import RequestId, SamplingParams, SynthesisRequest
 
@@ -191,3 +188,23 @@ def test_a_voices_directory_adds_voices_by_file_stem(tmp_path: Path) -> None:
 def test_unknown_backend_name_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown backend 'festival'; expected one of: piper"):
         create_backend("festival")
+
+
+def test_a_registered_voice_speaks_with_its_base_until_removed_and_unlisted_once_retired(
+        backend: PiperBackend) -> None:
+    info = backend.add_voice("alice", None, {"name": "Alice"})
+    assert (info.voice_id, info.name, info.language, info.is_builtin) == ("alice", "Alice", "en-US", False)
+    assert "alice" in [v.voice_id for v in backend.voices()]
+    assert backend.prepare(request("Hi.", voice="alice")).state.voice.info.voice_id == "joe"
+    backend.retire_voice("alice")
+    assert "alice" not in [v.voice_id for v in backend.voices()]
+    backend.prepare(request("Hi.", voice="alice"))  # a session holding it still speaks
+    with pytest.raises(UnknownVoiceError, match="expected one of: joe$"):
+        backend.prepare(request("Hi.", voice="bob"))  # retired voices are not offered
+    backend.remove_voice("alice")
+    with pytest.raises(UnknownVoiceError):
+        backend.prepare(request("Hi.", voice="alice"))
+    with pytest.raises(UnknownVoiceError, match="unknown registered voice 'alice'"):
+        backend.remove_voice("alice")
+    with pytest.raises(ValueError, match="piper voices take no prompt features"):
+        backend.add_voice("carol", b"features", {})

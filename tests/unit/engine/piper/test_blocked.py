@@ -12,9 +12,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from engine.backends.piper import loader as piper_voices
+from engine.backends.piper.graphs import checked
 from engine.backends.piper.graphs.blocked import _polyphase, blocked_decoder
+from engine.backends.piper.graphs.split import SplitGraphs, decoder_as_2d, split_voice
 from engine.backends.piper.loader import default_voice_files, open_session, read_patched_model
-from engine.backends.piper.windows import SplitGraphs, decoder_as_2d, split_voice
 
 # onnxruntime's blocked (NCHWc) kernels are x86's; the CI and dev boxes are x86-64.
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -79,10 +80,10 @@ def test_a_blocked_graph_that_decodes_otherwise_is_not_taken(
         model.graph.node.append(helper.make_node("Mul", [f"{out}/pre", "gain"], [out]))
         return model.SerializeToString()
 
-    monkeypatch.setattr(piper_voices, "blocked_decoder", louder)
+    monkeypatch.setattr(checked, "blocked_decoder", louder)
     with caplog.at_level(logging.INFO, logger="voxgate.engine"):
-        chosen = piper_voices._fastest_decoder(split.decoder, split.latent_name,
-                                               lambda graph: open_session(1, graph), "joe")
+        chosen = checked.fastest_decoder(split.decoder, split.latent_name,
+                                         lambda graph: open_session(1, graph), "joe")
     assert "keeps onnxruntime's layout reorders: the blocked 2-D decoder differs by" in caplog.text
     assert chosen == decoder_as_2d(split.decoder)
 

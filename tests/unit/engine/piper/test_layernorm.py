@@ -10,10 +10,12 @@ import pytest
 from onnx import helper
 
 from engine.backends.piper import loader as piper_voices
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
+from engine.backends.piper.graphs import checked
 from engine.backends.piper.graphs.layernorm import fuse_layer_norms
+from engine.backends.piper.graphs.split import SplitGraphs, split_voice
 from engine.backends.piper.loader import default_voice_files, open_session, read_patched_model
-from engine.backends.piper.windows import SplitGraphs, split_voice
 from engine.types import RequestId, SamplingParams, SynthesisRequest
 
 SENTENCES = ["The quick answer is yes, and here is why.",
@@ -92,7 +94,7 @@ def test_a_fused_front_that_differs_is_not_used(
                         attribute.f = 1.0
         return model.SerializeToString(), count
 
-    monkeypatch.setattr(piper_voices, "fuse_layer_norms", wrong)
+    monkeypatch.setattr(checked, "fuse_layer_norms", wrong)
     with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
         voice = piper_voices.load_voice(default_voice_files(), 1, 0.5)
     assert any("LayerNorms stay unfused" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,8 @@
-"""Piper in decoder windows: equal to the whole decode, click-free joins, fallback, cancel."""
+"""Piper in decoder windows (windows.py): equal to the whole decode, click-free joins, paces, cancel.
+
+Each step is handed the plan the engine would give it (`StepPlan`): what runs beside
+the segment is the engine's to say, and these tests say it.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,14 @@ import time
 import numpy as np
 import pytest
 
-from engine.backend import BackendRequest, StepResult
+from engine.backend import BackendRequest, StepPlan, StepResult
 from engine.backends.piper import windows as piper_windows
-from engine.backends.piper.backend import PiperBackend, PiperBackendConfig
+from engine.backends.piper.backend import PiperBackend
+from engine.backends.piper.config import PiperBackendConfig
+from engine.backends.piper.graphs import split as piper_split
 from engine.engine import Engine, EngineConfig
 from engine.types import RequestId, SamplingParams, SynthesisRequest, WordTiming
+from tests.support.wait import async_wait_until
 
 LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away into the woods, "
         "where nobody can find it until the morning comes again.")
@@ -40,11 +47,20 @@ def backends() -> dict[str, PiperBackend]:
     return made
 
 
+# What the engine's plan says runs beside a segment's steps (`StepPlan`; its due is set per step).
+ONE_SESSION = StepPlan(0.0, is_lone=True)  # the only talking session, its steps alone
+TWO_SESSIONS = StepPlan(0.0)  # another session talks too; its steps alone
+BESIDE_LOOK_AHEAD = StepPlan(0.0, is_alone=False)  # another lane's step runs look-ahead work
+BESIDE_WORK_DUE = StepPlan(0.0, is_alone=False, is_contended=True)  # another lane's step is due soon
+
+
 def stream(backend: PiperBackend, req: SynthesisRequest, due_in: float = 0.0,
-           later_due_in: float | None = None) -> tuple[list[StepResult], list[WordTiming] | None]:
+           later_due_in: float | None = None, beside: StepPlan = ONE_SESSION,
+           ) -> tuple[list[StepResult], list[WordTiming] | None]:
     """Every piece of one segment, each step's next audio due `due_in` s from then (0: urgent).
 
     With `later_due_in`, the pieces after the first are due that far ahead instead.
+    `beside`: what the engine's plan says of the rest of the box at every step.
     """
     item = backend.prepare(req)
     results: list[StepResult] = []
@@ -52,25 +68,13 @@ def stream(backend: PiperBackend, req: SynthesisRequest, due_in: float = 0.0,
     while not (results and results[-1].is_finished):
         lead = due_in if not results or later_due_in is None else later_due_in
         item.due = time.monotonic() + lead  # what the engine's playback clock would set
+        item.plan = dataclasses.replace(beside, due=item.due)  # and its plan for the step
         (result,) = backend.step([item])
         assert result.error is None
         results.append(result)
         words = words or result.words
     backend.release(item)  # as the engine does with a finished request
     return results, words
-
-
-class AnotherSession:
-    """Another talking session: a segment of another context prepared (and held) meanwhile."""
-
-    def __init__(self, backend: PiperBackend) -> None:
-        self.backend = backend
-
-    def __enter__(self) -> None:
-        self.item = self.backend.prepare(request(SHORT, context="another session"))
-
-    def __exit__(self, *exc: object) -> None:
-        self.backend.release(self.item)
 
 
 @pytest.mark.parametrize("text", [LONG, SHORT])
@@ -119,18 +123,6 @@ def test_speed_and_loudness_are_the_whole_decodes(backends: dict[str, PiperBacke
     assert backends["windows"].get_voice("joe").gain == backends["whole"].get_voice("joe").gain
 
 
-def test_a_graph_without_the_decoder_cut_falls_back_to_whole_segments_with_a_log_line(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(piper_windows, "DECODER_ENTRY", "/dec/not_in_this_graph/Conv")
-    piper = PiperBackend(PiperBackendConfig(num_threads=1))
-    with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
-        piper.load()
-    assert any("no decoder windows" in r.getMessage() for r in caplog.records)
-    assert not piper.get_voice("joe").is_split
-    (result,) = piper.step([piper.prepare(request(LONG))])
-    assert result.error is None and result.is_finished and len(result.pcm) > 0
-
-
 def test_a_cancel_stops_a_segment_within_one_window() -> None:
     async def scenario() -> tuple[list[list[str]], int]:
         piper = PiperBackend(PiperBackendConfig(num_threads=1))
@@ -141,7 +133,15 @@ def test_a_cancel_stops_a_segment_within_one_window() -> None:
             steps.append([str(item.request_id) for item in batch])
             return step(batch)
 
+        released: list[str] = []
+        release = piper.release
+
+        def counting_release(item: BackendRequest) -> None:
+            released.append(str(item.request_id))
+            release(item)
+
         piper.step = counting_step  # type: ignore[method-assign]
+        piper.release = counting_release  # type: ignore[method-assign]
         engine = Engine(piper, EngineConfig(warmup_text=""))
         await engine.start()
         got = 0
@@ -151,7 +151,8 @@ def test_a_cancel_stops_a_segment_within_one_window() -> None:
             if got == 1:
                 engine.cancel(RequestId("long"))
                 at_cancel = len(steps)
-        await asyncio.sleep(0.3)
+        # Released: the engine never steps it again, so the steps counted are all there are.
+        await async_wait_until(lambda: "long" in released, timeout=10.0, message="never released")
         await engine.stop()
         return steps, at_cancel
 
@@ -204,11 +205,8 @@ def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
     plan = PiperBackendConfig().window_plan
     first = plan.lone_first_frames if talking == "alone" else plan.first_frames
     assert plan.lone_first_frames < plan.first_frames
-    if talking == "alone":
-        windows, _ = stream(piper, request(LONG, context="s1"))  # each piece due now
-    else:
-        with AnotherSession(piper):
-            windows, _ = stream(piper, request(LONG, context="s1"))
+    beside = ONE_SESSION if talking == "alone" else TWO_SESSIONS
+    windows, _ = stream(piper, request(LONG, context="s1"), beside=beside)  # each piece due now
     hop = piper.get_voice("joe").config.hop_length
     assert len(windows[0].pcm) == first * hop
     assert len(windows[1].pcm) == plan.second_frames * hop
@@ -221,22 +219,6 @@ def test_an_urgent_segment_streams_a_flow_slice_and_small_first_windows(
     assert len(frames) >= 2 and max(frames[1:]) <= longest, frames
     (whole,), _ = stream(backends["whole"], request(LONG))
     assert np.abs(np.concatenate([w.pcm for w in windows]) - whole.pcm).max() < 1e-3
-
-
-def test_only_the_one_talking_context_counts_as_alone(backends: dict[str, PiperBackend]) -> None:
-    # Its own later segments (the turn's look-ahead) leave it alone; another context's
-    # prepared segment does not, until it is released.
-    piper = backends["windows"]
-    mine = [piper.prepare(request(text, context="s1")) for text in (LONG, SHORT)]
-    assert piper._is_lone(mine[0].request)
-    other = piper.prepare(request(SHORT, context="s2"))
-    assert not piper._is_lone(mine[0].request) and not piper._is_lone(other.request)
-    piper.release(other)
-    piper.release(other)  # a second release of the same item changes nothing
-    assert piper._is_lone(mine[0].request)
-    for item in mine:
-        piper.release(item)
-    assert piper._live == {}
 
 
 @pytest.mark.parametrize("talking", ["alone", "beside another session"])
@@ -264,11 +246,8 @@ def test_only_the_one_talking_sessions_front_part_spins(
     try:
         for name, session in sessions.items():
             setattr(voice, name, Spy(name, session))
-        if talking == "alone":
-            windows, _ = stream(piper, request(LONG, context="s1"))
-        else:
-            with AnotherSession(piper):
-                windows, _ = stream(piper, request(LONG, context="s1"))
+        beside = ONE_SESSION if talking == "alone" else TWO_SESSIONS
+        windows, _ = stream(piper, request(LONG, context="s1"), beside=beside)
     finally:
         for name, session in sessions.items():
             setattr(voice, name, session)
@@ -277,9 +256,24 @@ def test_only_the_one_talking_sessions_front_part_spins(
 
 
 def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> None:
-    # The lone count lives on release: a leak would leave one session never alone again.
-    async def scenario() -> dict[str, int]:
+    # Who talks is the engine's count of prepared, unreleased segments: a leak would
+    # leave one session never alone again, and its segments' state held.
+    async def scenario() -> tuple[list[str], list[str], bool]:
         piper = PiperBackend(PiperBackendConfig(num_threads=1))
+        prepared: list[str] = []
+        released: list[str] = []
+        prepare, release = piper.prepare, piper.release
+
+        def counting_prepare(req: SynthesisRequest) -> BackendRequest:
+            prepared.append(str(req.request_id))
+            return prepare(req)
+
+        def counting_release(item: BackendRequest) -> None:
+            released.append(str(item.request_id))
+            release(item)
+
+        piper.prepare = counting_prepare  # type: ignore[method-assign]
+        piper.release = counting_release  # type: ignore[method-assign]
         engine = Engine(piper, EngineConfig(warmup_text=""))
         await engine.start()
         done = [chunk async for chunk in engine.submit(SynthesisRequest(
@@ -288,12 +282,18 @@ def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> N
         async for _chunk in engine.submit(SynthesisRequest(
                 RequestId("b"), LONG * 2, "joe", deadline=time.monotonic(), context_key="s2")):
             engine.cancel(RequestId("b"))
-        await asyncio.sleep(0.3)
-        live = dict(piper._live)
+        await async_wait_until(lambda: "b" in released, timeout=10.0, message="b was never released")
+        # nothing is held: a third session's segment is planned as the only one talking
+        item = BackendRequest(SynthesisRequest(RequestId("c"), SHORT, "joe", deadline=time.monotonic(),
+                                               context_key="s3"))
+        engine._plan([item], {})
         await engine.stop()
-        return live
+        assert item.plan is not None
+        return prepared, released, item.plan.is_lone
 
-    assert asyncio.run(asyncio.wait_for(scenario(), 120)) == {}
+    prepared, released, is_lone = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert sorted(prepared) == sorted(released) == ["a", "b"]
+    assert is_lone
 
 
 def test_a_segments_length_is_exact_once_its_first_window_ran(backends: dict[str, PiperBackend]) -> None:
@@ -352,10 +352,8 @@ def test_an_urgent_segment_beside_work_due_soon_takes_one_medium_first_window(
     # Here another lane's step runs throughout.
     piper = backends["windows"]
     frames = count_flow_calls(monkeypatch)
-    monkeypatch.setattr(piper, "_num_running", 1)
-    monkeypatch.setattr(piper, "_num_busy", 1 if beside == "work due soon" else 0)
-    with AnotherSession(piper):  # whose step it is
-        windows, _ = stream(piper, request(LONG), later_due_in=1.0)  # first audio due now
+    step = BESIDE_WORK_DUE if beside == "work due soon" else BESIDE_LOOK_AHEAD
+    windows, _ = stream(piper, request(LONG), later_due_in=1.0, beside=step)  # first audio due now
     plan = PiperBackendConfig().window_plan
     hop = piper.get_voice("joe").config.hop_length
     if beside == "work due soon":
@@ -374,9 +372,7 @@ def test_a_later_segment_due_soon_beside_work_due_soon_takes_one_medium_first_wi
     # window might be late, which would be a gap; a medium one is ready in time.
     piper = backends["windows"]
     frames = count_flow_calls(monkeypatch)
-    monkeypatch.setattr(piper, "_num_running", 1)
-    monkeypatch.setattr(piper, "_num_busy", 1)
-    windows, _ = stream(piper, request(LONG), due_in=0.2)
+    windows, _ = stream(piper, request(LONG), due_in=0.2, beside=BESIDE_WORK_DUE)
     plan = PiperBackendConfig().window_plan
     hop = piper.get_voice("joe").config.hop_length
     assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
@@ -393,12 +389,9 @@ def test_a_later_window_due_too_soon_for_a_long_one_is_cut_short_once(
     # flow sliced for it), and only that one, so a box behind keeps its long windows.
     # With `window_catchup_lead_s` 0 the long windows stay.
     piper = backends["windows"]
-    monkeypatch.setattr(piper.config, "window_catchup_lead_s", catchup_lead_s)
+    monkeypatch.setattr(piper, "_policy", dataclasses.replace(piper._policy, catchup_lead_s=catchup_lead_s))
     frames = count_flow_calls(monkeypatch)
-    monkeypatch.setattr(piper, "_num_running", 1)
-    monkeypatch.setattr(piper, "_num_busy", 1)
-    with AnotherSession(piper):
-        windows, _ = stream(piper, request(LONG))
+    windows, _ = stream(piper, request(LONG), beside=BESIDE_WORK_DUE)
     plan = PiperBackendConfig().window_plan
     hop = piper.get_voice("joe").config.hop_length
     sizes = [len(w.pcm) // hop for w in windows[:3]]
@@ -437,7 +430,7 @@ def test_a_segment_with_lead_to_spare_takes_long_windows_equal_to_the_whole(
 def test_a_graph_whose_flow_cannot_be_cut_out_still_streams_its_decoder(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         backends: dict[str, PiperBackend]) -> None:
-    monkeypatch.setattr(piper_windows, "_flow_cut", lambda model, latent: None)
+    monkeypatch.setattr(piper_split, "_flow_cut", lambda model, latent: None)
     piper = PiperBackend(PiperBackendConfig(num_threads=1))
     with caplog.at_level(logging.WARNING, logger="voxgate.engine"):
         piper.load()
@@ -457,76 +450,3 @@ def test_a_segment_whose_listener_already_waits_long_takes_long_windows(
     hop = backends["windows"].get_voice("joe").config.hop_length
     assert len(windows[0].pcm) == PiperBackendConfig().window_frames * hop
     assert frames[0] == PiperBackendConfig().window_plan.flow_frames + PiperBackendConfig().window_flow_context_frames
-
-
-def _joe_split() -> piper_windows.SplitGraphs:
-    from engine.backends.piper.loader import default_voice_files, read_patched_model
-
-    split = piper_windows.split_voice(read_patched_model(default_voice_files()))
-    assert split is not None
-    return split
-
-
-def test_the_loaded_decoder_runs_2d_convolutions_and_equals_the_1d_graph(
-        backends: dict[str, PiperBackend]) -> None:
-    import onnxruntime
-
-    split = _joe_split()
-    lifted = piper_windows.decoder_as_2d(split.decoder)
-    assert lifted is not None, "joe's decoder did not convert"
-    original = onnxruntime.InferenceSession(split.decoder, providers=["CPUExecutionProvider"])
-    latent = np.random.default_rng(1).standard_normal((1, 192, 100)).astype(np.float32)
-    (want,) = original.run(None, {split.latent_name: latent})
-    voice = backends["windows"].get_voice("joe")
-    got = voice.run_decoder(latent, None)
-    assert got.shape == (1, 100 * voice.config.hop_length)
-    assert np.abs(got - want.reshape(1, -1)).max() < 1e-5  # float rounding only
-    ops = {node.op_type for node in __import__("onnx").load_from_string(lifted).graph.node}
-    assert "Unsqueeze" in ops and ops <= {"Unsqueeze", "Conv", "ConvTranspose", "Add", "Div",
-                                          "LeakyRelu", "Tanh", "Identity", "Constant"}
-
-
-def test_a_decoder_with_an_op_the_2d_form_does_not_know_runs_as_it_is() -> None:
-    import onnx
-    from onnx import helper
-
-    split = _joe_split()
-    model = onnx.load_from_string(split.decoder)
-    graph = model.graph
-    last = graph.node[-1]
-    renamed = last.output[0] + "/pre"
-    graph.node.append(helper.make_node("Softsign", [renamed], [last.output[0]]))
-    last.output[0] = renamed
-    assert piper_windows.decoder_as_2d(model.SerializeToString()) is None
-
-
-def test_only_a_first_slice_the_second_recomputes_runs_on_the_short_context() -> None:
-    plan = PiperBackendConfig().window_plan
-    assert plan.first_flow_context_frames < plan.flow_context_frames
-    assert plan.is_first_slice_provisional(plan.flow_context_frames)
-    # A longer first slice (a medium first window) would be recomputed in part: work twice.
-    assert not plan.is_first_slice_provisional(plan.flow_context_frames + 1)
-    assert not dataclasses.replace(plan, first_flow_context_frames=32).is_first_slice_provisional(8)
-    with pytest.raises(ValueError, match="first_flow_context_frames must be >= 0, got -1"):
-        dataclasses.replace(plan, first_flow_context_frames=-1)
-
-
-def _held_back_ms(frames: int) -> float:
-    """Audio of a turn's first `frames` latent frames (joe: 22050 Hz, hop 256) that the
-    gateway's real Opus encoder (48 kHz, 20 ms frames) holds back until more comes."""
-    from gateway.audio.codecs import make_encoder
-
-    encoder = make_encoder("opus", 48000, 20, None, 22050)
-    pcm = (0.1 * np.sin(np.arange(frames * 256) * 0.05)).astype(np.float32)
-    return frames * 256 / 22.05 - 20.0 * len(encoder.encode(pcm))
-
-
-def test_a_turns_first_windows_end_just_past_the_encoders_frame_grid() -> None:
-    # Each first window's end (short: first, first + second; medium: first; lone: first,
-    # first + second) leaves at most 4 ms of its audio in the encoder, where a 12-frame
-    # first window, or 12 + 36, or a 48-frame one, left 17-20 ms.
-    plan = PiperBackendConfig().window_plan
-    ends = [plan.first_frames, plan.first_frames + plan.second_frames, plan.medium_first_frames,
-            plan.lone_first_frames, plan.lone_first_frames + plan.second_frames]
-    assert max(_held_back_ms(end) for end in ends) <= 4.0
-    assert min(_held_back_ms(end) for end in (12, 48)) >= 15.0
