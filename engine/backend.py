@@ -164,6 +164,16 @@ class Backend(ABC):
         """Free what the request holds (a finished or cancelled request)."""
         item.state = None
 
+    def context_capacity(self) -> int:
+        """Talking contexts the backend's memory holds at once; 0: no bound of its own.
+
+        A backend that keeps memory per talking context (cosyvoice on a GPU: an LM
+        slot and a share of the flow's K/V cache) says how many fit, so admission is
+        sized by memory as well as by the measured step cost. Called off the worker
+        thread: a backend answers from counters, without touching step state.
+        """
+        return 0
+
     def end_context(self, context_key: str) -> None:
         """A context (`SynthesisRequest.context_key`) ended: its turn is over or cancelled.
 

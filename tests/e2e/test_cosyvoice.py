@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
+from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.types import RequestId, SynthesisRequest
 from gateway.audio.codecs import decode_opus_packets
@@ -34,6 +35,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     env = {"VOXGATE_COSYVOICE_TOKENIZER": "bytes"}  # the environment maps onto the same options
     proc = start_server(tmp_path_factory.mktemp("cosyvoice-server"), "--engine", "cosyvoice",
                         "--model-dir", str(options["model_dir"]), "--voice", "default", *flags, env=env,
+                        ready_timeout=180.0)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def continuing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The same server, with a context's segments continuing one LM sequence."""
+    options = {**tiny_options(tmp_path_factory.getbasetemp()), "lm_context": "continue"}
+    flags = [arg for key, value in options.items() if key != "model_dir"
+             for arg in ("--engine-option", f"{key}={value}")]
+    proc = start_server(tmp_path_factory.mktemp("cosyvoice-continuing"), "--engine", "cosyvoice",
+                        "--model-dir", str(options["model_dir"]), "--voice", "default", *flags,
                         ready_timeout=180.0)
     yield proc
     proc.stop()
@@ -128,3 +142,39 @@ def test_a_registered_reference_voice_is_cloned_and_speaks(
 
     client = asyncio.run(asyncio.wait_for(scenario(), 120))
     assert client.received.of("context.done", "alice-1")[0]["audio_ms"] > 0
+
+
+def test_a_turn_of_two_sentences_continues_one_lm_sequence_and_speaks_both(
+        continuing_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    async def scenario() -> Client:
+        client = await Client.connect(continuing_server.ws_url)
+        await speak(client, "turn", "Hello world. How are you?")
+        await client.close()
+        return client
+
+    client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    texts = [segment["text"] for segment in client.received.of("segment", "turn")]
+    assert texts == ["Hello world.", "How are you?"]
+    # the same segments through a backend whose contexts continue, in process: its tokens
+    base = tmp_path_factory.getbasetemp()
+    backend = create_backend("cosyvoice", **tiny_options(base), max_batch_size=4, lm_context="continue")
+    assert isinstance(backend, CosyVoiceBackend)
+    backend.load()
+    items = [backend.prepare(SynthesisRequest(RequestId(f"want-{i}"), text, "default", float(i),
+                                              context_key="turn")) for i, text in enumerate(texts)]
+    tokens = 0
+    live = list(items)
+    for _ in range(4000):
+        if not live:
+            break
+        for item, result in zip(list(live), backend.step(live), strict=True):
+            assert result.error is None
+            if result.is_finished:
+                state = item.state
+                assert isinstance(state, CosyState)
+                tokens += len(state.tokens)
+                backend.release(item)
+                live.remove(item)
+    assert not live and backend.lm is not None and len(backend.lm.parked()) == 1  # one sequence, kept
+    done = client.received.of("context.done", "turn")[0]
+    assert abs(done["audio_ms"] - tokens * MS_PER_TOKEN) <= 80, (done["audio_ms"], tokens)

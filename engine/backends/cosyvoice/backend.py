@@ -18,6 +18,14 @@ audio became ready (DESIGN.md, Engine):
 `release` (finished or cancelled) frees the LM slot and drops the t2w stream
 at once, so a cancelled request yields nothing more.
 
+Contexts (`lm_context="continue"`): the segments of one context (one spoken
+turn, `SynthesisRequest.context_key`) continue one LM sequence, so the
+voice's prompt is prefilled once per context (lm/driver.py, "Continuation").
+A segment's LM stream is parked when it finishes; the context's next segment
+waits until then and continues it; `release` of a segment that did not finish
+(a cancel), `end_context` or a shortage of slots frees it. Each segment is
+still one engine request with its own deadline, audio and t2w stream.
+
 Voices: the default voice clones a reference clip (`default_voice_audio` with
 its transcript), else a sentence that piper's built-in voice speaks at load
 (voice id "joe": CosyVoice cloning joe, so `voxgate serve --engine cosyvoice`
@@ -37,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.backend import Backend, BackendRequest, StepResult
+from engine.backend import Backend, BackendRequest, StepResult, due_of
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.frontend.frontend import LMInput, Mode
 from engine.backends.cosyvoice.frontend.textnorm import resolve_text_frontend
@@ -50,9 +58,17 @@ from engine.backends.cosyvoice.frontend.voice_prompts import (
 )
 from engine.backends.cosyvoice.lm.driver import LMStart, SpeechLMDriver, stream_seed
 from engine.backends.cosyvoice.loader import LoadedModel, load_model
+from engine.backends.cosyvoice.model_dir import LANGUAGES
 from engine.backends.cosyvoice.t2w.worker import FlowWorker, HostChunk, chunks_to_host
-from engine.errors import BackendFailure, EngineError, UnknownVoiceError, UnsupportedOptionError
+from engine.errors import (
+    BackendFailure,
+    EngineBusyError,
+    EngineError,
+    UnknownVoiceError,
+    UnsupportedOptionError,
+)
 from engine.types import SynthesisRequest, VoiceInfo
+from engine.voice_table import VoiceTable
 
 log = logging.getLogger("voxgate.engine")
 
@@ -77,6 +93,9 @@ class CosyState:
     is_lm_done: bool = False
     has_stream: bool = False
     num_samples: int = 0
+    context: str = ""  # the request's context key, where its LM sequence may continue
+    keeps: bool = False  # its LM stream is parked when it finishes (its context's sequence)
+    is_done: bool = False  # its last audio was returned: a release then is not a cancel
 
     @property
     def lm_input(self) -> LMInput:
@@ -86,6 +105,15 @@ class CosyState:
     @property
     def is_input_ready(self) -> bool:
         return not isinstance(self.frontend_work, Future) or self.frontend_work.done()
+
+
+@dataclass(slots=True)
+class ContextLM:
+    """A context's LM sequence between its segments (`lm_context="continue"`)."""
+
+    key: str  # the LM stream that holds it: its latest segment's request key
+    is_running: bool  # that segment still decodes: the next one waits for it
+    signature: tuple[Any, ...]  # what a segment shares to continue it (`_signature`)
 
 
 class CosyVoiceBackend(Backend):
@@ -103,9 +131,9 @@ class CosyVoiceBackend(Backend):
         self.model: LoadedModel | None = None
         self.lm: SpeechLMDriver | None = None
         self._default: dict[str, CosyVoice] = {}
-        self._registered: dict[str, CosyVoice] = {}
-        self._retired: dict[str, CosyVoice] = {}
+        self._registered: VoiceTable[CosyVoice] = VoiceTable()
         self._running: dict[str, CosyState] = {}  # requests holding an LM slot
+        self._contexts: dict[str, ContextLM] = {}  # lm_context="continue": each context's sequence
         self.voice_features_version = _features_version(self.config)
         self.num_preemptions = 0
         # the text frontend (normalization, tokenization) runs here, off the engine's worker thread
@@ -120,18 +148,22 @@ class CosyVoiceBackend(Backend):
         self.lm = self.model.lm
         voice = self.model.default_voice
         self._default = {voice.info.voice_id: voice}
+        try:  # the flow's K/V cache: the default voice's prompt now, not with its first stream
+            self.model.t2w.prepare_voice(voice.flow)
+        except EngineBusyError as exc:
+            log.warning("cosyvoice default voice: its prompt is not cached (%s)", exc)
         if self.config.uses_flow_thread:
             self.flow_worker = FlowWorker(self.model.t2w, self.model.device)
         log.info("cosyvoice %d loaded from %s on %s; default voice %r", self.model.version,
                  self.config.model_dir, self.model.device, voice.info.voice_id)
 
     def voices(self) -> list[VoiceInfo]:
-        return [v.info for v in [*self._default.values(), *self._registered.values()]]
+        return [v.info for v in [*self._default.values(), *self._registered.listed()]]
 
     def get_voice(self, voice_id: str) -> CosyVoice:
-        voice = self._default.get(voice_id) or self._registered.get(voice_id) or self._retired.get(voice_id)
+        voice = self._default.get(voice_id) or self._registered.get(voice_id)
         if voice is None:
-            expected = ", ".join([*self._default, *self._registered])
+            expected = ", ".join([*self._default, *self._registered.ids()])
             raise UnknownVoiceError(f"unknown voice {voice_id!r}; expected one of: {expected}")
         return voice
 
@@ -152,7 +184,7 @@ class CosyVoiceBackend(Backend):
         key = str(request.request_id)
         seed = request.params.seed if request.params.seed is not None else stream_seed(key, self.config.seed)
         state = CosyState(key, voice, lm_input, request.deadline, seed, request.params.seed is not None,
-                          request.params.speed)
+                          request.params.speed, context=request.context_key)
         if not request.text.strip():
             state.is_lm_done = True  # nothing to say: finishes empty at its first step
         est = max(0.2, len(request.text.strip()) / self.config.chars_per_second / state.speed)
@@ -182,8 +214,9 @@ class CosyVoiceBackend(Backend):
             if out.is_finished:
                 state.has_slot, state.is_lm_done = False, True
                 self._running.pop(state.key, None)
-                if state.tokens:
-                    model.t2w.finish(state.key)
+                self._park(state)
+                if state.tokens:  # a context's segment keeps its flow for the next (t2w/streams.py)
+                    model.t2w.finish(state.key, keep=state.keeps)
                 else:  # stopped before its first token: no audio at all
                     model.t2w.drop(state.key)
                     state.has_stream = False
@@ -198,18 +231,58 @@ class CosyVoiceBackend(Backend):
                 results[id(item)] = StepResult(pcm=chunk.pcm, is_finished=chunk.is_final)
             elif state.is_lm_done and not state.has_stream:
                 results[id(item)] = StepResult(is_finished=True)  # nothing was spoken
+            state.is_done = results[id(item)].is_finished
         return [results[id(item)] for item in batch]
 
     def release(self, item: BackendRequest) -> None:
         state = item.state
         if isinstance(state, CosyState) and self.model is not None and self.lm is not None:
-            self.lm.stop(state.key)
-            self.model.t2w.drop(state.key)
+            ctx = self._contexts.get(state.context) if state.context else None
+            if ctx is not None and not state.is_done:  # a cancel: the context will not go on
+                self._end_context(state.context)
+                self.lm.stop(state.key)
+            elif ctx is None or ctx.key != state.key:
+                self.lm.stop(state.key)
+            # else: its finished stream (LM and flow) stays parked for the context's next segment
+            if ctx is None or ctx.key != state.key or not state.is_done:
+                self.model.t2w.drop(state.key)
             self._pending.pop(state.key, None)
             self._running.pop(state.key, None)
             state.has_slot = state.has_stream = False
             state.is_lm_done = True
         item.state = None
+
+    def context_capacity(self) -> int:
+        """Contexts the memory holds: the LM's slots (a context decodes in one at a time; its parked
+        sequence gives way to new streams), and with the flow's K/V cache the streams it holds (a
+        context's flow stream lives while its audio is made). 0 before load."""
+        if self.model is None:
+            return 0
+        slots = self.config.num_streams
+        flow = self.flow_cache_info().get("stream_capacity")  # the cache's own lock: safe off the worker
+        return min(slots, int(flow)) if flow else slots
+
+    def end_context(self, context_key: str) -> None:
+        """The context ended (its turn is over or cancelled): free its parked LM sequence."""
+        if self.lm is not None:
+            self._end_context(context_key)
+
+    def _end_context(self, name: str) -> None:
+        assert self.lm is not None
+        ctx = self._contexts.pop(name, None)
+        if ctx is not None and not ctx.is_running:  # a running one is its request's to stop
+            self.lm.stop(ctx.key)
+        if ctx is not None and self.model is not None:  # its flow: freed once its last chunk is out
+            self.model.t2w.unpark(ctx.key)
+
+    def _park(self, state: CosyState) -> None:
+        """A context's segment finished decoding: its stream is parked (driver) for the next one."""
+        ctx = self._contexts.get(state.context) if state.context else None
+        if ctx is not None and ctx.key == state.key:
+            ctx.is_running = False
+        elif state.keeps and self.lm is not None:  # its context ended meanwhile: nothing follows
+            self.lm.stop(state.key)
+            state.keeps = False
 
     # -- registered voices ----------------------------------------------------
 
@@ -232,21 +305,38 @@ class CosyVoiceBackend(Backend):
         info = VoiceInfo(voice_id=voice_id, name=str(meta.get("name") or voice_id),
                          language=str(meta.get("language") or self.config.default_voice_language),
                          backend=self.name, sample_rate=self.sample_rate, is_builtin=False,
-                         supports_instructions=model.version == 3)
-        self._retired.pop(voice_id, None)
-        self._registered[voice_id] = CosyVoice(info, prompt, flow_prompt_of(prompt, model.device))
+                         supports_instructions=model.version == 3,
+                         languages=LANGUAGES[model.version])  # a clone speaks them all
+        self._registered.add(voice_id, CosyVoice(info, prompt, flow_prompt_of(prompt, model.device)))
         return info
 
     def retire_voice(self, voice_id: str) -> None:
-        voice = self._registered.pop(voice_id, None)
-        if voice is None:
-            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
-        self._retired[voice_id] = voice
+        self._registered.retire(voice_id)
 
     def remove_voice(self, voice_id: str) -> None:
         # prepared requests hold their CosyVoice: they finish with it
-        if self._registered.pop(voice_id, None) is None and self._retired.pop(voice_id, None) is None:
-            raise UnknownVoiceError(f"unknown registered voice {voice_id!r}")
+        voice = self._registered.get(voice_id)
+        self._registered.remove(voice_id)
+        if voice is not None and self.model is not None:
+            self.model.t2w.forget_voice(voice.flow)  # its cached prompt, once no stream speaks with it
+
+    # -- capacity (the flow's K/V cache) --------------------------------------
+
+    def can_admit(self, voice_id: str | None = None) -> bool:
+        """Whether the flow's K/V cache holds one more stream now (of `voice_id`, default: the
+        default voice): the engine refuses a new context as busy when it does not. Thread-safe."""
+        if self.model is None:
+            return True
+        voices = [*self._default.values()] if not voice_id else [
+            v for v in (self._default.get(voice_id), self._registered.get(voice_id)) if v is not None]
+        # an unknown voice is admitted: its request fails as unknown_voice, not busy
+        return not voices or self.model.t2w.can_add_stream(voices[0].flow)
+
+    def flow_cache_info(self) -> dict[str, float]:
+        """The cache's figures (GiB a stream, in use, in all; `stream_capacity`: streams it holds
+        now plus how many more fit); empty without the cache."""
+        cached = self.model.t2w.cached if self.model is not None else None
+        return cached.cache.info() if cached is not None else {}
 
     # -- internals ------------------------------------------------------------
 
@@ -271,7 +361,7 @@ class CosyVoiceBackend(Backend):
         """
         model = self._loaded()
         ready = set(model.t2w.ready())
-        due = sorted((item.due if item.due is not None else s.deadline, i, s.key)
+        due = sorted((due_of(item), i, s.key)
                      for i, (item, s) in enumerate(states) if s.key in ready)
         keys = [key for _, _, key in due[:self.config.flow_streams]]
         worker = self.flow_worker
@@ -307,32 +397,119 @@ class CosyVoiceBackend(Backend):
                 errors.append((item, exc))
                 continue
             ready.append((item, s))
-        waiting = ready
+        waiting = self._in_context_order(ready)
+        # streams the flow's cache cannot hold now wait (a context's next segment while its last
+        # one's chunks are still computed, say); the engine's admission (`can_admit`) keeps it short
+        new = [s for _, s in waiting if not s.has_stream]
+        held = {s.key for s in new[:model.t2w.num_can_add([s.voice.flow for s in new])]}
+        waiting = [(item, s) for item, s in waiting if s.has_stream or s.key in held]
         if not waiting:
             return errors
+        starts = {s.key: self._lm_start(s) for _, s in waiting}
+        continuing = {start.follows for start in starts.values() if start.follows is not None}
+        fresh = [(item, s) for item, s in waiting if starts[s.key].follows is None]
+        # Slots for the fresh streams: parked sequences not continued now go first (least
+        # recently parked first), then running holders not in this batch (due last first).
+        for key in lm.parked():
+            if lm.num_free >= len(fresh):
+                break
+            if key not in continuing:
+                self._evict(key)
         in_batch = {s.key for _, s in states}
         idle = sorted((s for k, s in self._running.items() if k not in in_batch),
                       key=lambda s: s.deadline, reverse=True)
-        while lm.num_free < len(waiting) and idle:
+        while lm.num_free < len(fresh) and idle:
             victim = idle.pop(0)
-            lm.stop(victim.key)
-            victim.has_slot = False
-            self._running.pop(victim.key)
-            self.num_preemptions += 1
-        waiting = waiting[:lm.num_free]  # the rest wait for a later step
-        is_greedy = self.config.sampling == "greedy"
-        failed = lm.start([LMStart(s.key, s.lm_input, is_greedy, s.tokens, s.seed, s.is_seeded)
-                           for _, s in waiting])
+            self._preempt(victim)
+        fits = {s.key for _, s in fresh[:lm.num_free]}  # the fresh streams beyond wait for a later step
+        waiting = [(item, s) for item, s in waiting if starts[s.key].follows is not None or s.key in fits]
+        failed = lm.start([starts[s.key] for _, s in waiting])
         for item, state in waiting:
+            start = starts[state.key]
             if state.key in failed:
                 errors.append((item, failed[state.key]))
+                if start.follows is not None:
+                    self._end_context(state.context)  # its sequence was freed with it (its flow too)
                 continue
             state.has_slot = True
             self._running[state.key] = state
+            state.keeps = start.keep
+            if start.keep:
+                self._contexts[state.context] = ContextLM(state.key, True, _signature(state))
             if not state.has_stream:
-                model.t2w.add_stream(state.key, state.voice.flow, seed=state.seed, speed=state.speed)
+                try:
+                    model.t2w.add_stream(state.key, state.voice.flow, seed=state.seed, speed=state.speed,
+                                         follows=start.follows)  # a context's flow goes on (K/V cache)
+                except EngineBusyError as exc:  # the flow's cache is full: refused, never out of memory
+                    errors.append((item, exc))
+                    continue
                 state.has_stream = True
         return errors
+
+    def _in_context_order(self, ready: list[tuple[BackendRequest, CosyState]]
+                          ) -> list[tuple[BackendRequest, CosyState]]:
+        """The requests that may start now, earliest due first: with `lm_context="continue"`, a
+        context's segment waits while the segment before it still decodes, and one segment of
+        a context starts per step (the next continues it once it has finished)."""
+        ready = sorted(ready, key=lambda pair: due_of(pair[0]))
+        if not self._continues():
+            return ready
+        out: list[tuple[BackendRequest, CosyState]] = []
+        starting: set[str] = set()
+        for item, s in ready:
+            ctx = self._contexts.get(s.context) if s.context else None
+            if s.context and not s.tokens and (s.context in starting or (ctx is not None and ctx.is_running)):
+                continue  # a resumed segment (it has tokens) never waits: it started before
+            if s.context:
+                starting.add(s.context)
+            out.append((item, s))
+        return out
+
+    def _continues(self) -> bool:
+        return self.config.lm_context == "continue" and self.lm is not None and self.lm.can_continue
+
+    def _lm_start(self, s: CosyState) -> LMStart:
+        """How `s` starts: afresh, resumed (its tokens after its prompt), or continuing its context."""
+        is_greedy = self.config.sampling == "greedy"
+        start = LMStart(s.key, s.lm_input, is_greedy, s.tokens, s.seed, s.is_seeded)
+        if not (self._continues() and s.context and not s.tokens):  # a resumed stream starts alone
+            return start
+        start.keep = True
+        ctx = self._contexts.get(s.context)
+        if ctx is not None and ctx.signature == _signature(s):
+            start.follows = ctx.key
+        elif ctx is not None:  # another voice or mode: its sequence cannot go on
+            self._end_context(s.context)
+        return start
+
+    def _evict(self, key: str) -> None:
+        """Free a parked sequence for a fresh stream's slot; its context's next segment starts afresh."""
+        assert self.lm is not None
+        self.lm.stop(key)
+        if self.model is not None:
+            self.model.t2w.unpark(key)
+        for name, ctx in list(self._contexts.items()):
+            if ctx.key == key:
+                del self._contexts[name]
+
+    def _preempt(self, victim: CosyState) -> None:
+        """Take a running stream's slot; it resumes later from its tokens, alone (not continued)."""
+        assert self.lm is not None
+        self.lm.stop(victim.key)
+        victim.has_slot = False
+        self._running.pop(victim.key)
+        self.num_preemptions += 1
+        ctx = self._contexts.get(victim.context) if victim.context else None
+        if ctx is not None and ctx.key == victim.key:
+            del self._contexts[victim.context]
+        victim.keeps = False
+
+
+def _signature(s: CosyState) -> tuple[Any, ...]:
+    """What a context's segments share to continue one sequence: the voice and the LM's prompt
+    (mode, instructions)."""
+    ids = s.lm_input
+    return (id(s.voice), tuple(ids.prompt_text_ids), len(ids.prompt_speech_tokens), ids.num_prefix_ids)
 
 
 def _other_language(requested: str | None, spoken: str) -> bool:

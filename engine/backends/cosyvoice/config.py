@@ -22,8 +22,10 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graphs")
 SAMPLING = ("ras", "greedy")
+LM_CONTEXTS = ("segment", "continue")
 GPU_BATCH, CPU_BATCH = 256, 8  # default requests per step
 GPU_FLOW_STREAMS = 128  # default streams per flow call on a GPU: 256 CFG rows
+FLOW_CACHE_RESERVE_GIB = 8.0  # GPU memory left beside the flow's K/V cache (sized at load)
 
 
 def _default_num_threads() -> int:
@@ -61,11 +63,22 @@ class CosyVoiceBackendConfig:
     cpu_workers: int = 1  # the backend's CPU executor: text frontend and voice registration
     max_len: int = 2048  # positions per slot: prompt + speech tokens
     sampling: str = "ras"  # "greedy": argmax (deterministic; tests)
+    # "continue": a context's later segments continue its LM sequence (one prompt prefill per
+    # context; the torch LM only; lm/runner.py, "Continuation"); "segment": each its own
+    lm_context: str = "segment"
     seed: int = 0
     tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend/frontend.py)
     text_frontend: str = "auto"  # text normalization: auto (wetext where installed), wetext, none
     first_hop_tokens: int = 15
-    max_history_tokens: int = 100  # flow recomputation window; -1: the whole history (upstream)
+    # history the flow attends over (tokens, whole 25-token chunks with the K/V cache; without it,
+    # the recomputation window); -1: the whole history (upstream; with the cache: while memory allows)
+    max_history_tokens: int = 100
+    # CosyVoice 3's K/V cache (flow_runtime/kv_cache.py): auto = on for a CosyVoice 3 model unless
+    # flow_runtime is tensorrt (the cache runs the torch DiT, its solve a CUDA graph on a GPU)
+    flow_kv_cache: str = "auto"
+    # its memory in GiB; 0: on a GPU what is free after loading less FLOW_CACHE_RESERVE_GIB
+    # (graphs, activations), on the CPU enough for every stream slot and a few voices
+    flow_cache_gib: float = 0.0
     # flow estimator: auto = TensorRT on a GPU that has it, else CUDA graphs on a GPU, else torch
     flow_runtime: str = "auto"
     default_voice_audio: Path | None = None  # a reference clip for the default voice ...
@@ -82,8 +95,10 @@ class CosyVoiceBackendConfig:
         for name, allowed in (("device", DEVICES), ("lm_dtype", DTYPES), ("flow_dtype", DTYPES),
                               ("flow_runtime", ("auto", "torch", "cuda_graphs", "tensorrt")),
                               ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
-                              ("sampling", SAMPLING), ("tokenizer", TOKENIZER_MODES),
-                              ("text_frontend", TEXT_FRONTENDS), ("flow_thread", ("auto", "on", "off"))):
+                              ("sampling", SAMPLING), ("lm_context", LM_CONTEXTS),
+                              ("tokenizer", TOKENIZER_MODES),
+                              ("text_frontend", TEXT_FRONTENDS), ("flow_thread", ("auto", "on", "off")),
+                              ("flow_kv_cache", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("max_len", "first_hop_tokens", "cpu_workers"):
@@ -99,6 +114,11 @@ class CosyVoiceBackendConfig:
             raise ValueError(f"max_streams must be >= 0 (0: 2 x max_batch_size), got {self.max_streams}")
         if self.max_history_tokens < -1:
             raise ValueError(f"max_history_tokens must be >= -1 (-1: all), got {self.max_history_tokens}")
+        if self.flow_cache_gib < 0:
+            raise ValueError(f"flow_cache_gib must be >= 0 (0: sized at load), got {self.flow_cache_gib}")
+        if self.flow_kv_cache == "on" and self.flow_runtime == "tensorrt":
+            raise ValueError("flow_kv_cache=on runs the torch DiT over the cache; expected flow_runtime auto, "
+                             "torch or cuda_graphs, got tensorrt")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not 0.0 < self.vllm_gpu_memory_share <= 1.0:
@@ -130,6 +150,13 @@ class CosyVoiceBackendConfig:
         """Streams per flow call (their CFG rows are twice as many)."""
         return self.max_flow_streams or (min(GPU_FLOW_STREAMS, self.num_streams) if self.is_gpu()
                                          else self.num_streams)
+
+    def uses_kv_cache(self, version: int) -> bool:
+        """Whether the flow runs over CosyVoice 3's K/V cache (one chunk a run, no recomputation)."""
+        if self.flow_kv_cache == "on" and version != 3:
+            raise ValueError(f"flow_kv_cache=on needs a CosyVoice 3 model (its DiT), got CosyVoice {version}")
+        return version == 3 and (self.flow_kv_cache == "on"
+                                 or (self.flow_kv_cache == "auto" and self.flow_runtime != "tensorrt"))
 
     @property
     def uses_flow_thread(self) -> bool:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import wave
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
+from engine.backends.cosyvoice.config import FLOW_CACHE_RESERVE_GIB, CosyVoiceBackendConfig
+from engine.backends.cosyvoice.flow_runtime.kv_cache import CacheShape
 from engine.backends.cosyvoice.frontend.frontend import CosyVoiceFrontend, load_tokenizer
 from engine.backends.cosyvoice.frontend.textnorm import load_text_normalizer
 from engine.backends.cosyvoice.frontend.voice_prompts import (
@@ -29,12 +31,14 @@ from engine.backends.cosyvoice.frontend.voice_prompts import (
 from engine.backends.cosyvoice.lm.driver import SpeechLMDriver, TorchLMDriver
 from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
 from engine.backends.cosyvoice.lm.sampling import RasConfig
-from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
-from engine.backends.cosyvoice.models.flow import build_flow
+from engine.backends.cosyvoice.model_dir import LANGUAGES, ModelDir, load_model_dir
+from engine.backends.cosyvoice.models.flow import FlowModel, build_flow
 from engine.backends.cosyvoice.models.hift import build_hift
 from engine.backends.cosyvoice.models.mel import MelConfig, MelExtractor
 from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
+from engine.backends.cosyvoice.t2w.cached_flow import CachedFlow, cache_blocks
 from engine.backends.cosyvoice.t2w.streams import T2WConfig, TokenToWave, max_chunk_frames
+from engine.backends.cosyvoice.t2w.vocoder_graphs import VocoderGraphs, steady_shapes
 from engine.errors import ModelLoadError
 from engine.types import VoiceInfo
 
@@ -137,7 +141,12 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
     history = None if config.max_history_tokens < 0 else config.max_history_tokens
     t2w_config = T2WConfig(first_hop_tokens=config.first_hop_tokens, max_history_tokens=history)
-    if device.type == "cuda" or config.flow_runtime not in ("auto", "torch"):
+    try:
+        uses_cache = config.uses_kv_cache(model_dir.version)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    # with the cache, the flow runs its own solve (sized and captured below, once the vocoder is loaded)
+    if not uses_cache and (device.type == "cuda" or config.flow_runtime not in ("auto", "torch")):
         from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow
 
         rows, frames = flow_limits(config, t2w_config, flow.chunk_tokens, flow.pre_lookahead_len)
@@ -145,7 +154,14 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
                                   max_graph_row_frames=config.max_flow_graph_row_frames)
         log.info("flow estimator runs on %s (up to %d rows x %d frames)", runtime, rows, frames)
     hift = build_hift(model_dir).to(device)
-    t2w = TokenToWave(flow, hift, t2w_config)
+    cached = build_flow_cache(config, flow, history, device) if uses_cache else None
+    graphs: VocoderGraphs | None = None
+    if cached is not None and device.type == "cuda":  # the vocoder's usual calls: graphs too
+        graphs = VocoderGraphs(hift, config.flow_streams, steady_shapes(
+            t2w_config.first_hop_tokens, t2w_config.hift_context_frames), use_graphs=True)
+        if not captured("vocoder", graphs.capture_all):
+            graphs = None
+    t2w = TokenToWave(flow, hift, t2w_config, cached=cached, vocoder_graphs=graphs)
     feat = model_dir.hparams.get("feat_extractor")
     if isinstance(feat, dict):
         mel = MelExtractor(MelConfig.from_hparams(feat))
@@ -153,6 +169,36 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
         mel = MelExtractor(MelConfig(fmax=8000.0 if model_dir.version == 2 else None))
     voice = default_voice(config, model_dir, frontend, mel, device)
     return LoadedModel(model_dir, device, driver, t2w, frontend, mel, voice)
+
+
+def build_flow_cache(config: CosyVoiceBackendConfig, flow: FlowModel, history: int | None,
+                     device: torch.device) -> CachedFlow:
+    """CosyVoice 3's K/V cache and its solver; on a GPU every solve bucket captured now."""
+    shape = CacheShape.of(flow)
+    blocks = cache_blocks(config.flow_cache_gib, shape, history, device, config.num_streams,
+                          FLOW_CACHE_RESERVE_GIB)
+    try:
+        cached = CachedFlow.build(flow, blocks, history, config.flow_streams, use_graphs=device.type == "cuda")
+    except ValueError as exc:
+        raise ModelLoadError(f"flow cache: {exc}") from exc
+    info = cached.cache.info()
+    log.info("flow K/V cache: %.1f GiB, %.2f MiB a frame, %.2f GiB a stream, room for %d streams",
+             info["gib_total"], info["mib_per_frame"], info["gib_per_stream"], info["stream_capacity"])
+    if cached.solver.use_graphs and not captured("flow solve", cached.solver.capture_all):
+        cached.solver.use_graphs = False  # the same solve, eager: slow, but it serves
+        cached.solver.graphs.clear()
+    return cached
+
+
+def captured(name: str, capture_all: Callable[[], int]) -> bool:
+    """Capture a part's CUDA graphs at load; a part that cannot be captured (an operation that
+    reads the device back, in some torch build) runs eagerly, with one warning, not a failed load."""
+    try:
+        log.info("%s: %d CUDA graphs captured", name, capture_all())
+    except RuntimeError as exc:
+        log.warning("%s: CUDA graph capture failed (%s); it runs eagerly", name, str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def flow_limits(config: CosyVoiceBackendConfig, t2w: T2WConfig, hop: int, lookahead: int) -> tuple[int, int]:
@@ -185,7 +231,8 @@ def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend:
         prompt = plain_prompt(model_dir.version)
         voice_id, name = PLAIN_VOICE_ID, "CosyVoice (no reference)"
     info = VoiceInfo(voice_id=voice_id, name=name, language=language, backend="cosyvoice",
-                     sample_rate=24000, is_builtin=True, supports_instructions=model_dir.version == 3)
+                     sample_rate=24000, is_builtin=True, supports_instructions=model_dir.version == 3,
+                     languages=LANGUAGES[model_dir.version])
     return CosyVoice(info, prompt, flow_prompt_of(prompt, device))
 
 

@@ -25,6 +25,11 @@ from engine.errors import ModelLoadError
 QWEN_DIR = "CosyVoice-BlankEN"
 # The LM class each version's yaml must name (upstream cosyvoice/llm/llm.py).
 LLM_CLASSES = {2: "Qwen2LM", 3: "CosyVoice3LM"}
+# The languages each version speaks, every voice of it (cross-lingual cloning), as the
+# upstream README lists them: 2 zh, en, ja, ko and Chinese dialects (Cantonese); 3 adds
+# de, es, fr, it, ru (its "9 common languages", with 18+ Chinese dialects).
+LANGUAGES = {2: ("zh", "en", "ja", "ko", "yue"),
+             3: ("zh", "en", "ja", "ko", "yue", "de", "es", "fr", "it", "ru")}
 REQUIRED_FILES = ("llm.pt", "flow.pt", "hift.pt")
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer_config.json")
 

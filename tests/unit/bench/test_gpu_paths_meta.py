@@ -36,8 +36,8 @@ def runner() -> SpeechLMRunner:
 def test_the_captured_lm_step_runs_on_the_device_alone(runner: SpeechLMRunner, batch: int, kv: int) -> None:
     assert runner.static is not None
     with torch.inference_mode():
-        runner.static._body(batch, kv)  # exactly what StaticDecoder.capture records
-    assert runner.static.out.shape == (1024, runner.spec.num_rows)
+        runner.static._body(batch, kv)  # exactly what StaticDecoder.capture records: sampling and the forward
+    assert runner.static.chosen.shape == (1024,) and runner.state.logp.shape == (1024, runner.spec.num_rows)
 
 
 def test_the_dynamic_lm_decode_and_padded_prefill_keep_to_the_device(runner: SpeechLMRunner) -> None:

@@ -196,11 +196,17 @@ class VoicePrompt:
 
 @dataclass(slots=True)
 class LMInput:
-    """What `SpeechLMRunner.add_request` takes."""
+    """What `SpeechLMRunner.add_request` takes.
+
+    `num_prefix_ids`: leading ids of `text_ids` that only a sequence's start needs
+    (v3 cross-lingual: the system prompt and <|endofprompt|>); a segment that
+    continues its context's sequence (lm/runner.py) feeds the text after them.
+    """
 
     text_ids: list[int]
     prompt_text_ids: list[int]
     prompt_speech_tokens: list[int]
+    num_prefix_ids: int = 0
 
 
 def _onnx_session(path: Any) -> Any:
@@ -308,7 +314,8 @@ class CosyVoiceFrontend:
             return LMInput(text_ids, list(voice.prompt_text_ids), list(voice.prompt_speech_tokens))
         if mode is Mode.CROSS_LINGUAL:
             if self.version == 3 and isinstance(text, str) and END_OF_PROMPT not in text:
-                text_ids = self.tokenize(f"{SYSTEM_PROMPT}{END_OF_PROMPT}") + text_ids
+                prefix = self.tokenize(f"{SYSTEM_PROMPT}{END_OF_PROMPT}")
+                return LMInput(prefix + text_ids, [], [], num_prefix_ids=len(prefix))
             return LMInput(text_ids, [], [])
         if instruction is None:
             raise ValueError("expected an instruction for instruct mode, got none")

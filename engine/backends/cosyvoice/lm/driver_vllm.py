@@ -89,7 +89,14 @@ class _Stream:
 
 
 class VllmLMDriver:
-    """SpeechLMDriver over one VllmSpeechLM whose loop runs on the driver's own thread."""
+    """SpeechLMDriver over one VllmSpeechLM whose loop runs on the driver's own thread.
+
+    No continuation (`can_continue` False): vLLM holds the KV cache, and a finished
+    request's is not kept; every segment is prefilled afresh (`keep` and `follows`
+    of an `LMStart` are ignored).
+    """
+
+    can_continue = False
 
     def __init__(self, lm: SpeechLM, engine: VllmSpeechLM, config: VllmDriverConfig) -> None:
         self.lm, self.engine, self.config = lm, engine, config
@@ -142,6 +149,9 @@ class VllmLMDriver:
 
     def has(self, key: str) -> bool:
         return key in self._streams
+
+    def parked(self) -> list[str]:
+        return []
 
     def start(self, requests: list[LMStart]) -> dict[str, Exception]:
         failed: dict[str, Exception] = {}

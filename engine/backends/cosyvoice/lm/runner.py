@@ -2,9 +2,30 @@
 
 `SpeechLMRunner` holds the cache (qwen2.SlotKVCache, allocated once), the
 pending log-probs of every slot and each stream's recent tokens for
-repetition-aware sampling (sampling.py). Decode steps run dynamic shapes, or
-the bucketed static shapes of graphs.py (eager, or replayed as CUDA graphs).
+repetition-aware sampling (sampling.py). A decode step chooses and feeds every
+stream's token on the device (decode_step.py) with dynamic shapes, or the
+bucketed static shapes of graphs.py (eager, or replayed as CUDA graphs).
 The model itself is models/speech_lm.py.
+
+Continuation (a context's later segments, lm/driver.py): a stream that
+finished keeps its slot until it is freed, and a later request may continue
+it (`PrefillRequest.follows`): its text and the task id are appended after
+the speech already in the slot, and decoding goes on from there, so the
+voice's prompt is prefilled once per context, not once per segment:
+
+    [sos, prompt_text + text_1, task, prompt_speech, speech_1, text_2, task, speech_2, ...]
+
+The first segment's sequence is exactly a fresh request's. Upstream trains
+another layout for text streaming (`inference_bistream`): text and speech
+interleaved in fixed groups (5 text ids, then 15 speech tokens, then a fill
+token that asks for more text), the rest of the speech decoded only after the
+last text. That cannot say where one sentence's speech ends (the engine needs
+it: a segment's audio is its own text's), and with more than 3 speech tokens
+per text token (English BPE runs about 7) the speech not yet placed in a group
+grows with every sentence, so each segment would feed a growing backlog again.
+Here each segment ends with the task id, as a fresh request's text does.
+Whether a trained model keeps its voice and pace over this layout must be
+heard on real weights: random weights cannot tell.
 """
 
 from __future__ import annotations
@@ -13,15 +34,25 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from engine.backends.cosyvoice.lm.graphs import DECODE_MODES, StaticDecoder
-from engine.backends.cosyvoice.lm.sampling import (
-    RasConfig,
-    draw_uniforms,
-    mask_min_length,
-    sample_tokens,
+from engine.backends.cosyvoice.lm.decode_step import (
+    ACTIVE,
+    BELOW_MIN,
+    COUNTER,
+    FLAGS,
+    FORCED,
+    GREEDY,
+    POSITION,
+    STEP_WIDTH,
+    TOKEN,
+    DecodeState,
+    Vocabulary,
+    decode_rows,
 )
+from engine.backends.cosyvoice.lm.graphs import DECODE_MODES, StaticDecoder
+from engine.backends.cosyvoice.lm.sampling import RasConfig, seed_words
 from engine.backends.cosyvoice.models.qwen2 import CacheView, SlotKVCache
 from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 
@@ -42,6 +73,9 @@ class PrefillRequest:
     max_token_text_ratio: float = 20.0
     resume_tokens: list[int] = field(default_factory=list)
     seed: int | None = None  # None: the runner draws one
+    #: a finished stream whose slot this request continues (module docstring): only
+    #: `text_ids` and the task id are fed; the prompt fields are not used
+    follows: LMStream | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +85,9 @@ class LMStream:
     `num_cached` positions of the slot are filled (prompt plus fed tokens).
     `tokens` are the speech tokens emitted so far (never a stop id).
     Its k-th token is sampled with the uniforms of (`seed`, k) (sampling.py).
+    A continued stream (`PrefillRequest.follows`) is the same object, its fields
+    set anew for its segment; `prompt_len` then counts every position before
+    the segment's first token.
     """
 
     slot: int
@@ -96,19 +133,39 @@ class SpeechLMRunner:
         self.max_batch, self.max_len = max_batch, max_len
         self._free = list(range(max_batch - 1, -1, -1))  # pop() hands out the lowest slot
         self._owners: dict[int, LMStream] = {}
-        self._logp = torch.zeros(max_batch, self.spec.num_rows, device=self.device)  # [S, V]
-        self._history = torch.full(
-            (max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device
-        )
+        self.state = DecodeState(
+            logp=torch.zeros(max_batch, self.spec.num_rows, device=self.device),  # [S, V]
+            history=torch.full((max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device),
+            seed_words=torch.zeros(max_batch, 2, dtype=torch.long, device=self.device),
+            strict=torch.zeros(1, dtype=torch.bool, device=self.device))
+        self._vocab = Vocabulary(self.spec.speech_token_size, self.spec.min_length_mask_index)
         # Seeds for requests that bring none: reproducible from `seed`, else fresh per run.
         self._seeds = random.Random(seed)
-        #: False (upstream): below the minimum length only index 6561 is forbidden, so a v3
-        #: model may still stop early on 6562+; True forbids every stop id there.
-        self.strict_min_length = False
+        self.num_prompt_prefills = 0  # prompts prefilled (a continuation prefills none)
+        self.num_continued = 0  # segments that continued a finished stream's slot
         self.static: StaticDecoder | None = None
         if decode_mode != "dynamic":
-            self.static = StaticDecoder(lm, self.cache, self.spec.num_rows, decode_mode == "cuda_graphs",
-                                        kv_bucket)
+            self.static = StaticDecoder(lm, self.cache, self.state, self._vocab, self.ras,
+                                        decode_mode == "cuda_graphs", kv_bucket)
+
+    @property
+    def _logp(self) -> torch.Tensor:
+        return self.state.logp
+
+    @property
+    def _history(self) -> torch.Tensor:
+        return self.state.history
+
+    @property
+    def strict_min_length(self) -> bool:
+        """False (upstream): below the minimum length only index 6561 is forbidden, so a v3
+        model may still stop early on 6562+; True forbids every stop id there (benchmarks
+        on random weights, which would stop any time)."""
+        return bool(self.state.strict.item())
+
+    @strict_min_length.setter
+    def strict_min_length(self, value: bool) -> None:
+        self.state.strict.fill_(bool(value))
 
     @property
     def num_free_slots(self) -> int:
@@ -151,7 +208,7 @@ class SpeechLMRunner:
             logp = self.lm.head_logp(hidden[torch.arange(b, device=self.device), last])  # [B, V]
         for s, n in zip(streams, counts, strict=True):
             s.num_cached += n
-        self._logp[slots] = logp
+        self.state.logp[slots] = logp
         return logp
 
     def add_request(
@@ -164,6 +221,7 @@ class SpeechLMRunner:
         max_token_text_ratio: float = 20.0,
         resume_tokens: Sequence[int] = (),
         seed: int | None = None,
+        follows: LMStream | None = None,
     ) -> LMStream:
         """Prefill `[sos, prompt_text + text, task, prompt_speech_tokens]` into a free slot.
 
@@ -175,10 +233,13 @@ class SpeechLMRunner:
         lost its slot (preemption by recomputation, as vLLM does): they are
         prefilled after the prompt, so the stream goes on exactly where it was
         (with the same `seed`, sampled tokens too).
+
+        `follows`: continue that finished stream's slot instead (module docstring):
+        `[text, task]` is appended to it and the same stream object is returned.
         """
         (out,) = self.add_requests([PrefillRequest(
             list(text_ids), list(prompt_text_ids), list(prompt_speech_tokens), is_greedy,
-            min_token_text_ratio, max_token_text_ratio, list(resume_tokens), seed)])
+            min_token_text_ratio, max_token_text_ratio, list(resume_tokens), seed, follows)])
         if isinstance(out, Exception):
             raise out
         return out
@@ -204,16 +265,56 @@ class SpeechLMRunner:
             raise ValueError(f"expected fewer resumed tokens than {max_len}, got {len(r.resume_tokens)}")
         return embeds, prompt_len, max_len
 
+    def owns(self, stream: LMStream) -> bool:
+        """Whether `stream` still holds its slot."""
+        return self._owners.get(stream.slot) is stream
+
+    def room_after(self, stream: LMStream, num_text: int) -> int:
+        """Speech tokens the slot of `stream` could still take after a turn of `num_text` text ids."""
+        return self.max_len - stream.num_cached - (num_text + 1)
+
+    def _turn(self, r: PrefillRequest, stream: LMStream) -> torch.Tensor:
+        """A continuation's embeddings [N + 1, D] (its text and the task id); checks the stream first."""
+        if self._owners.get(stream.slot) is not stream or not stream.is_finished:
+            raise ValueError(f"expected a finished stream that still holds its slot, got slot {stream.slot}")
+        if not r.text_ids:
+            raise ValueError("expected at least one text token, got none")
+        if r.resume_tokens:
+            raise ValueError("expected no resumed tokens in a continuation (a preempted one starts afresh)")
+        if self.room_after(stream, len(r.text_ids)) < 1:
+            raise ValueError(f"expected room for a turn of {len(r.text_ids)} text ids after "
+                             f"{stream.num_cached} cached positions, got a slot of {self.max_len}")
+        with torch.inference_mode():
+            embeds: torch.Tensor = self.lm.turn_embeds(
+                torch.tensor(list(r.text_ids), dtype=torch.long, device=self.device))
+        return embeds
+
     def add_requests(self, requests: list[PrefillRequest]) -> list[LMStream | Exception]:
         """Prefill many prompts in ONE forward (right-padded to the longest), each into a free slot.
 
-        A request the runner cannot take (a bad prompt, no free slot) gets its
+        Continuations (`follows`) run in the same forward, on their own slots. A
+        request the runner cannot take (a bad prompt, no free slot) gets its
         exception in its place of the result; the others are prefilled.
         """
         out: list[LMStream | Exception] = []
         rows: list[tuple[LMStream, torch.Tensor]] = []
+        fresh: list[LMStream] = []
         for r in requests:
             try:
+                if r.follows is not None:
+                    stream, embeds = r.follows, self._turn(r, r.follows)
+                    n = len(r.text_ids)
+                    stream.min_len = int(n * r.min_token_text_ratio)
+                    stream.max_len = min(int(n * r.max_token_text_ratio),
+                                         self.room_after(stream, n))
+                    stream.is_greedy, stream.tokens, stream.is_finished = r.is_greedy, [], False
+                    stream.prompt_len = stream.num_cached + embeds.shape[0]
+                    stream.seed = self._seeds.getrandbits(64) if r.seed is None else int(r.seed)
+                    self.state.seed_words[stream.slot] = torch.tensor(seed_words(stream.seed))
+                    self.num_continued += 1
+                    rows.append((stream, embeds))
+                    out.append(stream)
+                    continue
                 if len(self._free) == 0:
                     raise NoFreeSlotError(
                         f"expected a free KV-cache slot, got all {self.max_batch} in use")
@@ -232,11 +333,13 @@ class SpeechLMRunner:
                 seed=self._seeds.getrandbits(64) if r.seed is None else int(r.seed),
             )
             self._owners[stream.slot] = stream
-            self._history[stream.slot] = -1
+            self.state.seed_words[stream.slot] = torch.tensor(seed_words(stream.seed))
+            self.state.history[stream.slot] = -1
             recent = stream.tokens[-self.ras.win_size:]
             if recent:
-                self._history[stream.slot, -len(recent):] = torch.tensor(recent, device=self.device)
+                self.state.history[stream.slot, -len(recent):] = torch.tensor(recent, device=self.device)
             rows.append((stream, embeds))
+            fresh.append(stream)
             out.append(stream)
         if rows:
             lengths = [e.shape[0] for _, e in rows]
@@ -250,80 +353,84 @@ class SpeechLMRunner:
                 for s, _ in rows:
                     self.free(s)
                 raise
+            self.num_prompt_prefills += len(fresh)
         return out
 
     def logp(self, streams: list[LMStream]) -> torch.Tensor:
         """The pending next-token log-probs of each stream [B, V] (before any masking)."""
-        return self._logp[torch.tensor([s.slot for s in streams], device=self.device)]
+        return self.state.logp[torch.tensor([s.slot for s in streams], device=self.device)]
+
+    def _inputs(self, streams: list[LMStream], forced: list[int] | None) -> np.ndarray:
+        """The step's input rows [B, STEP_WIDTH] (decode_step.py); checks the batch first."""
+        slots = [s.slot for s in streams]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"expected distinct streams, got slots {slots}")
+        top = max(s.num_cached for s in streams)
+        if top + 1 > self.max_len:
+            raise ValueError(f"expected at most {self.max_len} cached positions, got {top + 1}")
+        rows = np.zeros((len(streams), STEP_WIDTH), dtype=np.int64)
+        rows[:, ACTIVE] = 1
+        rows[:, POSITION] = [s.num_cached for s in streams]
+        rows[:, COUNTER] = [len(s.tokens) for s in streams]
+        rows[:, FLAGS] = [(BELOW_MIN if len(s.tokens) < s.min_len else 0) | (GREEDY if s.is_greedy else 0)
+                          for s in streams]
+        if forced is not None:
+            rows[:, FLAGS] |= FORCED
+            rows[:, TOKEN] = forced
+        return rows
+
+    def _decode(self, streams: list[LMStream], rows: np.ndarray) -> list[int]:
+        """Choose and feed one token per stream (decode_step.py) -> the chosen ids."""
+        slots = [s.slot for s in streams]
+        if self.static is not None:
+            chosen = self.static.step(slots, rows)
+        else:
+            index = torch.tensor(slots, device=self.device)
+            step_in = torch.from_numpy(rows).to(self.device)
+            is_range = slots == list(range(slots[0], slots[0] + len(slots)))
+            with torch.inference_mode():
+                tokens, logp, window = decode_rows(
+                    self.lm, self.cache, self.state, self._vocab, self.ras, index, index, step_in,
+                    int(rows[:, POSITION].max()) + 1, (slots[0], slots[0] + len(slots)) if is_range else None,
+                    self.dtype)
+                self.state.logp[index] = logp
+                self.state.history[index] = window
+            chosen = tokens.cpu().numpy()
+        return [int(t) for t in chosen]
 
     def feed(self, streams: list[LMStream], tokens: list[int]) -> torch.Tensor:
         """Append given speech tokens (one per stream) and return the next log-probs [B, V].
 
-        `step` uses it for sampled tokens; tests use it for teacher forcing.
+        Teacher forcing (tests, benchmarks): the step of `step`, with the tokens given.
         """
         if len(tokens) != len(streams):
             raise ValueError(f"expected one token per stream ({len(streams)}), got {len(tokens)}")
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        if self.static is not None:
-            logp = self._static_forward(streams, ids)
-        else:
-            with torch.inference_mode():
-                embeds = self.lm.token_embeds(ids)  # [B, 1, D]
-            logp = self._forward(streams, embeds)  # raises before any state changes
+        self._decode(streams, self._inputs(streams, [int(t) for t in tokens]))
         for s, token in zip(streams, tokens, strict=True):
             s.tokens.append(int(token))
-        slots = torch.tensor([s.slot for s in streams], device=self.device)
-        self._history[slots] = torch.cat([self._history[slots][:, 1:], ids[:, None]], dim=1)
-        return logp
-
-    def _static_forward(self, streams: list[LMStream], ids: torch.Tensor) -> torch.Tensor:
-        """One token per stream through the bucketed decoder (graphs.py) -> log-probs [B, V]."""
-        assert self.static is not None
-        slots_list = [s.slot for s in streams]
-        if len(set(slots_list)) != len(slots_list):
-            raise ValueError(f"expected distinct streams, got slots {slots_list}")
-        positions = [s.num_cached for s in streams]
-        if max(positions) + 1 > self.max_len:
-            raise ValueError(f"expected at most {self.max_len} cached positions, got {max(positions) + 1}")
-        logp = self.static.run(slots_list, positions, ids)
-        for s in streams:
             s.num_cached += 1
-        self._logp[torch.tensor(slots_list, device=self.device)] = logp
-        return logp
+        return self.logp(streams)
 
     def step(self, streams: list[LMStream]) -> list[int | None]:
-        """Choose one token per stream from its pending log-probs, then feed the live ones.
+        """Choose one token per stream from its pending log-probs and feed it, in one device step.
 
         Returns each stream's new token, or None where it chose a stop id.
-        A stream is finished after a stop id or its `max_len`-th token.
+        A stream is finished after a stop id or its `max_len`-th token; every
+        token it emitted is in its slot (a continuation goes on after it).
         """
         if any(s.is_finished for s in streams):
             raise ValueError("expected only unfinished streams, got a finished one")
-        slots = torch.tensor([s.slot for s in streams], device=self.device)
-        below_min = torch.tensor([len(s.tokens) < s.min_len for s in streams], device=self.device)
-        is_greedy = torch.tensor([s.is_greedy for s in streams], device=self.device)
-        logp = mask_min_length(self._logp[slots], below_min, self.spec.min_length_mask_index)
-        if self.strict_min_length:  # every stop id, as vLLM's min_tokens (benchmarks: random weights)
-            stops = logp[:, self.spec.speech_token_size:]
-            logp[:, self.spec.speech_token_size:] = torch.where(below_min[:, None], float("-inf"), stops)
-        uniforms = draw_uniforms([s.seed for s in streams], [len(s.tokens) for s in streams],
-                                 self.device)  # [B, 2]
-        chosen = sample_tokens(logp, self._history[slots], is_greedy, self.ras, uniforms).tolist()
+        chosen = self._decode(streams, self._inputs(streams, None))
         out: list[int | None] = []
-        live: list[tuple[LMStream, int]] = []
         for s, token in zip(streams, chosen, strict=True):
             if self.spec.is_stop(token):
                 s.is_finished = True
                 out.append(None)
                 continue
+            s.tokens.append(token)
+            s.num_cached += 1
+            s.is_finished = len(s.tokens) >= s.max_len
             out.append(token)
-            if len(s.tokens) + 1 >= s.max_len:
-                s.tokens.append(token)
-                s.is_finished = True
-            else:
-                live.append((s, token))
-        if live:
-            self.feed([s for s, _ in live], [t for _, t in live])
         return out
 
     def free(self, stream: LMStream) -> None:

@@ -102,11 +102,21 @@ def draw_uniforms(
     """
     if len(seeds) != len(counters):
         raise ValueError(f"expected one counter per seed ({len(seeds)}), got {len(counters)}")
-    words = torch.tensor(
-        [[(s & _MASK32), (s >> 32) & _MASK32, c & _MASK32] for s, c in zip(seeds, counters, strict=True)],
-        dtype=torch.long,
-    ).reshape(-1, 3).to(device)  # [B, 3]: seed low, seed high, counter
-    key = _mix32(words[:, 0] ^ _mix32(words[:, 1] ^ _mix32(words[:, 2])))  # [B]
+    words = torch.tensor([seed_words(s) for s in seeds], dtype=torch.long).reshape(-1, 2).to(device)
+    return uniforms_of(words, torch.tensor(list(counters), dtype=torch.long).to(device), num_draws)
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed (any Python int, taken mod 2**64) as its low and high 32-bit words."""
+    return seed & _MASK32, (seed >> 32) & _MASK32
+
+
+def uniforms_of(words: torch.Tensor, counters: torch.Tensor, num_draws: int = NUM_DRAWS) -> torch.Tensor:
+    """`draw_uniforms` from device tensors: seed words [B, 2] (`seed_words`), counters [B] (int64).
+
+    No host value is read, so a CUDA graph can capture it (lm/graphs.py draws inside the step).
+    """
+    key = _mix32(words[:, 0] ^ _mix32(words[:, 1] ^ _mix32(counters & _MASK32)))  # [B]
     draws = torch.arange(1, num_draws + 1, device=words.device) * _GOLDEN32 & _MASK32  # [num_draws]
     bits = _mix32((key[:, None] + draws) & _MASK32)  # [B, num_draws]
     return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32
@@ -175,6 +185,18 @@ def ras(
     fallback_logp = logp.float().scatter(1, first[:, None], float("-inf"))
     fallback = _categorical(fallback_logp.softmax(dim=-1), uniforms[:, 1])
     return torch.where(is_repeat, fallback, first)
+
+
+def sample_rows(
+    logp: torch.Tensor,
+    history: torch.Tensor,
+    is_greedy: torch.Tensor,
+    config: RasConfig,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """`sample_tokens` without a host sync (both choices computed, each row takes its own):
+    the same tokens, and a CUDA graph can capture it."""
+    return torch.where(is_greedy, greedy(logp), ras(logp, history, config, uniforms))
 
 
 def sample_tokens(

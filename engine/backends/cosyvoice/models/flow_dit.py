@@ -74,7 +74,16 @@ class RotaryEmbedding(nn.Module):
         return freqs.repeat_interleave(2, dim=-1)
 
     def tables(self, seq_len: int) -> Rope:
-        freqs = self(seq_len)
+        return self._tables(self(seq_len))
+
+    def tables_at(self, positions: torch.Tensor) -> Rope:
+        """The tables at given absolute positions [R, T] (long) -> cos, signed_sin [R, T, d]: a chunk
+        of each row at its own place in its sequence (models/flow_dit_chunk.py)."""
+        inv_freq = self.inv_freq.float()
+        freqs = positions.float()[..., None] * inv_freq
+        return self._tables(freqs.repeat_interleave(2, dim=-1))
+
+    def _tables(self, freqs: torch.Tensor) -> Rope:
         sign = torch.ones(freqs.shape[-1], device=freqs.device)
         sign[0::2] = -1.0
         swap = torch.arange(freqs.shape[-1], device=freqs.device).view(-1, 2).flip(-1).flatten()
@@ -134,13 +143,23 @@ class DiTAttention(nn.Module):
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape  # mask: [B, T, T] bool; hidden [B, T, 1]: keys invisible from the last query
+    def qkv(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q, k, v [B, H, T, dh], q and k rotated."""
+        b, t, _ = x.shape
         q = apply_rotary(self.to_q(x), rope)
         k = apply_rotary(self.to_k(x), rope)
         q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (q, k, self.to_v(x)))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-        out = cast(torch.Tensor, self.to_out[0](out.transpose(1, 2).reshape(b, t, -1)))
+        return q, k, v
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, T, dh] -> [B, T, D]."""
+        b, _, t, _ = out.shape
+        return cast(torch.Tensor, self.to_out[0](out.transpose(1, 2).reshape(b, t, -1)))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+        # mask: [B, T, T] bool; hidden [B, T, 1]: keys invisible from the last query
+        q, k, v = self.qkv(x, rope)
+        out = self.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]))
         # upstream zeroes outputs at keys invisible from the last query (padding)
         return out.masked_fill(hidden, 0.0)
 

@@ -229,9 +229,10 @@ class SourceModule(nn.Module):
         cycles = torch.cumsum(rad * cfg.samples_per_frame, dim=1)
         return cycles if phase0 is None else cycles + phase0[:, None, :]
 
-    def forward(self, f0: torch.Tensor, cycles: torch.Tensor, start: int = 0,
+    def forward(self, f0: torch.Tensor, cycles: torch.Tensor, start: int | torch.Tensor = 0,
                 generator: torch.Generator | NoiseCounter | None = None) -> torch.Tensor:
-        """f0 [B, T], cycles [B, T, H] -> source [B, 1, T * 480]; `start`: absolute first sample (v3 noise)."""
+        """f0 [B, T], cycles [B, T, H] -> source [B, 1, T * 480]; `start`: absolute first sample (v3
+        noise), or each row's [B] (a tensor: no host value, so a captured graph replays it)."""
         cfg, up = self.cfg, self.cfg.samples_per_frame
         if cfg.causal:
             per_sample = cycles.repeat_interleave(up, dim=1)
@@ -242,8 +243,9 @@ class SourceModule(nn.Module):
         amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
         if cfg.causal:
             n = self.noise_table.shape[0]
-            idx = torch.arange(start, start + sines.shape[1], device=f0.device) % n
-            noise = self.noise_table[idx].to(sines)[None]
+            idx = (torch.as_tensor(start, device=f0.device).reshape(-1, 1)
+                   + torch.arange(sines.shape[1], device=f0.device)) % n  # [1 or B, L]
+            noise = self.noise_table[idx].to(sines)
         else:
             if isinstance(generator, NoiseCounter):  # on the device, from (seed, counter)
                 noise = generator.normal(tuple(sines.shape), f0.device).to(sines)

@@ -9,162 +9,42 @@ A backend drives it with plain calls (no threads, no clock):
         ...chunk.stream_id, chunk.audio [n] float32, chunk.is_final
     t2w.drop(sid)                     # cancel: the stream and any chunk it had ready are gone
 
-Chunking (per stream; upstream keeps the hop on the shared model object, so
-concurrent requests disturb each other's hops; here all hop state is the
-stream's own):
-- the first chunk covers `first_hop_tokens` tokens (default 15, smaller than
-  the trained 25) so first audio comes sooner; later chunks end on the flow's
-  chunk grid (multiples of 25 tokens counted from the start of the prompt,
-  where chunked attention draws its boundaries), at least `min_hop_tokens`
-  apart;
-- a chunk that is not the last needs `pre_lookahead_len` (3) more tokens, which
-  the flow reads as lookahead and does not emit;
-- the flow recomputes the prompt plus the token history each chunk (it is a
-  diffusion over the whole sequence); upstream keeps the whole history, so a
-  chunk costs more the longer the answer. `max_history_tokens` bounds it: only
-  the most recent history (cut on the 25-token grid, at least that many tokens)
-  is recomputed, with the noise of its absolute frames. docs/cosyvoice.md gives
-  the measured cost in fidelity; None keeps upstream's full recomputation.
-- CosyVoice 2's vocoder is not causal: as upstream, 8 mel frames are held back
-  and re-vocoded with the next chunk, the overlapping source is pinned and
-  3840 samples are cross-faded (Hamming). CosyVoice 3's vocoder is causal:
-  upstream re-vocodes the whole mel each chunk; we re-vocode only
-  `hift_context_frames` of context (its receptive field is shorter), carrying
-  the sine phase, which reproduces the full computation.
-- A stream's `speed` (0.5-2.0) stretches its mel before the vocoder
-  (mel_stretch.py), continuously across chunks; its hops are then at least
-  `min_hop_for_speed` tokens, so a stretched chunk still covers the 8 frames
-  the v2 vocoder holds back.
+Chunking, the history the flow sees and the vocoders' joins: t2w/chunking.py.
+With lm_context="continue" a context's next segment continues its last one
+(`finish(keep=True)`, then `add_stream(follows=...)`): one flow stream on the
+GPU per context, its history, cache memory and vocoder going on.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.backends.cosyvoice.flow_runtime.solve_graphs import ChunkRow
 from engine.backends.cosyvoice.models.flow import FlowModel, FlowRow
 from engine.backends.cosyvoice.models.hift import HiFT
-from engine.backends.cosyvoice.models.mel import MelExtractor
+from engine.backends.cosyvoice.t2w.cached_flow import CachedFlow, TrimmedPrompt
+from engine.backends.cosyvoice.t2w.chunking import (
+    MAX_PROMPT_TOKENS,
+    FlowPrompt,
+    T2WConfig,
+    WaveChunk,
+    first_end,
+    grid_end,
+    history_start,
+    max_chunk_frames,
+    min_hop_for_speed,
+    schedule,
+)
 from engine.backends.cosyvoice.t2w.mel_stretch import MelStretcher
 from engine.backends.cosyvoice.t2w.vocoder import V2VocoderState, V3VocoderState, vocode_batch
+from engine.backends.cosyvoice.t2w.vocoder_graphs import VocoderGraphs
+from engine.errors import EngineBusyError
 
-
-@dataclass(slots=True)
-class T2WConfig:
-    first_hop_tokens: int | None = 15  # None: upstream's first hop (25 + padding to the grid)
-    min_hop_tokens: int = 8
-    max_history_tokens: int | None = 100  # None: recompute the whole history (upstream)
-    hift_context_frames: int = 24  # v3: mel frames re-vocoded before the new ones
-    streaming_attention: bool = True  # chunked attention in the flow (how upstream streams)
-
-    def __post_init__(self) -> None:
-        # a chunk must cover the 8 frames (4 tokens) the v2 vocoder holds back
-        if self.first_hop_tokens is not None and self.first_hop_tokens < 4:
-            raise ValueError(f"expected first_hop_tokens >= 4 or None, got {self.first_hop_tokens}")
-        if self.min_hop_tokens < 4:
-            raise ValueError(f"expected min_hop_tokens >= 4, got {self.min_hop_tokens}")
-        if self.max_history_tokens is not None and self.max_history_tokens < 0:
-            raise ValueError(f"expected max_history_tokens >= 0 or None, got {self.max_history_tokens}")
-        if self.hift_context_frames < 8:
-            raise ValueError(f"expected hift_context_frames >= 8, got {self.hift_context_frames}")
-
-
-@dataclass(slots=True)
-class FlowPrompt:
-    """A voice as the flow needs it: tokens [Np] int64, mel [P <= 2 Np, 80], embedding [192]."""
-
-    tokens: torch.Tensor
-    mel: torch.Tensor
-    embedding: torch.Tensor
-
-    @classmethod
-    def from_audio(cls, tokens: list[int] | torch.Tensor, wav_24k: torch.Tensor, embedding: torch.Tensor,
-                   mel: MelExtractor) -> FlowPrompt:
-        """Mel of the 24 kHz reference audio, and tokens and mel trimmed to a 1:2 ratio as upstream's
-        frontend does (the LM prompt should use the same trimmed tokens)."""
-        feat = mel(wav_24k)[0]  # [frames, 80]
-        toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        n = min(feat.shape[0] // 2, toks.shape[0])
-        return cls(toks[:n], feat[: 2 * n], torch.as_tensor(embedding, dtype=torch.float32).reshape(-1))
-
-    def __post_init__(self) -> None:
-        if self.tokens.dim() != 1 or self.tokens.shape[0] == 0:
-            raise ValueError(f"expected prompt tokens [N >= 1], got shape {tuple(self.tokens.shape)}")
-        if self.tokens.shape[0] > MAX_PROMPT_TOKENS:  # bounds every flow row (max_chunk_frames)
-            raise ValueError(f"expected at most {MAX_PROMPT_TOKENS} prompt tokens (30 s of reference audio), "
-                             f"got {self.tokens.shape[0]}")
-        if self.mel.dim() != 2 or self.mel.shape[1] != 80 or self.mel.shape[0] > 2 * self.tokens.shape[0]:
-            raise ValueError(f"expected prompt mel [<= {2 * self.tokens.shape[0]}, 80], got {tuple(self.mel.shape)}")
-        if self.embedding.dim() != 1:
-            raise ValueError(f"expected embedding [D], got shape {tuple(self.embedding.shape)}")
-
-
-@dataclass(slots=True)
-class WaveChunk:
-    stream_id: str
-    audio: torch.Tensor  # [n] float32 at 24 kHz, on the models' device
-    is_final: bool
-    num_tokens: int  # speech tokens this chunk covered
-    mel: torch.Tensor  # [80, 2 * num_tokens] the chunk's new mel frames (for checks and metrics)
-
-
-def grid_end(prompt_len: int, after: int, hop: int, min_hop: int) -> int:
-    """Smallest token end e >= after + min_hop with (prompt_len + e) on the hop grid."""
-    e = after + min_hop
-    return e + (-(prompt_len + e)) % hop
-
-
-def first_end(prompt_len: int, hop: int, first_hop: int | None) -> int:
-    if first_hop is None:  # upstream: 25 tokens plus what brings the prompt onto the grid
-        return hop + (-prompt_len) % hop
-    return first_hop
-
-
-def history_start(offset: int, hop: int, max_history: int | None) -> int:
-    """First history token recomputed for a chunk starting at `offset` (a cut on the hop grid)."""
-    if max_history is None or offset <= max_history:
-        return 0
-    return (offset - max_history) // hop * hop
-
-
-def schedule(prompt_len: int, num_tokens: int, config: T2WConfig, hop: int = 25,
-             lookahead: int = 3) -> list[tuple[int, int, int]]:
-    """(history start, chunk start, chunk end) of every chunk of a finished answer, in tokens."""
-    end, offset, out = first_end(prompt_len, hop, config.first_hop_tokens), 0, []
-    while True:
-        is_final = end + lookahead > num_tokens
-        end = num_tokens if is_final else end
-        out.append((history_start(offset, hop, config.max_history_tokens), offset, end))
-        if is_final:
-            return out
-        offset, end = end, grid_end(prompt_len, end, hop, config.min_hop_tokens)
-
-
-MAX_PROMPT_TOKENS = 750  # a voice prompt: at most 30 s of reference audio at 25 tokens/s
-
-
-def max_chunk_frames(config: T2WConfig, hop: int = 25, lookahead: int = 3,
-                     max_prompt_tokens: int = MAX_PROMPT_TOKENS) -> int | None:
-    """The most mel frames one flow row can have: prompt + kept history + chunk + lookahead, x2.
-
-    History is cut on the hop grid with at least `max_history_tokens` kept, so
-    fewer than that plus one hop remain; a chunk ends on the grid at least
-    `min_hop` (10 at speed 2) after the last, or is the first hop; a final one
-    may take up to the lookahead more. None: unbounded history, no limit.
-    """
-    if config.max_history_tokens is None:
-        return None
-    history = config.max_history_tokens + hop - 1
-    chunk = max(config.first_hop_tokens or 2 * hop, max(config.min_hop_tokens, min_hop_for_speed(2.0)) + hop - 1)
-    return 2 * (max_prompt_tokens + history + chunk + lookahead)
-
-
-def min_hop_for_speed(speed: float) -> int:
-    """Fewest tokens a chunk needs at `speed` to still give >= 8 stretched mel frames, with a frame to spare."""
-    return math.ceil(4.5 * speed) + 1
+__all__ = ["MAX_PROMPT_TOKENS", "FlowPrompt", "T2WConfig", "TokenToWave", "WaveChunk", "first_end", "grid_end",
+           "history_start", "max_chunk_frames", "min_hop_for_speed", "schedule"]
 
 
 @dataclass(slots=True)
@@ -175,9 +55,14 @@ class _Stream:
     next_end: int
     min_hop: int
     stretcher: MelStretcher | None = None  # speed != 1
+    trim: TrimmedPrompt | None = None  # with the K/V cache: the prompt cut to whole chunks
     tokens: list[int] = field(default_factory=list)
     offset: int = 0  # tokens whose mel is emitted
     is_input_done: bool = False
+    keeps: bool = False  # parked after its last chunk, for the stream that continues it
+    is_refused: bool = False  # was to continue a dropped stream and the cache could not hold it afresh
+    after: str | None = None  # continues this stream once its last chunk is out (it waits till then)
+    successor: str | None = None  # the stream waiting to continue this one
 
 
 @dataclass(slots=True)
@@ -190,41 +75,113 @@ class _Plan:
     is_final: bool
     start: int  # first history token recomputed
     offset: int  # tokens whose mel was emitted before this chunk
-    row: FlowRow
+    row: FlowRow | ChunkRow | None  # None: an empty answer's last chunk (cached: nothing to compute)
+    first_frame: int = 0  # cached: the chunk's first new frame
     mel: torch.Tensor | None = None  # [80, frames] this chunk's new mel, once computed
 
 
 class TokenToWave:
-    def __init__(self, flow: FlowModel, hift: HiFT, config: T2WConfig | None = None) -> None:
+    def __init__(self, flow: FlowModel, hift: HiFT, config: T2WConfig | None = None,
+                 cached: CachedFlow | None = None, vocoder_graphs: VocoderGraphs | None = None) -> None:
         if flow.version != (3 if hift.cfg.causal else 2):
             raise ValueError(f"expected flow and HiFT of one version, got flow v{flow.version} and "
                              f"{'causal' if hift.cfg.causal else 'non-causal'} HiFT")
-        self.flow, self.hift = flow, hift
+        self.flow, self.hift, self.cached, self.vocoder_graphs = flow, hift, cached, vocoder_graphs
         self.config = config or T2WConfig()
+        if cached is not None and (self.config.first_hop_tokens or 0) > flow.chunk_tokens:
+            raise ValueError(f"expected first_hop_tokens <= {flow.chunk_tokens} with the K/V cache (one chunk "
+                             f"a run), got {self.config.first_hop_tokens}")
         self.hop = flow.chunk_tokens
         self.lookahead = flow.pre_lookahead_len
         self.sample_rate = hift.cfg.sampling_rate
         self._streams: dict[str, _Stream] = {}
+        self._parked: dict[str, _Stream] = {}  # finished with `keep`, for the stream that continues them
         self._lock = threading.RLock()  # the hop state, between the LM's thread and the flow's
 
     # -- stream lifecycle -------------------------------------------------------------------------
 
-    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0, speed: float = 1.0) -> None:
-        if stream_id in self._streams:
+    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0, speed: float = 1.0,
+                   follows: str | None = None) -> None:
+        """A new stream; `follows`: the stream (a context's last segment, `finish(keep=True)`)
+        whose sequence it continues, with the K/V cache: its history, its place in the noise
+        and its vocoder go on, as if one answer. It waits for that stream's last chunk; a
+        stream to follow that is gone (or another voice's) makes this one start afresh.
+        Raises EngineBusyError when the cache cannot hold a fresh stream."""
+        if stream_id in self._streams or stream_id in self._parked:
             raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
         stretcher = MelStretcher(speed) if speed != 1.0 else None  # validates the range
         vocoder = V3VocoderState() if self.hift.cfg.causal else V2VocoderState.new(seed)
-        min_hop = self.config.min_hop_tokens
-        end = first_end(prompt.tokens.shape[0], self.hop, self.config.first_hop_tokens)
-        if stretcher is not None:
-            min_hop = max(min_hop, min_hop_for_speed(speed))
-            end = max(end, min_hop)
+        min_hop = self.config.min_hop_tokens if stretcher is None else max(self.config.min_hop_tokens,
+                                                                           min_hop_for_speed(speed))
+        stream = _Stream(prompt=prompt, prompt_tokens=prompt.tokens.tolist(), vocoder=vocoder, next_end=0,
+                         min_hop=min_hop, stretcher=stretcher)
+        if follows is not None and self.cached is not None and self._follow(stream_id, stream, follows):
+            return
+        self._start_fresh(stream_id, stream)
         with self._lock:
             if stream_id in self._streams:
+                if self.cached is not None:
+                    self.cached.cache.release_stream(stream_id)
                 raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
-            self._streams[stream_id] = _Stream(prompt=prompt, prompt_tokens=prompt.tokens.tolist(),
-                                               vocoder=vocoder, next_end=end, min_hop=min_hop,
-                                               stretcher=stretcher)
+            self._streams[stream_id] = stream
+
+    def _start_fresh(self, stream_id: str, s: _Stream) -> None:
+        """A stream's first chunk end; with the cache, its trimmed prompt and its memory."""
+        s.trim = None if self.cached is None else self.cached.trim(s.prompt)
+        prompt_len = s.prompt.tokens.shape[0] if s.trim is None else len(s.trim.tokens)
+        s.next_end = first_end(prompt_len, self.hop, self.config.first_hop_tokens)
+        if s.stretcher is not None:
+            s.next_end = max(s.next_end, s.min_hop)
+        if self.cached is not None:
+            s.next_end = min(s.next_end, self.hop)  # one chunk a run
+            self.cached.ensure_voice(s.prompt)  # its voice's prompt computed (or found) ...
+            self.cached.cache.add_stream(stream_id, s.prompt)  # ... then its memory: EngineBusyError if none
+
+    def _follow(self, stream_id: str, s: _Stream, follows: str) -> bool:
+        """Continue `follows` now (parked) or once its last chunk is out (running); False: it is gone."""
+        with self._lock:
+            parked = self._parked.get(follows)
+            if parked is not None and parked.prompt is s.prompt:
+                del self._parked[follows]
+                self._streams[stream_id] = s
+                self._continue(follows, parked, stream_id, s)
+                return True
+            running = self._streams.get(follows)
+            if running is not None and running.prompt is s.prompt and running.keeps and running.successor is None:
+                s.after, running.successor = follows, stream_id
+                self._streams[stream_id] = s
+                return True
+            return False
+
+    def _continue(self, old_id: str, old: _Stream, new_id: str, new: _Stream) -> None:
+        """`new` takes over `old`'s sequence: its history, cache memory and vocoder (lock held).
+        The chunk `old` ended in is computed again with `new`'s tokens, so only a chunk `old`
+        ended exactly on the grid keeps the zeros it saw past its last token."""
+        assert self.cached is not None
+        self.cached.cache.rename_stream(old_id, new_id)
+        new.tokens = old.tokens + new.tokens
+        new.offset, new.trim, new.vocoder, new.after = len(old.tokens), old.trim, old.vocoder, None
+        first = max(self.config.first_hop_tokens or self.hop, new.min_hop)
+        new.next_end = min((new.offset // self.hop + 1) * self.hop, new.offset + first)
+
+    def can_add_stream(self, prompt: FlowPrompt) -> bool:
+        """Whether one more stream with this voice fits (the K/V cache's memory; always without it)."""
+        return self.cached is None or self.cached.cache.can_admit(prompt)
+
+    def num_can_add(self, prompts: list[FlowPrompt]) -> int:
+        """How many of these new streams (in order) fit together now."""
+        return len(prompts) if self.cached is None else self.cached.cache.num_admissible(prompts)
+
+    def prepare_voice(self, prompt: FlowPrompt) -> None:
+        """Compute a voice's cached prompt now (at load) rather than with its first stream.
+        Raises EngineBusyError when the cache cannot hold it."""
+        if self.cached is not None:
+            self.cached.ensure_voice(prompt)
+
+    def forget_voice(self, prompt: FlowPrompt) -> None:
+        """The voice is removed: its cached prompt goes (at once, or with its last stream)."""
+        if self.cached is not None:
+            self.cached.cache.forget_voice(prompt)
 
     def feed(self, stream_id: str, tokens: list[int] | torch.Tensor) -> None:
         stream = self._get(stream_id)
@@ -237,14 +194,47 @@ class TokenToWave:
         with self._lock:
             stream.tokens.extend(new)
 
-    def finish(self, stream_id: str) -> None:
+    def finish(self, stream_id: str, keep: bool = False) -> None:
+        """The stream's tokens are all in; `keep`: after its last chunk it is parked (its cache
+        memory and vocoder kept) for a stream that continues it (`add_stream(follows=...)`),
+        until that one comes or `drop` frees it."""
         with self._lock:
-            self._get(stream_id).is_input_done = True
+            stream = self._get(stream_id)
+            stream.is_input_done, stream.keeps = True, keep and self.cached is not None
 
     def drop(self, stream_id: str) -> None:
-        """Forget a stream (cancel); unknown ids are ignored, so a late cancel is harmless."""
+        """Forget a stream (cancel); unknown ids are ignored, so a late cancel is harmless.
+        Its cached history is freed (once a chunk of it in flight is done)."""
         with self._lock:
-            self._streams.pop(stream_id, None)
+            stream = self._streams.pop(stream_id, None) or self._parked.pop(stream_id, None)
+            if self.cached is not None:
+                self.cached.cache.release_stream(stream_id)
+            if stream is not None:
+                self._unlink(stream_id, stream)
+
+    def unpark(self, stream_id: str) -> None:
+        """No stream will continue this one (its context ended): freed now if parked, else when
+        its last chunk is out. Unknown ids are ignored."""
+        with self._lock:
+            if stream_id in self._parked:
+                self.drop(stream_id)
+            elif stream_id in self._streams:
+                self._streams[stream_id].keeps = False
+
+    def _unlink(self, stream_id: str, stream: _Stream) -> None:
+        """A dropped stream's links: the stream it was to continue forgets it, and the stream
+        waiting to continue it starts afresh (lock held)."""
+        followed = (self._streams.get(stream.after) or self._parked.get(stream.after)) if stream.after else None
+        if followed is not None and followed.successor == stream_id:
+            followed.successor = None
+        waiting = self._streams.get(stream.successor) if stream.successor else None
+        if waiting is None or waiting.after != stream_id:
+            return
+        waiting.after = None
+        try:
+            self._start_fresh(stream.successor or "", waiting)
+        except EngineBusyError:
+            waiting.is_refused = True  # its next chunk ends it, empty
 
     def has_stream(self, stream_id: str) -> bool:
         return stream_id in self._streams
@@ -265,10 +255,20 @@ class TokenToWave:
             raise KeyError(f"expected a known stream id, got {stream_id!r}") from None
 
     def _plan(self, s: _Stream) -> tuple[int, bool] | None:
-        """(end token, is_final) of the stream's next chunk, or None while it waits for tokens."""
+        """(end token, is_final) of the stream's next chunk, or None while it waits for tokens.
+
+        Cached, a chunk never crosses the grid: when the answer ends up to 2 tokens
+        past a grid point, the chunk before it is one more run (its lookahead
+        partly absent, as at the end of the whole answer)."""
+        if s.after is not None:
+            return None  # waits for the stream it continues
+        if s.is_refused:
+            return s.offset, True
         if len(s.tokens) >= s.next_end + self.lookahead:
             return s.next_end, False
         if s.is_input_done:
+            if s.trim is not None and len(s.tokens) > s.next_end:
+                return s.next_end, False
             return len(s.tokens), True
         return None
 
@@ -284,10 +284,17 @@ class TokenToWave:
         chunk ends its stream. Three phases: `plan` and `commit` hold the lock
         (they read and move the streams' hop state), `compute` does not, so the
         LM's thread may feed, finish, add or drop streams while a flow batch runs
-        on another thread (t2w/worker.py); a stream dropped meanwhile yields nothing.
+        on another thread (t2w/worker.py); a stream dropped meanwhile yields nothing,
+        and its cached memory is freed when the batch ends (never under a chunk in flight).
         """
         plans = self.plan(stream_ids)
-        return self.commit(plans, self.compute(plans)) if plans else []
+        if not plans:
+            return []
+        try:
+            return self.commit(plans, self.compute(plans))
+        finally:
+            if self.cached is not None:
+                self.cached.cache.end([p.stream_id for p in plans])
 
     def plan(self, stream_ids: list[str]) -> list[_Plan]:
         with self._lock:
@@ -297,28 +304,71 @@ class TokenToWave:
                 plan = self._plan(s) if s is not None else None
                 if s is None or plan is None:
                     continue
-                end, is_final = plan
-                start = self.history_start(s.offset)
-                la = 0 if is_final else self.lookahead
-                p = s.prompt.tokens.shape[0]
-                tokens = torch.tensor([*s.prompt_tokens, *s.tokens[start:end + la]], dtype=torch.long)
-                noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
-                row = FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index)
-                plans.append(_Plan(sid, s, end, is_final, start, s.offset, row))
+                plans.append(self._planned(sid, s, *plan))
+            if self.cached is not None:
+                self.cached.cache.begin([p.stream_id for p in plans])
             return plans
+
+    def _planned(self, sid: str, s: _Stream, end: int, is_final: bool) -> _Plan:
+        """The flow row of a stream's next chunk: the chunk over the cache, or prompt + kept
+        history + the chunk, recomputed."""
+        if self.cached is not None and s.trim is not None:
+            if end == s.offset:  # an empty answer: nothing to compute
+                return _Plan(sid, s, end, is_final, s.offset, s.offset, None)
+            num_present = min(len(s.tokens), end + self.lookahead)
+            chunk, first = self.cached.row(sid, s.trim, s.tokens, s.offset, end, num_present)
+            return _Plan(sid, s, end, is_final, s.offset, s.offset, chunk, first)
+        start = self.history_start(s.offset)
+        la = 0 if is_final else self.lookahead
+        p = s.prompt.tokens.shape[0]
+        tokens = torch.tensor([*s.prompt_tokens, *s.tokens[start:end + la]], dtype=torch.long)
+        noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
+        row = FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index)
+        return _Plan(sid, s, end, is_final, start, s.offset, row)
 
     def compute(self, plans: list[_Plan]) -> list[torch.Tensor]:
         """The audio of each planned chunk (the models run here; no lock held)."""
-        mels = self.flow.infer([p.row for p in plans], streaming=self.config.streaming_attention)
-        new_mels = []
-        for plan, mel in zip(plans, mels, strict=True):
-            prompt_len = plan.stream.prompt.tokens.shape[0]
-            plan.mel = mel[:, 2 * (prompt_len + plan.offset - plan.start):]
-            new_mels.append(plan.mel)
+        new_mels = self._cached_mels(plans) if self.cached is not None else self._recomputed_mels(plans)
+        for plan, mel in zip(plans, new_mels, strict=True):
+            plan.mel = mel
         voc_mels = [m if p.stream.stretcher is None else p.stream.stretcher.push(m, p.is_final)
                     for p, m in zip(plans, new_mels, strict=True)]
+        step = self.vocoder_graphs.step if self.vocoder_graphs is not None else None
         return vocode_batch(self.hift, [p.stream.vocoder for p in plans], voc_mels,
-                            [p.is_final for p in plans], self.config.hift_context_frames)
+                            [p.is_final for p in plans], self.config.hift_context_frames, step)
+
+    def _park(self, p: _Plan) -> None:
+        """A kept stream's last chunk is out: its successor takes over now, or it waits parked."""
+        s = p.stream
+        s.offset = p.end
+        if p.end % self.hop == 0 and self.cached is not None:
+            self.cached.cache.complete_chunk(p.stream_id)
+        successor = self._streams.get(s.successor) if s.successor else None
+        if successor is not None and successor.after == p.stream_id:
+            assert s.successor is not None
+            self._continue(p.stream_id, s, s.successor, successor)
+        else:
+            self._parked[p.stream_id] = s
+
+    def _recomputed_mels(self, plans: list[_Plan]) -> list[torch.Tensor]:
+        rows = [p.row for p in plans if isinstance(p.row, FlowRow)]
+        mels = self.flow.infer(rows, streaming=self.config.streaming_attention)
+        return [mel[:, 2 * (p.stream.prompt.tokens.shape[0] + p.offset - p.start):]
+                for p, mel in zip(plans, mels, strict=True)]
+
+    def _cached_mels(self, plans: list[_Plan]) -> list[torch.Tensor]:
+        """One solve over every planned chunk (empty answers need none)."""
+        assert self.cached is not None
+        rows = [p.row for p in plans if isinstance(p.row, ChunkRow)]
+        chunks = iter(self.cached.solver.solve(rows)) if rows else iter(())
+        dev = self.flow.noise.device
+        out = []
+        for p in plans:
+            if isinstance(p.row, ChunkRow):
+                out.append(next(chunks)[:, p.first_frame:p.row.num_frames])
+            else:
+                out.append(torch.zeros(80, 0, device=dev))
+        return out
 
     def commit(self, plans: list[_Plan], audios: list[torch.Tensor]) -> list[WaveChunk]:
         """Move each stream past its chunk; chunks of streams dropped since `plan` are discarded."""
@@ -331,8 +381,17 @@ class TokenToWave:
                 out.append(WaveChunk(p.stream_id, audio, p.is_final, p.end - p.offset, p.mel))
                 if p.is_final:
                     del self._streams[p.stream_id]
-                else:
-                    p.stream.offset = p.end
+                    if p.stream.keeps:
+                        self._park(p)
+                    elif self.cached is not None:
+                        self.cached.cache.release_stream(p.stream_id)
+                    continue
+                p.stream.offset = p.end
+                if p.stream.trim is None:
                     p.stream.next_end = grid_end(p.stream.prompt.tokens.shape[0], p.end, self.hop,
                                                  p.stream.min_hop)
+                    continue
+                if p.end % self.hop == 0 and self.cached is not None:  # its chunk is whole: history now
+                    self.cached.cache.complete_chunk(p.stream_id)
+                p.stream.next_end = (p.end // self.hop + 1) * self.hop
             return out

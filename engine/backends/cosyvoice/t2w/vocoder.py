@@ -21,8 +21,9 @@ Rows whose vocoder inputs have the same length (and finality) run as one batch.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -64,8 +65,8 @@ class V3VocoderState:
         return self.f0_start + self.f0.shape[0]
 
 
-def _groups(keys: list[tuple[int, bool]]) -> list[list[int]]:
-    by_key: dict[tuple[int, bool], list[int]] = defaultdict(list)
+def _groups(keys: list[Any]) -> list[list[int]]:
+    by_key: dict[Any, list[int]] = defaultdict(list)
     for i, key in enumerate(keys):
         by_key[key].append(i)
     return list(by_key.values())
@@ -116,8 +117,27 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
     return out
 
 
+def v3_step(hift: HiFT, mel: torch.Tensor, kept: torch.Tensor, phase0: torch.Tensor, starts: torch.Tensor,
+            finalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocoder call of rows of equal shape (t2w/vocoder_graphs.py replays it as a graph).
+
+    mel [G, 80, L] from each row's first re-vocoded frame; kept [G, K]: the exact f0 already
+    known for its first K frames; phase0 [G, H] float64: the phase before its first frame;
+    starts [G] long: its first absolute sample. -> (wave [G, n], f0 [G, T], cycles [G, T, H]).
+    """
+    f0_new = hift.predict_f0(mel, finalize=finalize)
+    f0 = torch.cat([kept.to(f0_new.dtype), f0_new[:, kept.shape[1]:]], dim=1)
+    cycles = hift.m_source.phase(f0, phase0)
+    sources = hift.m_source(f0, cycles, start=starts)
+    return hift.decode(mel[:, :, : f0.shape[1]], sources, finalize=finalize), f0, cycles
+
+
+Step = Callable[[HiFT, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool],
+                tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
 def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor], finals: list[bool],
-               context: int) -> list[torch.Tensor]:
+               context: int, step: Step = v3_step) -> list[torch.Tensor]:
     spf = hift.cfg.samples_per_frame
     f0_look = hift.f0_predictor.lookahead
     hold = f0_look + hift.cfg.conv_pre_look_right + 1  # frames of mel that a non-final chunk keeps
@@ -127,31 +147,23 @@ def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor
             st.mel, st.f0, st.cycles = st.mel.to(m.device), st.f0.to(m.device), st.cycles.to(m.device)
         st.mel = torch.cat([st.mel, m.to(st.mel.dtype)], dim=1)
         start = max(0, st.done - context)
-        f0_end = st.num_frames if fin else st.num_frames - f0_look
-        plans.append((start, f0_end))
+        plans.append(start)
     out: list[torch.Tensor] = [torch.zeros(0)] * len(states)
-    keys = [(st.num_frames - s, fin) for st, (s, _), fin in zip(states, plans, finals, strict=True)]
+    # rows of one call share their length, finality and known f0 (equal in steady state)
+    keys = [(st.num_frames - s, fin, st.f0_done - s) for st, s, fin in zip(states, plans, finals, strict=True)]
     for idx in _groups(keys):
         fin = finals[idx[0]]
-        starts = [plans[i][0] for i in idx]
+        starts = [plans[i] for i in idx]
         mel = torch.stack([states[i].mel[:, s - states[i].mel_start:] for i, s in zip(idx, starts, strict=True)])
         if mel.shape[2] <= (0 if fin else hold):
             for i in idx:  # nothing new can be vocoded yet (or ever, for an empty final chunk)
                 out[i] = torch.zeros(0)
             continue
-        f0_new = hift.predict_f0(mel, finalize=fin)
-        f0_rows, phase0 = [], []
-        for row, i in enumerate(idx):
-            st, s = states[i], starts[row]
-            kept = st.f0[s - st.f0_start:]
-            f0_rows.append(torch.cat([kept, f0_new[row, kept.shape[0]:]]))
-            phase0.append(st.cycles[s - 1 - st.f0_start] if s > 0 else torch.zeros(
-                hift.m_source.dim, dtype=torch.float64, device=mel.device))
-        f0 = torch.stack(f0_rows)
-        cycles = hift.m_source.phase(f0, torch.stack(phase0))
-        sources = torch.cat([hift.m_source(f0[row:row + 1], cycles[row:row + 1], start=starts[row] * spf)
-                             for row in range(len(idx))])
-        wav = hift.decode(mel[:, :, : f0.shape[1]], sources, finalize=fin)
+        kept = torch.stack([states[i].f0[s - states[i].f0_start:] for i, s in zip(idx, starts, strict=True)])
+        phase0 = torch.stack([states[i].cycles[s - 1 - states[i].f0_start] if s > 0 else torch.zeros(
+            hift.m_source.dim, dtype=torch.float64, device=mel.device) for i, s in zip(idx, starts, strict=True)])
+        first_samples = torch.tensor([s * spf for s in starts], device=mel.device)
+        wav, f0, cycles = step(hift, mel, kept, phase0, first_samples, fin)
         for row, i in enumerate(idx):
             st, s = states[i], starts[row]
             out[i] = wav[row, (st.done - s) * spf:]
@@ -166,11 +178,13 @@ def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor
 
 
 def vocode_batch(hift: HiFT, states: list[V2VocoderState | V3VocoderState], mels: list[torch.Tensor],
-                 finals: list[bool], context: int) -> list[torch.Tensor]:
-    """New mel [80, n] per stream -> the audio [m] each stream can emit now (float32)."""
+                 finals: list[bool], context: int, step: Step | None = None) -> list[torch.Tensor]:
+    """New mel [80, n] per stream -> the audio [m] each stream can emit now (float32).
+    `step`: v3's call at its shapes (VocoderGraphs.step replays graphs; default eager)."""
     dtype = hift.window.dtype  # the flow may run in a lower precision than the vocoder
     mels = [m.to(dtype) for m in mels]
     with torch.inference_mode():
         if hift.cfg.causal:
-            return _vocode_v3(hift, [cast(V3VocoderState, s) for s in states], mels, finals, context)
+            return _vocode_v3(hift, [cast(V3VocoderState, s) for s in states], mels, finals, context,
+                              step or v3_step)
         return _vocode_v2(hift, [cast(V2VocoderState, s) for s in states], mels, finals)

@@ -1,0 +1,20 @@
+"""The cosyvoice backend's defaults are sized for the device it runs on (config.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
+
+
+def test_batch_caps_default_to_gpu_sizes_on_a_gpu_and_small_ones_on_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu")
+    assert (cpu.batch_size, cpu.num_streams, cpu.flow_streams, cpu.uses_flow_thread) == (8, 16, 16, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # stand-in: no GPU here
+    gpu = CosyVoiceBackendConfig(model_dir=Path("m"))
+    assert (gpu.batch_size, gpu.num_streams, gpu.flow_streams, gpu.uses_flow_thread) == (256, 512, 128, True)
+    assert CosyVoiceBackendConfig(model_dir=Path("m"), max_batch_size=4).num_streams == 8  # asked: kept

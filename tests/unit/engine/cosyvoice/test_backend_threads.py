@@ -1,0 +1,105 @@
+"""The cosyvoice backend's threads: flow + vocoder on their own thread (t2w/worker.py) speak what the
+serial path speaks, flow calls are capped earliest-due first, and the text frontend runs on the
+backend's CPU executor."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendRequest
+from engine.backends import create_backend
+from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.types import RequestId, SynthesisRequest
+from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
+from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
+
+_ids = itertools.count()
+
+
+def make_backend(base: Path, **options: object) -> CosyVoiceBackend:
+    options = {"tokenizer": "bytes", "sampling": "greedy", "max_batch_size": 4, "num_threads": 1,
+               "default_voice_audio": str(reference_wav(base)), "default_voice_text": REFERENCE_TEXT,
+               **options}
+    backend = create_backend("cosyvoice", model_dir=str(tiny_model_dir(base, 3)), **options)
+    assert isinstance(backend, CosyVoiceBackend)
+    backend.load()
+    return backend
+
+
+def prepare(backend: CosyVoiceBackend, text: str, deadline: float = 0.0) -> BackendRequest:
+    return backend.prepare(SynthesisRequest(RequestId(f"fix-{next(_ids)}"), text, "default", deadline))
+
+
+def speak(backend: CosyVoiceBackend, items: list[BackendRequest]) -> dict[str, tuple[list[int], np.ndarray]]:
+    pcm: dict[str, list[np.ndarray]] = {item.request_id: [] for item in items}
+    out, live = {}, list(items)
+    for _ in range(3000):
+        if not live:
+            return out
+        for item, result in zip(list(live), backend.step(live), strict=True):
+            assert result.error is None, result.error
+            pcm[item.request_id].append(result.pcm)
+            if result.is_finished:
+                assert isinstance(item.state, CosyState)
+                out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
+                backend.release(item)
+                live.remove(item)
+    raise AssertionError("expected every request to finish")
+
+
+def test_flow_on_its_own_thread_speaks_what_the_serial_path_speaks(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.getbasetemp()
+    serial, threaded = make_backend(base, flow_thread="off"), make_backend(base, flow_thread="on")
+    assert serial.flow_worker is None and threaded.flow_worker is not None
+    texts = ("Hello world.", "Hi.", "A somewhat longer sentence, to make several chunks.")
+    serial_items = [prepare(serial, t) for t in texts]
+    threaded_items = [prepare(threaded, t) for t in texts]
+    want, got = speak(serial, serial_items), speak(threaded, threaded_items)
+    for a, b in zip(threaded_items, serial_items, strict=True):
+        (tokens, pcm), (want_tokens, want_pcm) = got[a.request_id], want[b.request_id]
+        assert tokens == want_tokens and len(pcm) == len(want_pcm) > 0
+        np.testing.assert_allclose(pcm, want_pcm, atol=1e-4)  # batch company differs: float noise
+    threaded.close()
+
+
+def test_flow_rows_per_step_are_capped_the_earliest_due_stream_first(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = make_backend(tmp_path_factory.getbasetemp(), max_flow_streams=1, flow_thread="off")
+    assert backend.model is not None
+    t2w = backend.model.t2w
+    batches: list[list[str]] = []
+    run = t2w.run
+    monkeypatch.setattr(t2w, "run", lambda ids: batches.append(list(ids)) or run(ids))
+    late, early = prepare(backend, "Hello world.", deadline=9.0), prepare(backend, "Hello world.", deadline=1.0)
+    got = speak(backend, [late, early])
+    assert batches and all(len(b) == 1 for b in batches)
+    assert batches[0] == [str(early.request_id)]  # both ready at once: the more starved goes first
+    assert len(got[late.request_id][1]) == len(got[early.request_id][1])
+
+
+def test_prepare_hands_the_text_frontend_to_the_backends_cpu_executor(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = make_backend(tmp_path_factory.getbasetemp())
+    assert backend.model is not None
+    frontend = backend.model.frontend
+    release, threads = threading.Event(), []
+    lm_input = frontend.lm_input
+
+    def slow(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        release.wait(30)
+        return lm_input(*args)
+
+    monkeypatch.setattr(frontend, "lm_input", slow)
+    item = prepare(backend, "Hello world.")  # returns while the frontend still waits
+    assert isinstance(item.state, CosyState) and not item.state.is_input_ready
+    release.set()
+    tokens, pcm = speak(backend, [item])[item.request_id]
+    assert threads and threads[0].startswith("voxgate-cosyvoice-cpu") and tokens and len(pcm)

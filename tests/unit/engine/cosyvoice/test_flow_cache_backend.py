@@ -1,0 +1,137 @@
+"""The flow's K/V cache through the cosyvoice backend: what admission reads (`can_admit`,
+`flow_cache_info`), a full cache makes a stream wait rather than run out of memory, a removed voice
+frees its prompt, and a context's segments share one flow stream (lm_context="continue")."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendRequest
+from engine.backends import create_backend
+from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.t2w.cached_flow import CachedFlow
+from engine.types import RequestId, SynthesisRequest
+from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
+from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
+
+_ids = itertools.count()
+
+
+def make_backend(base: Path, **options: object) -> CosyVoiceBackend:
+    backend = create_backend(
+        "cosyvoice", model_dir=str(tiny_model_dir(base, 3)), tokenizer="bytes", sampling="greedy",
+        max_batch_size=4, num_threads=1, default_voice_audio=str(reference_wav(base)),
+        default_voice_text=REFERENCE_TEXT, **options)
+    assert isinstance(backend, CosyVoiceBackend)
+    backend.load()
+    return backend
+
+
+def cached_of(backend: CosyVoiceBackend) -> CachedFlow:
+    assert backend.model is not None and backend.model.t2w.cached is not None
+    return backend.model.t2w.cached
+
+
+def prepare(backend: CosyVoiceBackend, text: str, context: str = "", deadline: float = 0.0) -> BackendRequest:
+    return backend.prepare(SynthesisRequest(RequestId(f"fc-{next(_ids)}"), text, "default", deadline,
+                                            context_key=context))
+
+
+def run(backend: CosyVoiceBackend, items: list[BackendRequest], max_cache_streams: list[int] | None = None
+        ) -> dict[str, tuple[list[int], np.ndarray]]:
+    """Step the items together until each finishes (released then); `max_cache_streams` gets the
+    most streams the flow's cache held after any step."""
+    pcm: dict[str, list[np.ndarray]] = {item.request_id: [] for item in items}
+    out: dict[str, tuple[list[int], np.ndarray]] = {}
+    live = list(items)
+    cache = cached_of(backend).cache
+    for _ in range(3000):
+        if not live:
+            return out
+        for item, result in zip(list(live), backend.step(live), strict=True):
+            assert result.error is None, result.error
+            pcm[item.request_id].append(result.pcm)
+            if result.is_finished:
+                assert isinstance(item.state, CosyState)
+                out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
+                backend.release(item)
+                live.remove(item)
+        if max_cache_streams is not None:
+            max_cache_streams.append(cache.num_streams)
+    raise AssertionError(f"{len(live)} requests did not finish")
+
+
+def test_a_cosyvoice_3_backend_runs_its_flow_over_the_cache_and_says_how_much_it_holds(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    backend = make_backend(tmp_path_factory.getbasetemp())
+    cached = cached_of(backend)
+    info = backend.flow_cache_info()
+    assert info["gib_per_stream"] > 0 and info["stream_capacity"] >= 16 and info["num_streams"] == 0
+    voice = backend.model.default_voice.flow if backend.model else None
+    assert cached.cache.has_voice(voice)  # the default voice's prompt was computed at load
+    before = cached.solver.num_solves
+    item = prepare(backend, "Hello world.")
+    tokens, pcm = run(backend, [item])[item.request_id]
+    assert len(pcm) == len(tokens) * 960 and cached.solver.num_solves > before
+    assert cached.cache.num_streams == 0 and backend.can_admit() and backend.can_admit("default")
+    assert backend.can_admit("no-such-voice")  # its request fails as unknown_voice, not busy
+
+
+def test_a_stream_the_cache_cannot_hold_waits_and_admission_says_no_until_one_ends(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.getbasetemp()
+    probe = cached_of(make_backend(base)).cache
+    shape, per_stream = probe.shape, probe.blocks_per_stream
+    prompt_blocks = len(probe._voices[next(iter(probe._voices))].blocks)
+    blocks = 2 * per_stream + prompt_blocks + 1  # two streams, the default voice, the scratch block
+    per_block = shape.bytes_per_block + shape.bytes_per_slot / per_stream + shape.bytes_per_slot
+    gib = (blocks * per_block + 2 * shape.bytes_per_slot + 1) / 2 ** 30
+    backend = make_backend(base, flow_cache_gib=str(gib))
+    cache = cached_of(backend).cache
+    assert cache.num_blocks == blocks and backend.can_admit()
+    items = [prepare(backend, "Hello there, how are you today?") for _ in range(3)]
+    backend.step(items)
+    assert cache.num_streams == 2 and not backend.can_admit()  # the third waits: no out-of-memory
+    third = items[2].state
+    assert isinstance(third, CosyState) and not third.has_slot and not third.has_stream
+    backend.release(items[0])  # a cancel frees its cache
+    assert cache.num_streams == 1 and backend.can_admit()
+    spoken = run(backend, items[1:])
+    assert all(len(tokens) > 0 for tokens, _ in spoken.values())
+
+
+def test_a_removed_voice_frees_its_cached_prompt(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from tests.support.cosyvoice_tiny import voiced
+
+    backend = make_backend(tmp_path_factory.getbasetemp())
+    cache = cached_of(backend).cache
+    features = backend.make_voice_features(voiced(2.0, 16000), 16000, REFERENCE_TEXT)
+    backend.add_voice("mine", features, {})
+    free = cache.num_free_blocks
+    item = backend.prepare(SynthesisRequest(RequestId("fc-voice"), "Hello world.", "mine", 0.0))
+    run(backend, [item])
+    voice = backend.get_voice("mine").flow
+    assert cache.has_voice(voice) and cache.num_free_blocks < free  # computed at its first stream
+    backend.remove_voice("mine")
+    assert not cache.has_voice(voice) and cache.num_free_blocks == free
+
+
+def test_a_contexts_segments_share_one_flow_stream(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lm_context="continue": the next segment takes over the last one's flow (its history, cache
+    memory and vocoder), so the context never holds two streams' memory; per segment, it does."""
+    base = tmp_path_factory.getbasetemp()
+    held = {}
+    for mode in ("continue", "segment"):
+        backend = make_backend(base, lm_context=mode)
+        counts: list[int] = []
+        first, second = prepare(backend, "Hello world.", "turn"), prepare(backend, "How are you?", "turn", 1.0)
+        spoken = run(backend, [first, second], counts)
+        assert all(len(pcm) == len(tokens) * 960 > 0 for tokens, pcm in spoken.values())
+        held[mode] = (max(counts), cached_of(backend).cache.num_streams)
+        backend.end_context("turn")
+        assert cached_of(backend).cache.num_streams == 0  # the parked flow goes with its context
+    assert held == {"continue": (1, 1), "segment": (2, 0)}
