@@ -50,7 +50,7 @@ PIPELINE_ARGS=${PIPELINE_ARGS:-}
 ANCHOR_PIPELINE_ARGS=${ANCHOR_PIPELINE_ARGS:-}
 # >>> FLOW_CACHE_ARGS: the arguments of the flow's K/V cache bench (bench/gpu_flow_cache.py; its
 # --json and --budget-s are added here). Where that bench is missing, the flow estimator bench runs.
-FLOW_CACHE_ARGS=${FLOW_CACHE_ARGS:---streams 1,8,32,64,128,256}
+FLOW_CACHE_ARGS=${FLOW_CACHE_ARGS:---streams 1,8,32,64,128,256 --steps 3 --warmup 1}
 # <<< FLOW_CACHE_ARGS
 FLOW_S=${FLOW_S:-70} LM_S=${LM_S:-45} PIPELINE_S=${PIPELINE_S:-170} GATEWAY_S=${GATEWAY_S:-185}
 mkdir -p "$OUT" "$WORK"

@@ -124,7 +124,7 @@ class Engine(VoiceVerbs):
         self._lanes = (ThreadPoolExecutor(self.num_lanes, thread_name_prefix="voxgate-lane")
                        if is_laned else self._executor)
         self._in_flight: set[RequestId] = set()  # requests in a running step
-        self.scheduler = Scheduler(self.scheduler_config)
+        self.scheduler = Scheduler(self.scheduler_config, memory_capacity=backend.context_capacity)
         self._task: asyncio.Task[None] | None = None
         self._voices: list[VoiceInfo] = []
         self.is_ready = False
@@ -480,7 +480,8 @@ class Engine(VoiceVerbs):
                 self._fail(handle, result.error)
                 continue
             chunk = AudioChunk(item.request_id, np.asarray(result.pcm, dtype=np.float32),
-                               self.sample_rate, result.is_finished, result.words)
+                               self.sample_rate, result.is_finished, result.words,
+                               step_ms=1000.0 * elapsed)
             handle.made_s += chunk.duration_ms / 1000.0
             handle.est_s = item.est_audio_s  # a backend may know the length better once it ran
             if result.is_finished:

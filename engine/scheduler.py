@@ -166,8 +166,12 @@ class SchedulerStats:
 class Scheduler:
     """Holds the runnable requests and picks each step's batch."""
 
-    def __init__(self, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: SchedulerConfig | None = None,
+                 memory_capacity: Callable[[], int] | None = None) -> None:
+        """`memory_capacity`: talking contexts the backend's memory holds (0: no bound of its
+        own; `Backend.context_capacity`), read at every admission."""
         self.config = config or SchedulerConfig()
+        self.memory_capacity = memory_capacity or (lambda: 0)
         self.cost = StepCostModel()
         self.stats = SchedulerStats()
         self._entries: dict[RequestId, _Entry] = {}
@@ -260,11 +264,16 @@ class Scheduler:
         return len(self._contexts)
 
     def max_contexts(self) -> int:
-        if self.config.max_contexts:
-            return self.config.max_contexts
-        capacity = self.cost.realtime_capacity(self.config.max_batch_size)
-        estimate = int(capacity * self.config.target_utilization / self.config.talk_ratio)
-        return max(self.config.min_contexts, estimate)
+        """The admission limit: the configured one, else the estimate from measured step costs
+        (at least `min_contexts`); either way never more than the backend's memory holds (a
+        GPU's flow cache), so a context past it is refused as busy, never run out of memory."""
+        limit = self.config.max_contexts
+        if not limit:
+            capacity = self.cost.realtime_capacity(self.config.max_batch_size)
+            limit = max(self.config.min_contexts,
+                        int(capacity * self.config.target_utilization / self.config.talk_ratio))
+        memory = self.memory_capacity()
+        return min(limit, memory) if memory > 0 else limit
 
     def admit(self, context_key: str) -> bool:
         if context_key in self._contexts:

@@ -185,3 +185,15 @@ def test_each_item_is_planned_with_what_runs_beside_its_step_and_who_talks() -> 
     plans = plan_step([mine, own], 0.0, [False, True], {"s1", "request:b"})
     assert plans == [StepPlan(1.0, is_alone=False, is_contended=True),
                      StepPlan(2.0, is_alone=False, is_contended=True)]
+
+
+def test_admission_never_passes_what_the_backends_memory_holds() -> None:
+    memory = [3]
+    s = Scheduler(SchedulerConfig(max_contexts=10), memory_capacity=lambda: memory[0])
+    assert s.max_contexts() == 3
+    assert s.admit("a") and s.admit("b") and s.admit("c")
+    assert not s.admit("d")
+    memory[0] = 0  # no bound of its own (piper): the configured limit alone
+    assert s.max_contexts() == 10 and s.admit("d")
+    estimated = Scheduler(SchedulerConfig(min_contexts=16), memory_capacity=lambda: 5)
+    assert estimated.max_contexts() == 5  # the floor for a CPU's estimate yields to memory

@@ -14,6 +14,9 @@ from engine.backend import BackendRequest
 from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.t2w.cached_flow import CachedFlow
+from engine.engine import Engine, EngineConfig
+from engine.errors import EngineBusyError
+from engine.scheduler import SchedulerConfig
 from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
@@ -135,3 +138,25 @@ def test_a_contexts_segments_share_one_flow_stream(tmp_path_factory: pytest.Temp
         backend.end_context("turn")
         assert cached_of(backend).cache.num_streams == 0  # the parked flow goes with its context
     assert held == {"continue": (1, 1), "segment": (2, 0)}
+
+
+def test_the_engine_refuses_a_context_the_flow_cache_cannot_hold_as_busy(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.getbasetemp()
+    probe = cached_of(make_backend(base)).cache
+    shape, per_stream = probe.shape, probe.blocks_per_stream
+    prompt_blocks = len(probe._voices[next(iter(probe._voices))].blocks)
+    blocks = 2 * per_stream + prompt_blocks + 1  # room for two streams of the default voice
+    per_block = shape.bytes_per_block + shape.bytes_per_slot / per_stream + shape.bytes_per_slot
+    gib = (blocks * per_block + 2 * shape.bytes_per_slot + 1) / 2 ** 30
+    backend = make_backend(base, flow_cache_gib=str(gib))
+    # asked for more than the memory holds: the memory's figure wins
+    engine = Engine(backend, EngineConfig(scheduler=SchedulerConfig(max_contexts=64)))
+    assert backend.context_capacity() == 2 and engine.scheduler.max_contexts() == 2
+    engine.admit("s/a")
+    engine.admit("s/b")
+    with pytest.raises(EngineBusyError) as refused:
+        engine.admit("s/c")
+    assert refused.value.code == "busy"
+    engine.release_context("s/a")  # a context that ends gives its place back
+    engine.admit("s/c")
