@@ -42,7 +42,13 @@ class WordTiming:
 
 @dataclass(slots=True, frozen=True)
 class VoiceInfo:
-    """A voice a backend can speak with."""
+    """A voice a backend can speak with.
+
+    `language` is the voice's own tag (`en-US`); `languages` the languages it can
+    speak, as lower-case primary subtags (`("en",)`, `("zh", "en", "ja")`), which
+    the gateway routes segments by (docs/voices.md, "Languages"); empty: not
+    declared, the voice is given everything.
+    """
 
     voice_id: str
     name: str
@@ -51,6 +57,7 @@ class VoiceInfo:
     sample_rate: int
     is_builtin: bool = True
     supports_instructions: bool = False
+    languages: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -100,7 +107,9 @@ class AudioChunk:
 
     `pcm` is mono float32 in [-1, 1] at `sample_rate`. `words` is set on the
     chunk that carries timings (piper gives them for the whole segment with its
-    only chunk). `is_last` marks the request's final chunk.
+    only chunk). `is_last` marks the request's final chunk. `step_ms` is the wall
+    time of the engine step that made it (shared by every request of that batch):
+    what a client is told the server spent on its audio (docs/compat.md, Cartesia).
     """
 
     request_id: RequestId
@@ -108,6 +117,7 @@ class AudioChunk:
     sample_rate: int
     is_last: bool
     words: list[WordTiming] | None = None
+    step_ms: float = 0.0
 
     @property
     def duration_ms(self) -> float:

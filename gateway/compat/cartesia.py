@@ -8,11 +8,21 @@ input, `{context_id, cancel: true}` is a barge-in (engine work cancelled at
 once, nothing more of it is sent). `max_buffer_delay_ms` maps onto voxgate's
 time-based text release: 0 (release each input at once) becomes
 `IMMEDIATE_DELAY_MS`, absent is the vendor's default, 3000.
+
+Flushes, as Cartesia's "Context Flushing and Flush IDs" guide has them: a
+context's inputs are numbered in groups from `flush_id` 1; `flush: true`
+speaks the group's buffered text at once and starts the next group, the
+context going on. Each chunk carries the `flush_id` of the input it speaks,
+and once a group's audio is all out a `flush_done` names it (`done: false`:
+the context is not over; groups end in order). `step_time` is the engine time
+behind the chunk's audio, in ms (gateway/compat/steps.py), and an idle socket
+is closed as Cartesia does, with a plain close (`idle_close`).
 """
 
 from __future__ import annotations
 
 import base64
+from collections import deque
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -21,8 +31,8 @@ from gateway.compat.alignment import Tracked, segment_words
 from gateway.compat.core import CompatSession, VendorContext, vendor_json
 from gateway.compat.endpoint import serve
 from gateway.compat.formats import OutputFormat, native_format
-from gateway.errors import ProtocolError
-from gateway.stream.actions import Action
+from gateway.errors import CLOSE_NORMAL, ProtocolError
+from gateway.stream.actions import Action, Close
 from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import unknown_voice_message
 
@@ -64,10 +74,17 @@ def _buffer_delay(message: dict[str, Any]) -> int:
 
 class CartesiaSession(CompatSession):
     protocol = "cartesia"
+    reports_engine_time = True
 
     def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
         return vendor_json({"type": "error", "context_id": vendor_id, "status_code": _STATUS.get(code, 500),
                             "done": True, "error": message, "title": code})
+
+    def idle_close(self, idle_s: float) -> list[Action]:
+        """Cartesia closes an idle socket (after 5 minutes, its "Concurrency and WebSocket
+        Limits" page) with no message; the code is not documented: a normal close, which
+        Pipecat's Cartesia service reads as that timeout and reconnects."""
+        return [Close(CLOSE_NORMAL, f"idle for {idle_s:g} s")]
 
     def handle(self, message: dict[str, Any], now: float) -> list[Action]:
         context_id = message.get("context_id")
@@ -86,8 +103,35 @@ class CartesiaSession(CompatSession):
         actions: list[Action] = []
         if transcript:
             actions += self.push_text(vctx, transcript, now, options=vctx.state["options"])
+            flush_of = vctx.state["flush_of"]
+            for native_id in vctx.live:  # the native contexts this input opened join its group
+                flush_of.setdefault(native_id, vctx.state["flush_id"])
+        if message.get("flush") is True:
+            actions += self._flush(vctx, now)
         if not is_continued:
             actions += self.end_vendor(vctx, now)
+        return actions
+
+    def _flush(self, vctx: VendorContext, now: float) -> list[Action]:
+        """Speak the current group's text now; the next input starts group `flush_id` + 1."""
+        actions = self.flush_vendor(vctx, now)
+        vctx.state["flushed"].append(vctx.state["flush_id"])
+        vctx.state["flush_id"] += 1
+        return actions + self._flushes_done(vctx)
+
+    def native_done(self, vctx: VendorContext, native_id: str) -> list[Action]:
+        vctx.state["flush_of"].pop(native_id, None)
+        return self._flushes_done(vctx)
+
+    def _flushes_done(self, vctx: VendorContext) -> list[Action]:
+        """`flush_done` for each flushed group, in order, whose audio is all out."""
+        flushed: deque[int] = vctx.state["flushed"]
+        speaking = set(vctx.state["flush_of"].values())
+        actions: list[Action] = []
+        while flushed and flushed[0] not in speaking:
+            actions.append(vendor_json({"type": "flush_done", "context_id": vctx.vendor_id,
+                                        "status_code": 206, "done": False, "flush_done": True,
+                                        "flush_id": flushed.popleft()}))
         return actions
 
     def _open(self, context_id: str, message: dict[str, Any]) -> VendorContext:
@@ -109,6 +153,9 @@ class CartesiaSession(CompatSession):
         vctx.state["options"] = {"voice": voice_id, "codec": codec, "sample_rate": rate,
                                  "max_buffer_delay_ms": delay}
         vctx.state["timestamps"] = message.get("add_timestamps") is True
+        vctx.state["flush_id"] = 1      # the group the next input joins
+        vctx.state["flush_of"] = {}     # native context -> its group, until its audio is out
+        vctx.state["flushed"] = deque()  # groups flushed whose flush_done is still to come
         return vctx
 
     def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
@@ -121,8 +168,12 @@ class CartesiaSession(CompatSession):
                         "type": "timestamps", "context_id": vctx.vendor_id, "status_code": 206,
                         "done": False, "word_timestamps": {"words": words, "start": starts, "end": ends}}))
         if data:
+            # a transcoder's tail comes after its native context ended: it is the last group's
+            flush_id = vctx.state["flush_of"].get(vctx.speaking, vctx.state.get("last_flush_id", 1))
+            vctx.state["last_flush_id"] = flush_id
             actions.append(vendor_json({"type": "chunk", "context_id": vctx.vendor_id, "status_code": 206,
-                                        "done": False, "step_time": 0.0,
+                                        "done": False, "step_time": round(vctx.step_ms, 3),
+                                        "flush_id": flush_id,
                                         "data": base64.b64encode(data).decode("ascii")}))
         return actions
 

@@ -25,6 +25,7 @@ contexts play in creation order keeps a vendor context's audio in order.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,11 +34,12 @@ from typing import Any
 from engine.types import AudioChunk, RequestId
 from gateway.compat.alignment import Tracked
 from gateway.compat.formats import OutputFormat, Transcoder, native_format
-from gateway.errors import ErrorEvent, ProtocolError
-from gateway.stream.actions import Action, Send, SendFrame
+from gateway.compat.steps import EngineTime
+from gateway.errors import CLOSE_POLICY_VIOLATION, ErrorEvent, ProtocolError
+from gateway.stream.actions import Action, Cancel, Close, Send, SendFrame, Submit
 from gateway.stream.context import Context
 from gateway.stream.endpoint import Connection
-from gateway.stream.events import AudioEvent, ContextDone, SegmentEvent, encode_json
+from gateway.stream.events import AudioEvent, ContextDone, SegmentEvent, TextSkipped, encode_json
 from gateway.stream.messages import (
     CancelMessage,
     ClientMessage,
@@ -49,7 +51,10 @@ from gateway.stream.messages import (
 )
 from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Session
-from gateway.voices.catalog import VoiceCatalog
+from gateway.text.routing import Languages
+from gateway.voices.catalog import VoiceChoices
+
+log = logging.getLogger("voxgate.gateway")
 
 #: checks a key that came after the handshake (`Admission.rekey`); raises `Refused`
 Authorize = Callable[[str | None], None]
@@ -74,6 +79,8 @@ class VendorContext:
     num_segments: int = 0
     tracked: deque[Tracked] = field(default_factory=deque)
     sub_start_ms: dict[str, float] = field(default_factory=dict)
+    speaking: str | None = None                    # the native context of the audio being passed on
+    step_ms: float = 0.0                           # the engine time behind that audio (`EngineTime`)
     state: dict[str, Any] = field(default_factory=dict)  # the adapter's own fields
 
 
@@ -81,25 +88,30 @@ class CompatSession(Session):
     """The native session behind a vendor wire (see the module doc); adapters subclass it."""
 
     protocol = "compat"
+    #: the wire reports the engine time behind each chunk (Cartesia's `step_time`)
+    reports_engine_time = False
 
-    def __init__(self, session_id: str, *, catalog: VoiceCatalog, sample_rate: int,
+    def __init__(self, session_id: str, *, catalog: VoiceChoices, sample_rate: int,
                  options: SessionOptions, limits: Limits, output: OutputFormat,
                  admit: Callable[[str], None], release: Callable[[str], None],
-                 authorize: Authorize | None = None) -> None:
+                 authorize: Authorize | None = None, languages: Languages | None = None) -> None:
         """`authorize`: None when the key was checked at the handshake; else the session
-        is unauthorized until its first message brings a key that `authorize` takes."""
+        is unauthorized until its first message brings a key that `authorize` takes, and
+        is closed if none came within `limits.auth_timeout_s` (`tick`)."""
         codec, rate, _ = native_format(output)
         options.codec, options.sample_rate, options.encoding = codec, rate, "json"
         super().__init__(session_id, catalog=catalog, sample_rate=sample_rate, options=options,
-                         limits=limits, admit=admit, release=release)
+                         limits=limits, admit=admit, release=release, languages=languages)
         self.output = output
         self.authorize = authorize
+        self.auth_deadline: float | None = None  # set at `start` while unauthorized
         self.vendor_contexts: dict[str, VendorContext] = {}
         self._by_native: dict[str, VendorContext] = {}
         # the session's Context objects, kept past their end: a segment that starts in
         # the same step as its context ends is tracked after the session let go of it
         self._native_contexts: dict[str, Context] = {}
         self._native_ids = itertools.count(1)
+        self._engine_time = EngineTime() if self.reports_engine_time else None
 
     # -- what adapters implement ------------------------------------------------
     def handle(self, message: dict[str, Any], now: float) -> list[Action]:
@@ -117,9 +129,19 @@ class CompatSession(Session):
     def start_frames(self) -> list[Action]:
         return []
 
+    def idle_close(self, idle_s: float) -> list[Action]:
+        """How the vendor closes a socket that sent nothing for `idle_s` (the I/O loop asks)."""
+        raise NotImplementedError
+
+    def native_done(self, vctx: VendorContext, native_id: str) -> list[Action]:
+        """One of `vctx`'s native contexts ended (its audio is all out); before `done_frames`."""
+        return []
+
     # -- the Connection's entry points, in the vendor's shapes ------------------
     def start(self, now: float) -> list[Action]:
         super().start(now)  # session.ready: no vendor has it
+        if self.authorize is not None:
+            self.auth_deadline = now + self.limits.auth_timeout_s
         return self.start_frames()
 
     def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
@@ -132,6 +154,8 @@ class CompatSession(Session):
             return [self.error_frame(exc.code, exc.message, exc.context_id, exc.fatal)]
 
     def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]:
+        if self._engine_time is not None:
+            self._engine_time.made(chunk)
         return self._translate(super().receive_audio(chunk, now))
 
     def receive_engine_error(self, request_id: RequestId, exc: BaseException,
@@ -139,11 +163,24 @@ class CompatSession(Session):
         return self._translate(super().receive_engine_error(request_id, exc, now))
 
     def tick(self, now: float) -> list[Action]:
+        if self.authorize is not None and self.auth_deadline is not None and now >= self.auth_deadline:
+            # keyless, it holds a place in the session cap and does nothing: not for long
+            self.auth_deadline = None
+            return [self.error_frame("unauthorized", "a valid API key is required within "
+                                     f"{self.limits.auth_timeout_s:g} s of connecting; none came",
+                                     None, True),
+                    Close(CLOSE_POLICY_VIOLATION, "unauthorized")]
         return self._translate(super().tick(now))
 
+    def next_wakeup(self) -> float | None:
+        wakeup = super().next_wakeup()
+        if self.authorize is None or self.auth_deadline is None:
+            return wakeup
+        return self.auth_deadline if wakeup is None else min(wakeup, self.auth_deadline)
+
     def encode_native(self, action: Send) -> str:
-        """A native event the I/O loop made itself (an idle timeout, a slow consumer) in
-        vendor shape."""
+        """A native event the I/O loop made itself (a slow consumer, an internal error) in
+        vendor shape; an idle socket is closed by `idle_close` instead."""
         event = action.message
         if isinstance(event, ErrorEvent):
             frame = self.error_frame(event.code, event.message, None, event.fatal)
@@ -229,7 +266,7 @@ class CompatSession(Session):
         for native_id in vctx.live:
             actions += self.native(CancelMessage(native_id), now)
             self._by_native.pop(native_id, None)
-            self._native_contexts.pop(native_id, None)
+            self._forget_native(native_id)
         vctx.live.clear()
         vctx.current = None
         self.vendor_contexts.pop(vctx.vendor_id, None)
@@ -248,6 +285,8 @@ class CompatSession(Session):
         out: list[Action] = []
         for action in actions:
             if not isinstance(action, Send):
+                if self._engine_time is not None:
+                    self._count_engine_time(action)
                 out.append(action)
                 continue
             event = action.message
@@ -257,6 +296,11 @@ class CompatSession(Session):
                 out += self._on_audio(event)
             elif isinstance(event, ContextDone):
                 out += self._on_done(event.context_id)
+            elif isinstance(event, TextSkipped):
+                # no vendor has a message for it: skipped silently, logged without the text
+                # (docs/voices.md, "Languages"); the session counted it in the metrics
+                log.info("session %s (%s): skipped %d characters of %s: no voice for it",
+                         self.session_id, self.protocol, len(event.text), event.language)
             elif isinstance(event, ErrorEvent):
                 native_id = event.context_id
                 vctx = self._by_native.get(native_id) if native_id is not None else None
@@ -278,6 +322,16 @@ class CompatSession(Session):
         segment = context.segments[event.segment_id]
         vctx.tracked.append(Tracked(segment, start + event.pts_ms, is_first=vctx.num_segments == 0))
         vctx.num_segments += 1
+        if self._engine_time is not None:
+            self._engine_time.started(native_id, segment.request_id, event.pts_ms)
+
+    def _count_engine_time(self, action: Action) -> None:
+        """Requests enter the engine-time ledger when submitted and leave when cancelled."""
+        assert self._engine_time is not None
+        if isinstance(action, Submit):
+            self._engine_time.submitted(action.request.request_id)
+        elif isinstance(action, Cancel):
+            self._engine_time.forget([action.request_id])
 
     def _ready(self, vctx: VendorContext, everything: bool = False) -> list[Tracked]:
         """Segments whose audio is all framed, so their timings are final."""
@@ -291,6 +345,9 @@ class CompatSession(Session):
         if vctx is None:
             return []
         vctx.audio_ms += event.duration_ms
+        vctx.speaking = event.context_id
+        if self._engine_time is not None:
+            vctx.step_ms = self._engine_time.spent(event.context_id, event.pts_ms, event.duration_ms)
         data = event.data
         if vctx.transcoder is not None:
             data = vctx.transcoder.encode(data)
@@ -299,16 +356,22 @@ class CompatSession(Session):
 
     def _on_done(self, native_id: str) -> list[Action]:
         vctx = self._by_native.pop(native_id, None)
-        self._native_contexts.pop(native_id, None)
+        self._forget_native(native_id)
         if vctx is None:
             return []
         if native_id in vctx.live:
             vctx.live.remove(native_id)
         if vctx.current == native_id:  # ended by the session itself (an idle turn)
             vctx.current = None
+        actions = self.native_done(vctx, native_id)
         if vctx.live or not vctx.is_input_closed:
-            return []
-        return self._finish_vendor(vctx)
+            return actions
+        return actions + self._finish_vendor(vctx)
+
+    def _forget_native(self, native_id: str) -> None:
+        context = self._native_contexts.pop(native_id, None)
+        if self._engine_time is not None and context is not None:
+            self._engine_time.forget([s.request_id for s in context.segments], native_id)
 
     def _finish_vendor(self, vctx: VendorContext) -> list[Action]:
         self.vendor_contexts.pop(vctx.vendor_id, None)
@@ -326,3 +389,8 @@ class CompatConnection(Connection):
         session = self.session
         assert isinstance(session, CompatSession)
         return session.encode_native(action)
+
+    def _idle_close(self, idle_s: float) -> list[Action]:
+        session = self.session
+        assert isinstance(session, CompatSession)
+        return session.idle_close(idle_s)

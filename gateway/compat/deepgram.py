@@ -6,8 +6,12 @@ from the vendor. The text between two `Flush` messages is one vendor context:
 audio), `Clear` is a barge-in (every context's engine work is cancelled at
 once, then `Cleared`), `Close` cancels what is left and closes with 1000. The
 audio is binary frames in `encoding` (linear16, mulaw, alaw) at `sample_rate`.
-`model` names the voice; one the server does not have speaks with the
-server's default voice, with a `Warning`.
+`model` names the voice, resolved in the key's tenant; one the key may not
+use speaks with the server's default voice, with a `Warning`. The key comes
+as `Authorization: Token KEY` (or `Bearer`), `?token=`, or, from a browser,
+which cannot set headers on a socket, as the subprotocol pair
+`Sec-WebSocket-Protocol: token, KEY`: the answer then names `token`, as
+Deepgram's does.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from gateway.compat.alignment import Tracked
 from gateway.compat.core import CompatSession, VendorContext, vendor_json
 from gateway.compat.endpoint import serve
 from gateway.compat.formats import OutputFormat
-from gateway.errors import CLOSE_NORMAL, ProtocolError
+from gateway.errors import CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, ProtocolError
 from gateway.stream.actions import Action, Close, SendFrame
 from gateway.stream.options import SessionOptions
+from gateway.voices.catalog import VoiceChoices
 
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_SAMPLE_RATE = 24000
+#: Deepgram's code for a socket closed for sending nothing, in its close frame's reason
+NET_0001 = "NET-0001"
 
 
 def parse_output(query: dict[str, str]) -> OutputFormat:
@@ -67,6 +74,12 @@ class DeepgramSession(CompatSession):
                                 "description": message})
         return vendor_json({"type": "Warning", "warn_code": code, "warn_msg": message,
                             "description": message})
+
+    def idle_close(self, idle_s: float) -> list[Action]:
+        """Deepgram's close for a socket that sent nothing in time: no message, the reason in
+        the close frame, 1011 with its `NET-0001` code (its TTS troubleshooting guide)."""
+        return [Close(CLOSE_INTERNAL_ERROR, f"{NET_0001}: no message came within the timeout "
+                      f"window ({idle_s:g} s)")]
 
     def handle(self, message: dict[str, Any], now: float) -> list[Action]:
         kind = message.get("type")
@@ -110,12 +123,19 @@ class DeepgramSession(CompatSession):
         return [self._flushed()]
 
 
-def _key(websocket: WebSocket) -> str | None:
+_SCHEMES = ("token", "bearer")
+
+
+def _key(websocket: WebSocket) -> tuple[str | None, str | None]:
+    """(the key, the subprotocol to answer: the scheme, when the key came as a subprotocol)."""
     value = websocket.headers.get("authorization", "")
-    for scheme in ("token ", "bearer "):
-        if value.lower().startswith(scheme):
-            return value[len(scheme):].strip()
-    return websocket.query_params.get("token")
+    for scheme in _SCHEMES:
+        if value.lower().startswith(scheme + " "):
+            return value[len(scheme) + 1:].strip(), None
+    offered = [p.strip() for p in websocket.headers.get("sec-websocket-protocol", "").split(",")]
+    if len(offered) == 2 and offered[0].lower() in _SCHEMES and offered[1]:
+        return offered[1], offered[0]
+    return websocket.query_params.get("token"), None
 
 
 def _error_json(code: str, message: str) -> str:
@@ -132,11 +152,14 @@ async def speak_endpoint(websocket: WebSocket) -> None:
         query = dict(websocket.query_params)
         output = parse_output(query)
         model = query.get("model")
-        voice: str = model if model is not None and model in state.catalog.listed else state.config.voice
+        voices: VoiceChoices = kwargs["catalog"]  # the socket's tenant's, and the shared ones
+        voice: str = model if model is not None and model in voices.listed else state.config.voice
         session = DeepgramSession(output=output, options=SessionOptions(voice=voice), **kwargs)
         if model and model != voice:
             session.warning = f"model {model[:64]!r} is not a voice of this server; speaking with {voice!r}"
         return session
 
-    await serve(websocket, make, protocol="deepgram", key=_key(websocket),
-                key_hint="Authorization: Token <key>, or ?token=", error_json=_error_json)
+    key, subprotocol = _key(websocket)
+    await serve(websocket, make, protocol="deepgram", key=key, subprotocol=subprotocol,
+                key_hint="Authorization: Token <key>, Sec-WebSocket-Protocol: token, <key>, or ?token=",
+                error_json=_error_json)

@@ -17,6 +17,11 @@ from the vendor. The rules that are ours:
 - Alignment comes once per segment, when its timings are final (see
   gateway/compat/alignment.py); times are relative to the first aligned
   segment's start, and successive alignments tile the audio.
+- The voice in the URL is resolved in the tenant of the key, so a socket whose
+  key comes in its first message has its voice checked then, not before: a
+  caller without a key learns nothing about voices. Until the key comes the
+  socket speaks nothing, its frames take the native message rate, and after
+  `Limits.auth_timeout_s` it is closed with 1008 and the vendor's error frame.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from gateway.voices.catalog import unknown_voice_message
 AUTO_MODE_DELAY_MS = 50
 DEFAULT_INACTIVITY_S, MAX_INACTIVITY_S = 20.0, 180.0
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # the vendor's default
+#: the error code of ElevenLabs' idle close, which clients match on (docs/compat.md)
+INPUT_TIMEOUT = "input_timeout_exceeded"
 
 
 def parse_output_format(name: str) -> OutputFormat:
@@ -83,6 +90,8 @@ class ElevenLabsSession(CompatSession):
 
     protocol = "elevenlabs"
     is_multi = False
+    #: the URL's voice, while the key that resolves it has not come (first-message keys)
+    pending_voice: str | None = None
 
     def _ids(self, vendor_id: str | None) -> dict[str, Any]:
         return {"contextId": vendor_id, "context_id": vendor_id} if self.is_multi else {}
@@ -90,6 +99,14 @@ class ElevenLabsSession(CompatSession):
     def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
         return vendor_json({"message": message, "error": code,
                             "code": CLOSE_POLICY_VIOLATION if fatal else 400, **self._ids(vendor_id)})
+
+    def idle_close(self, idle_s: float) -> list[Action]:
+        """ElevenLabs' own close when no text came within `inactivity_timeout`: the
+        `input_timeout_exceeded` error (no context id: it is the socket's), then 1008."""
+        message = (f"No new text came within the inactivity timeout of {idle_s:g} s, so the input "
+                   "was closed. Send text or a keepalive in time, or an empty text to end the input.")
+        return [vendor_json({"message": message, "error": INPUT_TIMEOUT, "code": CLOSE_POLICY_VIOLATION}),
+                Close(CLOSE_POLICY_VIOLATION, f"{INPUT_TIMEOUT}: no text within {idle_s:g} s")]
 
     def handle(self, message: dict[str, Any], now: float) -> list[Action]:
         if self.authorize is not None:
@@ -148,7 +165,14 @@ class ElevenLabsSession(CompatSession):
             return [self.error_frame(refusal.code, refusal.message, None, True),
                     Close(refusal.close_code, refusal.code)]
         self.authorize = None
-        return self.handle(message, now)
+        actions: list[Action] = []
+        if self.pending_voice is not None:  # the key's tenant resolves the URL's voice now
+            voice, self.pending_voice = self.pending_voice, None
+            if voice not in self.catalog.listed:
+                return [self.error_frame("unknown_voice", unknown_voice_message(voice), None, True),
+                        Close(CLOSE_POLICY_VIOLATION, "unknown_voice")]
+            actions += self.update_options({"voice": voice}, now)
+        return actions + self.handle(message, now)
 
     def _close_context(self, vendor_id: str, now: float) -> list[Action]:
         vctx = self.vendor_contexts.get(vendor_id)
@@ -214,13 +238,11 @@ def _error_json(code: str, message: str) -> str:
 
 
 def _query_options(websocket: WebSocket) -> tuple[OutputFormat, SessionOptions, float]:
-    """(output format, options, inactivity timeout) from the socket's URL; raises ProtocolError."""
-    state = websocket.app.state.voxgate
+    """(output format, options, inactivity timeout) from the socket's URL; raises ProtocolError.
+    The voice is not checked here: that takes the key's tenant (`_endpoint`)."""
     query = websocket.query_params
     voice_id = str(websocket.path_params.get("voice_id", ""))
     output = parse_output_format(query.get("output_format", DEFAULT_OUTPUT_FORMAT))
-    if voice_id not in state.catalog.listed:  # the answer lists no voice: they may be a tenant's
-        raise ProtocolError("unknown_voice", unknown_voice_message(voice_id), fatal=True)
     try:
         inactivity = float(query.get("inactivity_timeout", DEFAULT_INACTIVITY_S))
     except ValueError:
@@ -237,7 +259,15 @@ async def _endpoint(websocket: WebSocket, session_class: type[ElevenLabsSession]
     def make(**kwargs: Any) -> ElevenLabsSession:
         output, options, inactivity = _query_options(websocket)
         limits = replace(kwargs.pop("limits"), idle_timeout_s=inactivity)
-        return session_class(output=output, options=options, limits=limits, **kwargs)
+        voice = options.voice
+        is_deferred = kwargs["authorize"] is not None
+        if is_deferred:  # no key yet: the default voice holds the place, the key's tenant decides
+            options.voice = websocket.app.state.voxgate.config.voice
+        elif voice not in kwargs["catalog"].listed:  # the answer lists no voice: they may be a tenant's
+            raise ProtocolError("unknown_voice", unknown_voice_message(voice), fatal=True)
+        session = session_class(output=output, options=options, limits=limits, **kwargs)
+        session.pending_voice = voice if is_deferred else None
+        return session
 
     await serve(websocket, make, protocol="elevenlabs", key=_key(websocket),
                 key_hint="the xi-api-key header, or xi_api_key in the first message",

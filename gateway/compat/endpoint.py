@@ -4,8 +4,10 @@ The key is taken where each vendor sends it (the adapter says where) and
 checked with the native socket's own rules, in the same function
 (gateway/access/admission.py): origin, shutdown, the session cap, the socket
 cap per owner. Then the adapter's factory reads the socket's URL (output
-format, voice...) and makes its session, and one `CompatConnection` runs it.
-A refusal at either step is the vendor's error frame and a close code.
+format, voice...) and makes its session on the catalog as the socket's tenant
+sees it (a key that comes in the first message moves the admission and that
+view to its tenant), and one `CompatConnection` runs it. A refusal at either
+step is the vendor's error frame and a close code.
 """
 
 from __future__ import annotations
@@ -21,18 +23,20 @@ from gateway.errors import CLOSE_POLICY_VIOLATION, ProtocolError
 from gateway.stream.endpoint import refuse, serve_session
 
 #: makes the adapter's session from the keywords every session takes (session_id, catalog,
-#: sample_rate, limits, admit, release, authorize) and what the adapter reads from the socket's
-#: URL itself; raises ProtocolError for a URL it cannot serve
+#: sample_rate, limits, admit, release, authorize, languages) and what the adapter reads from
+#: the socket's URL itself; raises ProtocolError for a URL it cannot serve
 SessionFactory = Callable[..., CompatSession]
 
 
 async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol: str,
                 key: str | None, key_hint: str, error_json: Callable[[str, str], str],
-                defer_auth: bool = False) -> None:
+                defer_auth: bool = False, subprotocol: str | None = None) -> None:
     """Admit the socket and run the adapter's session on the native loop.
 
     `defer_auth`: with no valid key at the handshake, the session may still take
     one in its first message (ElevenLabs); it gets the admission's `rekey` to check it.
+    `subprotocol`: the WebSocket subprotocol answered, refusals included (Deepgram's
+    `token`, whose offer carried the key).
     """
     state = websocket.app.state.voxgate
     try:
@@ -40,17 +44,25 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol:
                           defer_auth=defer_auth)
     except Refused as refusal:
         await refuse(websocket, error_json(refusal.code, refusal.message), refusal.close_code,
-                     refusal.code)
+                     refusal.code, subprotocol=subprotocol)
         return
     with admission:
         engine = state.engine
+        voices = state.catalog.view(admission.principal)  # its tenant's voices, and the shared ones
+
+        def authorize(key: str | None) -> None:  # the key came in the first message
+            admission.rekey(key)
+            voices.rekey(admission.principal)
+
         try:
-            session = make_session(session_id=uuid.uuid4().hex[:16], catalog=state.catalog,
+            session = make_session(session_id=uuid.uuid4().hex[:16], catalog=voices,
                                    sample_rate=engine.sample_rate, limits=state.config.limits,
                                    admit=admission.admit_context, release=admission.release_context,
-                                   authorize=None if admission.is_authorized else admission.rekey)
+                                   authorize=None if admission.is_authorized else authorize,
+                                   languages=state.languages)
         except ProtocolError as exc:
-            await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code)
+            await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code,
+                         subprotocol=subprotocol)
             return
         await serve_session(websocket, session, CompatConnection(websocket, session, engine, state),
-                            state)
+                            state, subprotocol=subprotocol)

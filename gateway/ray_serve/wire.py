@@ -56,13 +56,13 @@ def chunk_to_wire(chunk: AudioChunk) -> dict[str, Any]:
     pcm = np.ascontiguousarray(chunk.pcm, dtype=np.float32)
     words = None if chunk.words is None else [(w.word, w.start_ms, w.end_ms) for w in chunk.words]
     return {"pcm": pcm.tobytes(), "sample_rate": chunk.sample_rate, "is_last": chunk.is_last,
-            "words": words}
+            "words": words, "step_ms": chunk.step_ms}
 
 
 def chunk_from_wire(request_id: RequestId, wire: dict[str, Any]) -> AudioChunk:
     words = None if wire["words"] is None else [WordTiming(*w) for w in wire["words"]]
     return AudioChunk(request_id, np.frombuffer(wire["pcm"], dtype=np.float32), wire["sample_rate"],
-                      wire["is_last"], words)
+                      wire["is_last"], words, step_ms=wire.get("step_ms", 0.0))  # absent: an older replica
 
 
 def error_to_wire(exc: BaseException) -> dict[str, Any]:
@@ -81,4 +81,4 @@ def voice_to_wire(info: VoiceInfo) -> dict[str, Any]:
 
 
 def voice_from_wire(wire: dict[str, Any]) -> VoiceInfo:
-    return VoiceInfo(**wire)
+    return VoiceInfo(**{**wire, "languages": tuple(wire.get("languages", ()))})

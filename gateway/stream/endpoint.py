@@ -120,9 +120,7 @@ class Connection:
             except asyncio.TimeoutError:
                 if not self.session.is_idle(time.monotonic()):
                     continue
-                self._execute([Send(error_message(ProtocolError(
-                    "bad_message", f"closing after {idle:.0f} s without messages", fatal=True))),
-                    Close(CLOSE_IDLE_TIMEOUT, "idle timeout")])
+                self._execute(self._idle_close(idle))
                 return
             except (WebSocketDisconnect, RuntimeError):
                 return
@@ -134,6 +132,13 @@ class Connection:
             self._execute(self.session.receive_frame(raw, time.monotonic()))
             if self._closing is not None:
                 return
+
+    def _idle_close(self, idle_s: float) -> list[Action]:
+        """What closes a socket idle for `idle_s` (docs/protocol.md); a vendor socket closes
+        the way its vendor does (gateway/compat)."""
+        return [Send(error_message(ProtocolError(
+            "bad_message", f"closing after {idle_s:.0f} s without messages", fatal=True))),
+            Close(CLOSE_IDLE_TIMEOUT, "idle timeout")]
 
     # -- engine requests ---------------------------------------------------------
     def _start_request(self, request: SynthesisRequest) -> None:
@@ -281,9 +286,13 @@ class Connection:
             self._execute(self.session.tick(time.monotonic()))
 
 
-async def refuse(websocket: WebSocket, frame: str, close_code: int, reason: str) -> None:
-    """Answer a socket that is not served: accept, one frame saying why, close."""
-    await websocket.accept()
+async def refuse(websocket: WebSocket, frame: str, close_code: int, reason: str, *,
+                 subprotocol: str | None = None) -> None:
+    """Answer a socket that is not served: accept, one frame saying why, close.
+
+    `subprotocol`: the one the client offered that the server takes (a browser that offered
+    some fails the handshake, and so never reads the frame, when none is answered)."""
+    await websocket.accept(subprotocol)
     await websocket.send_text(frame)
     await websocket.close(close_code, reason[:120])
 
@@ -305,22 +314,23 @@ async def stream_endpoint(websocket: WebSocket) -> None:
                      refusal.code)
         return
     with admission:
+        voices = state.catalog.view(admission.principal)  # its tenant's voices, and the shared ones
         try:
-            options = options_from_query(query, SessionOptions(voice=config.voice), state.catalog.listed)
+            options = options_from_query(query, SessionOptions(voice=config.voice), voices.listed)
         except ProtocolError as exc:
             exc.fatal = True
             await refuse(websocket, encode_json(error_message(exc).to_wire()), CLOSE_POLICY_VIOLATION,
                          exc.code)
             return
         # Made before the first await, so the voice just validated is held at once.
-        session = Session(uuid.uuid4().hex[:16], catalog=state.catalog, sample_rate=engine.sample_rate,
+        session = Session(uuid.uuid4().hex[:16], catalog=voices, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits, admit=admission.admit_context,
-                          release=admission.release_context)
+                          release=admission.release_context, languages=state.languages)
         await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
 
 
 async def serve_session(websocket: WebSocket, session: Session, connection: Connection,
-                        state: Any) -> None:
+                        state: Any, *, subprotocol: str | None = None) -> None:
     """Accept the socket and run `connection` (native or a vendor adapter's) until it ends.
 
     The connection is counted in the app's open connections while it runs (the
@@ -328,7 +338,7 @@ async def serve_session(websocket: WebSocket, session: Session, connection: Conn
     of its voice at the end even if `run` never started (a no-op after `run`).
     """
     try:
-        await websocket.accept()
+        await websocket.accept(subprotocol)
         state.connections.add(connection)
         try:
             await connection.run()

@@ -2,7 +2,10 @@
 
 Barge-in (`cancel`, `Clear`) cancels the engine's requests and stops the audio
 at once; a bad message gets that protocol's error shape and the socket goes
-on; word timestamps and the raw encodings decode at their stated rates.
+on; word timestamps and the raw encodings decode at their stated rates;
+Cartesia's flushes are answered with `flush_done` and its chunks carry the
+engine's step time; an idle socket is closed the way each vendor closes it
+(a second server, with a one-second idle timeout).
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ LONG = " ".join(f"Sentence number {n} of a long answer goes on for a while." for
 @pytest.fixture(scope="module")
 def voxgate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("compat-cartesia-deepgram"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def quick_idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("compat-idle"), env={"VOXGATE_LIMIT_IDLE_TIMEOUT_S": "1"})
     yield proc
     proc.stop()
 
@@ -153,3 +163,63 @@ def test_deepgram_speak_flush_clear_and_close(voxgate: ServerProcess) -> None:
     assert second[-1]["type"] == "Warning" and second[-1]["warn_code"] == "bad_message"
     assert voxgate.metric("voxgate_engine_requests_cancelled_total") > cancelled_before
     assert code == 1000
+
+
+def test_cartesia_flushes_are_answered_with_flush_done_after_their_audio(voxgate: ServerProcess) -> None:
+    busy_before = voxgate.metric("voxgate_engine_busy_seconds_total")
+
+    async def run() -> list[dict[str, Any]]:
+        url = f"ws://127.0.0.1:{voxgate.port}/tts/websocket?api_key=unused-key"
+        async with websockets.connect(url) as ws:
+            # Cartesia's manual flush: an empty transcript with continue and flush, same context
+            for part in ("The first part is spoken here. ", "And then the second part. "):
+                await ws.send(_cartesia("f", part, more=True))
+                flush = json.loads(_cartesia("f", "", more=True))
+                await ws.send(json.dumps({**flush, "flush": True}))
+            await ws.send(_cartesia("f", "", more=False))
+            return await _cartesia_until_done(ws, "f")
+    messages = asyncio.run(run())
+    busy_ms = 1000.0 * (voxgate.metric("voxgate_engine_busy_seconds_total") - busy_before)
+    kinds = [(m["type"], m.get("flush_id")) for m in messages if m["type"] in ("chunk", "flush_done", "done")]
+    # group 1's chunks, its flush_done, group 2's chunks, its flush_done, then done
+    first_done = kinds.index(("flush_done", 1))
+    assert set(kinds[:first_done]) == {("chunk", 1)}
+    assert set(kinds[first_done + 1:-2]) == {("chunk", 2)}
+    assert kinds[-2:] == [("flush_done", 2), ("done", None)]
+    flush_done = next(m for m in messages if m["type"] == "flush_done")
+    assert flush_done == {"type": "flush_done", "context_id": "f", "status_code": 206, "done": False,
+                          "flush_done": True, "flush_id": 1}
+    # step_time: the engine's step time behind each chunk (ms); each step is counted once for
+    # every segment of this context it made (up to the four the session keeps in flight)
+    chunks = [m for m in messages if m["type"] == "chunk"]
+    assert all(m["step_time"] > 0 for m in chunks[:-1])
+    assert 1.0 < sum(m["step_time"] for m in chunks) <= 4 * busy_ms + 1.0
+
+
+def test_an_idle_cartesia_socket_is_closed_normally_with_no_message(quick_idle: ServerProcess) -> None:
+    async def run() -> tuple[list[Any], int | None]:
+        url = f"ws://127.0.0.1:{quick_idle.port}/tts/websocket?api_key=unused-key"
+        async with websockets.connect(url) as ws:
+            await ws.send(_cartesia("i", "Said before going quiet.", more=False))
+            received: list[Any] = []
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    received.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            return received, ws.close_code
+    received, code = asyncio.run(run())
+    assert code == 1000
+    assert received[-1]["type"] == "done"  # the turn, then the close: no error frame for the idle
+
+
+def test_an_idle_deepgram_socket_is_closed_1011_with_net_0001(quick_idle: ServerProcess) -> None:
+    async def run() -> tuple[list[Any], int | None, str | None]:
+        url = f"ws://127.0.0.1:{quick_idle.port}/v1/speak?model=joe&encoding=linear16&sample_rate=16000"
+        async with websockets.connect(url, additional_headers={"Authorization": "Token unused-key"}) as ws:
+            received: list[Any] = []
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    received.append(await asyncio.wait_for(ws.recv(), 30))
+            return received, ws.close_code, ws.close_reason
+    received, code, reason = asyncio.run(run())
+    assert code == 1011 and reason is not None and reason.startswith("NET-0001")
+    assert [json.loads(m)["type"] for m in received] == ["Metadata"]  # nothing else: the reason says it

@@ -38,13 +38,16 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from gateway.compat.elevenlabs import parse_output_format
 from gateway.compat.formats import decode_raw
 from tests.support.server import REPO, ServerProcess, free_port, start_server
+from tests.support.voices import install_mandarin_voice
 
 TEXT = "Hello there, my good friend. The weather is lovely today, so let us walk."
 
 
 @pytest.fixture(scope="module")
 def voxgate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("compat-elevenlabs"))
+    # joe speaks English only: Chinese text goes to a Mandarin voice (docs/voices.md, "Languages")
+    tmp = tmp_path_factory.mktemp("compat-elevenlabs")
+    proc = start_server(tmp, "--voice-for", f"zh={install_mandarin_voice(tmp / 'data')}")
     yield proc
     proc.stop()
 
@@ -163,6 +166,30 @@ def test_a_bad_message_gets_an_elevenlabs_error_and_the_socket_goes_on(voxgate: 
     assert any(m.get("audio") for m in turn)
 
 
+def test_a_54_kb_frame_of_chinese_text_is_taken_whole_and_speaks(voxgate: ServerProcess) -> None:
+    # 18,000 characters: 54,000 bytes of UTF-8 as the client sends it, under the 64 KiB limit;
+    # as \u escapes (how the adapters once passed text on) it would be 108,000 and refused
+    text = "今天天气很好，我们一起去公园散步吧。" * 1000
+    frame = json.dumps({"text": text, "context_id": "zh"}, ensure_ascii=False)
+    assert 50_000 < len(frame.encode("utf-8")) < 65_536 < len(json.dumps({"text": text}))
+
+    async def run() -> list[dict[str, Any]]:
+        async with websockets.connect(_url(voxgate, output_format="pcm_16000"), max_size=None) as ws:
+            await ws.send(frame)
+            heard: list[dict[str, Any]] = []
+            while not any(m.get("alignment") for m in heard):  # the first segment, spoken whole
+                heard.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+                assert "error" not in heard[-1], heard[-1]
+            await ws.send(json.dumps({"context_id": "zh", "close_context": True}))  # enough of it
+            return heard + await _until_final(ws, "zh")
+    messages = asyncio.run(run())
+    assert not [m for m in messages if "error" in m]
+    pcm = decode_raw(_audio(messages), parse_output_format("pcm_16000"))
+    assert len(pcm) > 0.5 * 16000 and float(np.sqrt(np.mean(pcm ** 2))) > 0.01  # speech, not silence
+    chars, _ = _alignment_span(messages)
+    assert chars and text.startswith(chars)  # the alignment is of the text sent, from its start
+
+
 def test_rapid_barge_ins_never_hit_a_five_context_cap(voxgate: ServerProcess) -> None:
     async def run() -> list[dict[str, Any]]:
         async with websockets.connect(_url(voxgate, output_format="pcm_16000")) as ws:
@@ -228,6 +255,28 @@ def test_stream_input_closes_with_1000_after_the_audio_of_its_end(voxgate: Serve
     assert code == 1000
     assert messages[-1] == {"isFinal": True}
     assert len(_audio(messages)) / 2 / 22050 > 0.5
+
+
+@pytest.mark.parametrize("kind", ["stream-input", "multi-stream-input"])
+def test_a_socket_idle_past_its_inactivity_timeout_gets_input_timeout_exceeded_and_1008(
+        voxgate: ServerProcess, kind: str) -> None:
+    # ElevenLabs' own idle close, which its clients match on: the error frame, then 1008
+    async def run() -> tuple[list[dict[str, Any]], int | None, str | None]:
+        async with websockets.connect(_url(voxgate, kind, output_format="pcm_16000",
+                                           inactivity_timeout="1")) as ws:
+            await ws.send(json.dumps({"text": "A short turn first. ", "context_id": "c1", "flush": True}))
+            messages = []
+            try:
+                while True:
+                    messages.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+            except websockets.ConnectionClosed:
+                pass
+            return messages, ws.close_code, ws.close_reason
+    messages, code, reason = asyncio.run(run())
+    assert _audio(messages), "the turn spoke before the socket went idle"
+    assert code == 1008 and reason is not None and reason.startswith("input_timeout_exceeded")
+    assert messages[-1]["error"] == "input_timeout_exceeded" and messages[-1]["code"] == 1008
+    assert "1 s" in messages[-1]["message"]
 
 
 # -- the vendor's SDK over TLS ------------------------------------------------------

@@ -6,12 +6,15 @@ loopback (piper, joe): the audio frames come at the sample rate the pipeline
 asked for, the text frames Pipecat builds (from our word timings for
 ElevenLabs and Cartesia) read back the input, and an interruption mid-answer
 stops the audio and cancels the engine's requests (the engine's counter in
-/metrics).
+/metrics), and the server stops sending: after the interruption it sends a
+small part of what it sent in as long before it (its sent-audio counter, read
+at that moment).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +32,7 @@ with warnings.catch_warnings():
         TTSAudioRawFrame,
         TTSTextFrame,
     )
+    from pipecat.observers.base_observer import BaseObserver, FrameProcessed, FramePushed
     from pipecat.services.cartesia.tts import CartesiaTTSService
     from pipecat.services.deepgram.tts import DeepgramTTSService
     from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
@@ -39,7 +43,8 @@ from tests.support.server import ServerProcess, start_server
 SENTENCES = ["Hello there, my good friend. ", "The weather is lovely today. ",
              "Shall we take a walk in the park? "]
 LONG_ANSWER = [f"This is sentence number {n} of a rather long answer that goes on and on. "
-               for n in range(1, 25)]
+               for n in range(1, 61)]
+SENTENCE_S = 4.0  # each sentence of it is about four seconds of speech
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +87,56 @@ def test_pipecat_service_speaks_a_turn_at_the_requested_rate_with_matching_text(
     assert _words(spoken) == _words("".join(SENTENCES))
 
 
+class _AtInterruption(BaseObserver):
+    """When the TTS service pushed its first audio, and when the interruption reached it (it
+    sends the vendor's barge-in then: close_context, cancel, Clear), with the server's
+    sent-audio counter read at that moment."""
+
+    def __init__(self, server: ServerProcess, service: Any) -> None:
+        super().__init__()
+        self._server, self._service = server, service
+        self.first_audio_at: float | None = None
+        self.at: float | None = None
+        self.sent_s: float | None = None
+
+    async def on_push_frame(self, data: FramePushed) -> None:
+        if data.source is self._service and isinstance(data.frame, TTSAudioRawFrame) \
+                and self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
+
+    async def on_process_frame(self, data: FrameProcessed) -> None:
+        if data.processor is self._service and isinstance(data.frame, InterruptionFrame) \
+                and self.at is None:
+            self.at = time.monotonic()
+            self.sent_s = await asyncio.to_thread(self._server.metric, "voxgate_audio_sent_seconds_total")
+
+
 @pytest.mark.parametrize("kind", ["elevenlabs", "cartesia", "deepgram"])
 def test_an_interruption_mid_answer_stops_the_audio_and_cancels_the_engine_work(
         voxgate: ServerProcess, kind: str) -> None:
     cancelled_before = voxgate.metric("voxgate_engine_requests_cancelled_total")
     sent_before = voxgate.metric("voxgate_audio_sent_seconds_total")
+    service = _service(kind, voxgate, 16000)
+    seen = _AtInterruption(voxgate, service)
     frames = [LLMFullResponseStartFrame(), *[LLMTextFrame(s) for s in LONG_ANSWER],
-              SleepFrame(sleep=1.5), InterruptionFrame(), SleepFrame(sleep=1.5)]
-    down, _ = asyncio.run(run_test(_service(kind, voxgate, 16000), frames_to_send=frames))
+              SleepFrame(sleep=1.5), InterruptionFrame(), SleepFrame(sleep=3.0)]
+    down, _ = asyncio.run(run_test(service, frames_to_send=frames, observers=[seen]))
     index = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
     assert any(isinstance(f, TTSAudioRawFrame) for f in down[:index]), "no audio before the interruption"
     assert not any(isinstance(f, TTSAudioRawFrame) for f in down[index:])
-    # the server stopped too: its requests were cancelled and most of the answer never went out
+    # the server stopped too: its requests were cancelled, and it sent little after. The answer
+    # streams as fast as the box makes it, so what went out before is the box's pace, not a
+    # bound: a server that went on would send at that pace after the interruption, until the
+    # socket closed, and one that stopped sends what it had in flight, a fraction of it.
     assert voxgate.metric("voxgate_engine_requests_cancelled_total") > cancelled_before
-    full_answer_s = 4.0 * len(LONG_ANSWER)  # each sentence is about four seconds of speech
-    assert voxgate.metric("voxgate_audio_sent_seconds_total") - sent_before < full_answer_s / 2
+    assert seen.at is not None and seen.first_audio_at is not None and seen.sent_s is not None
+    sent_after_s = voxgate.metric("voxgate_audio_sent_seconds_total") - seen.sent_s
+    window_s = time.monotonic() - seen.at  # the socket is closed by now
+    sent_before_s = seen.sent_s - sent_before
+    pace = sent_before_s / (seen.at - seen.first_audio_at)  # audio seconds a second, this box
+    assert SENTENCE_S * len(LONG_ANSWER) - sent_before_s > 0.5 * pace * window_s, \
+        f"{sent_before_s:.1f} s went out before the interruption: too little of the answer was left " \
+        "for a server that went on to show (a longer LONG_ANSWER for a box this fast)"
+    assert sent_after_s < 0.2 * pace * window_s, \
+        f"{sent_after_s:.1f} s sent after the interruption ({sent_before_s:.1f} s before, {pace:.1f} s/s)"
 

@@ -48,6 +48,20 @@ def test_requests_from_many_callers_are_batched_and_routed_to_their_owner() -> N
     assert max(len(b) for b in backend.batches) > 1, "requests were never batched"
 
 
+def test_each_chunk_carries_the_time_of_the_step_that_made_it() -> None:
+    async def scenario() -> tuple[list, Engine]:
+        backend = ScriptedBackend(chunks_per_request=3, step_delay_s=0.02)
+        engine = await started(backend)
+        chunks = [c async for c in engine.submit(request("alone"))]
+        await engine.stop()
+        return chunks, engine
+
+    chunks, engine = run(scenario())
+    assert len(chunks) == 3 and all(c.step_ms >= 20.0 for c in chunks)  # each step sleeps 20 ms
+    # one request, one chunk a step: its chunks' step times are all the engine was busy
+    assert sum(c.step_ms for c in chunks) == pytest.approx(1000.0 * engine.stats.busy_seconds)
+
+
 def test_cancel_during_a_step_drops_its_result_and_frees_it_before_the_next_step() -> None:
     async def scenario() -> tuple[list, ScriptedBackend, Engine]:
         backend = ScriptedBackend(chunks_per_request=50)

@@ -23,7 +23,7 @@ from gateway.compat.elevenlabs import ElevenLabsMultiSession, ElevenLabsSession,
 from gateway.compat.formats import OutputFormat
 from gateway.stream.actions import Action, Cancel, Close, SendFrame, Submit
 from gateway.stream.options import Limits, SessionOptions
-from gateway.voices.catalog import VoiceCatalog
+from gateway.voices.catalog import VoiceCatalog, unknown_voice_message
 
 RATE = 22050
 
@@ -213,3 +213,54 @@ def test_a_speed_too_large_for_a_float_is_a_bad_message_not_a_crash() -> None:
     frame = '{"text": "Hi. ", "context_id": "a", "voice_settings": {"speed": ' + "1" * 400 + "}}"
     (error,) = _frames(session.receive_frame(frame, 0.0))
     assert error["error"] == "bad_message" and "voice_settings.speed must be a finite number" in error["message"]
+
+
+def test_a_socket_waiting_for_its_key_is_closed_at_the_deadline_with_the_vendors_error() -> None:
+    def authorize(key: str | None) -> None:
+        raise AssertionError("no frame came, so no key was checked")
+
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(auth_timeout_s=5.0),
+                    authorize=authorize)
+    assert session.next_wakeup() == 5.0  # the timer wakes the session for it
+    assert session.tick(4.9) == []
+    actions = session.tick(5.0)
+    (error,) = _frames(actions)
+    assert (error["error"], error["code"]) == ("unauthorized", 1008)
+    assert error["message"] == "a valid API key is required within 5 s of connecting; none came"
+    assert [(a.code, a.reason) for a in actions if isinstance(a, Close)] == [(1008, "unauthorized")]
+    assert session.tick(6.0) == [] and session.next_wakeup() is None  # said once
+
+
+def test_a_socket_whose_key_came_has_no_deadline_and_one_keyed_at_the_handshake_never_had_one() -> None:
+    accepted = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(auth_timeout_s=5.0),
+                     authorize=lambda key: None)
+    accepted.receive_frame(json.dumps({"text": " ", "xi_api_key": "good-key-123"}), 1.0)
+    assert accepted.tick(60.0) == [] and accepted.next_wakeup() is None
+    keyed = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(auth_timeout_s=5.0))
+    assert keyed.tick(60.0) == [] and keyed.next_wakeup() is None
+
+
+def test_the_url_voice_of_a_first_message_key_is_resolved_in_that_keys_tenant() -> None:
+    from gateway.access.keys import Principal
+
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+    catalog = VoiceCatalog({"joe", "alice-voice"}, owners={"alice-voice": alice.tenant})
+
+    def session_for(tenant: Principal) -> ElevenLabsMultiSession:
+        view = catalog.view(Principal(""))  # no key yet: the shared voices only
+        session = ElevenLabsMultiSession(
+            "s1", catalog=view, sample_rate=RATE, options=SessionOptions(voice="joe"), limits=Limits(),
+            output=parse_output_format("pcm_16000"), admit=lambda key: None, release=lambda key: None,
+            authorize=lambda key: view.rekey(tenant))  # the endpoint's: admission, then this view
+        session.pending_voice = "alice-voice"
+        session.start(0.0)
+        return session
+
+    first = {"text": "Hello there. ", "context_id": "a", "xi_api_key": "any-key-123", "flush": True}
+    refused = session_for(bob).receive_frame(json.dumps(first), 0.0)
+    (error,) = _frames(refused)
+    assert (error["error"], error["message"]) == ("unknown_voice", unknown_voice_message("alice-voice"))
+    assert any(isinstance(a, Close) and a.code == 1008 for a in refused) and not _submits(refused)
+    spoken = _submits(session_for(alice).receive_frame(json.dumps(first), 0.0))
+    assert spoken and {s.request.voice for s in spoken} == {"alice-voice"}
+    assert catalog.num_holders("alice-voice") >= 1
