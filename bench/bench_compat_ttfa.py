@@ -71,10 +71,10 @@ def adapter_cost_us(turns: int) -> dict[str, list[float]]:
     import numpy as np
 
     from engine.types import AudioChunk
-    from gateway.compat.core import VendorSend
     from gateway.compat.elevenlabs import ElevenLabsMultiSession, parse_output_format
-    from gateway.stream.actions import Send, Submit
-    from gateway.stream.messages import Limits, SessionOptions, encode_audio
+    from gateway.stream.actions import Send, SendFrame, Submit
+    from gateway.stream.events import AudioEvent, encode_audio
+    from gateway.stream.options import Limits, SessionOptions
     from gateway.stream.session import Session
     from gateway.voices.catalog import VoiceCatalog
 
@@ -84,9 +84,9 @@ def adapter_cost_us(turns: int) -> dict[str, list[float]]:
 
     def first_frame(actions: list[Any], options: SessionOptions) -> bytes | str | None:
         for action in actions:
-            if isinstance(action, VendorSend) and action.message.get("audio"):
+            if isinstance(action, SendFrame) and '"audio":"' in str(action.frame):
                 return action.frame
-            if isinstance(action, Send) and not isinstance(action, VendorSend) and action.is_audio:
+            if isinstance(action, Send) and isinstance(action.message, AudioEvent):
                 return encode_audio(action.message, options)
         return None
 

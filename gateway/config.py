@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.options import config_from_options
-from gateway.access.keys import AuthConfig, is_loopback
-from gateway.stream.messages import Limits
+from gateway.access.keys import AuthConfig
+from gateway.access.origins import is_loopback
+from gateway.stream.options import Limits
+from gateway.text.routing import merge_voice_for, normalize_voice_for, parse_voice_for
 
-#: fields with a structure of their own, set by the CLI (or, for limits, field by field)
-_STRUCTURED = ("limits", "auth", "engine_options")
+#: fields with a structure of their own, set by the CLI (or, for limits, field by field;
+#: voice_for from VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER)
+_STRUCTURED = ("limits", "auth", "engine_options", "voice_for")
 
 
 def _default_data_dir() -> Path:
@@ -26,6 +29,9 @@ class GatewayConfig:
     port: int = 8000
     engine: str = "piper"
     voice: str = "joe"
+    #: language -> the voice for segments the context's voice cannot speak (docs/voices.md,
+    #: "Languages"); sessions may override it key by key
+    voice_for: dict[str, str] = field(default_factory=dict)
     engine_options: dict[str, Any] = field(default_factory=dict)
     max_batch_size: int = 0  # 0: the engine's own (piper 8; cosyvoice 256 on a GPU, 8 on a CPU)
     max_contexts: int = 0
@@ -68,6 +74,7 @@ class GatewayConfig:
         if self.max_connections < 0:
             raise ValueError(f"max_connections must be >= 0 (0: max_sessions + 256), got {self.max_connections}")
         self.data_dir = Path(self.data_dir)
+        self.voice_for = merge_voice_for(normalize_voice_for(self.voice_for))
 
     @property
     def engine_share(self) -> float:
@@ -92,8 +99,11 @@ class GatewayConfig:
         one "expected X, got Y" message for a bad value.
         """
         env = dict(os.environ if environ is None else environ)
+        voice_for = env.get("VOXGATE_VOICE_FOR", "")
         for name in _STRUCTURED:  # never read whole from one variable
             env.pop("VOXGATE_" + name.upper(), None)
         limits = config_from_options(Limits, "limit", {}, env_prefix="VOXGATE_LIMIT_", environ=env)
         options = {"limits": limits, **{k: v for k, v in overrides.items() if v is not None}}
+        if "voice_for" not in options and voice_for.strip():
+            options["voice_for"] = parse_voice_for(p for p in voice_for.split(",") if p.strip())
         return config_from_options(cls, "gateway", options, env_prefix="VOXGATE_", environ=env)

@@ -84,6 +84,10 @@ class Metrics:
                                   "elevenlabs, cartesia, deepgram) and result (admitted, or why not)",
                                   ["protocol", "result"], registry=r)
         self.cancels = Counter("voxgate_cancels", "contexts cancelled by clients", registry=r)
+        # labelled by the detected language: a bounded set (gateway/text/language.py)
+        self.text_skipped = Counter("voxgate_text_skipped_characters", "characters no voice could "
+                                    "say, skipped (docs/voices.md, Languages), by language",
+                                    ["language"], registry=r)
         self.http_speech = Counter("voxgate_http_speech_requests", "POST /v1/audio/speech requests",
                                    registry=r)
         r.register(_EngineCollector(engine))
@@ -104,6 +108,8 @@ class Metrics:
             self.cancels.inc()
         elif name.startswith("error:"):
             self.errors.labels(code=name[6:]).inc()
+        elif name.startswith("skipped:"):
+            self.text_skipped.labels(language=name[8:]).inc(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,6 +20,7 @@ import msgpack
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
+from gateway.text.language import runs_of
 from loadtest.config import LoadConfig
 from loadtest.corpus import Answer, first_segment_token, tokenize
 from loadtest.metrics import Outcome, PlaybackClock, TurnRecord
@@ -361,6 +362,16 @@ class VoxgateSession:
         if kind == "audio":
             if state is not None:
                 state.on_audio(now, message)
+        elif kind == "segment":
+            if state is not None:
+                letters = state.record.spoken_letters
+                for run in runs_of(str(message.get("text", ""))):
+                    letters[run.script] = letters.get(run.script, 0) + run.end - run.start
+        elif kind == "text.skipped":
+            if state is not None:
+                skipped = state.record.skipped_chars
+                language = str(message.get("language"))
+                skipped[language] = skipped.get(language, 0) + len(str(message.get("text", "")))
         elif kind == "context.done":
             if state is not None:
                 state.record.server_audio_ms = message.get("audio_ms")

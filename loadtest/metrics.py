@@ -147,6 +147,8 @@ class TurnRecord:
     error_codes: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)  # protocol breaches seen
     server_audio_ms: float | None = None  # audio_ms reported by context.done / cancelled
+    spoken_letters: dict[str, int] = field(default_factory=dict)  # of segment texts, by script
+    skipped_chars: dict[str, int] = field(default_factory=dict)  # text.skipped, by language
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -206,6 +208,7 @@ def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
         "cancel_to_last_frame_ms": distribution([t.cancel_to_last_frame_ms for t in turns if
                                                  t.cancel_to_last_frame_ms is not None
                                                  and not t.is_cancelled_after_done]),
+        "text": _text_summary(turns),
         "errors": dict(sorted(errors.items())),
         "violations": dict(sorted(violations.items())),
         "audio": {
@@ -223,6 +226,20 @@ def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
             "cores": stats.num_cores,
         },
     }
+
+
+def _text_summary(turns: list[TurnRecord]) -> dict[str, Any]:
+    """What the voices said (letters of the `segment` texts, by script) and what the server
+    skipped (`text.skipped`: no voice for its language), in characters."""
+    spoken: Counter[str] = Counter()
+    skipped: Counter[str] = Counter()
+    for t in turns:
+        spoken.update(t.spoken_letters)
+        skipped.update(t.skipped_chars)
+    return {"spoken_letters": sum(spoken.values()),
+            "spoken_letters_by_script": dict(sorted(spoken.items())),
+            "skipped_chars": sum(skipped.values()),
+            "skipped_chars_by_language": dict(sorted(skipped.items()))}
 
 
 def passes(summary: dict[str, Any], ttfa_p95_target_ms: float) -> bool:

@@ -42,6 +42,11 @@ def format_table(result: LevelResult) -> str:
                  f"{g['turns_with_gaps']} turns affected)")
     lines.append(f"audio: {a['seconds']:.1f} s in {a['frames']} frames "
                  f"({a['per_wall_second']:.2f} s of audio per second)")
+    text = s["text"]
+    spoken = ", ".join(f"{k} {v}" for k, v in text["spoken_letters_by_script"].items()) or "none"
+    skipped = ", ".join(f"{k} {v}" for k, v in text["skipped_chars_by_language"].items()) or "none"
+    lines.append(f"text: {text['spoken_letters']} letters spoken ({spoken}), "
+                 f"{text['skipped_chars']} characters skipped ({skipped}: no voice for their language)")
     lines.append("errors: " + (", ".join(f"{k}={v}" for k, v in s["errors"].items()) or "none"))
     if s["violations"]:
         lines.append("protocol violations: "

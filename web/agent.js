@@ -20,6 +20,7 @@ export function newStats() {
     ttfa_history: [], first_played_at: null, frames_played: 0, played_ms: 0,
     playing_context: null, buffer_ms: 0, underruns: 0, gap_ms: 0, state: "idle",
     audio_frames: 0, bytes_in: 0, decode_errors: 0, cancels: 0, last_cancel: null, errors: [],
+    skipped_chars: 0, skipped: [],
   };
 }
 
@@ -222,6 +223,11 @@ export class Agent {
         if (turn.t_release === null) this.release(turn, String(msg.text ?? ""));
         this.ui.captions.addSegment(turn.id, turn.label, msg);
         break;
+      case "text.skipped":
+        // Text no voice of the server could say (another language): shown, never heard.
+        if (!turn || turn.state === "cancelled") break;
+        this.onSkipped(msg, turn);
+        break;
       case "context.done":
         if (!turn || turn.state === "cancelled") break;
         turn.state = "done";
@@ -276,6 +282,15 @@ export class Agent {
       this.updateSession({ codec: "pcm16" });
       this.stats.codec = "pcm16";
     }
+  }
+
+  onSkipped(msg, turn) {
+    const text = String(msg.text ?? "");
+    this.stats.skipped_chars += text.length;
+    this.stats.skipped.push({ context_id: turn.id, text, language: msg.language ?? null });
+    if (this.stats.skipped.length > MAX_HISTORY) this.stats.skipped.shift();
+    this.ui.captions.addSkipped(turn.id, turn.label, msg);
+    this.ui.onLog(`not spoken (${msg.language ?? "unknown language"}): ${text.length} characters`);
   }
 
   onCancelled(msg) {

@@ -2,6 +2,11 @@
 // highlighted. Word timings are relative to their segment's start and the
 // segment's `pts_ms` is where its audio starts in the context (PROTOCOL.md),
 // so a word plays at context time pts_ms + start_ms.
+//
+// Text the server skipped (`text.skipped`: a language no voice of it speaks)
+// is shown in place, marked, and counts as never heard: at a barge-in it is
+// with the dropped text. Skipped from inside a segment, it carries the
+// segment's id and the offset in its text where it was cut out.
 
 const MAX_TURNS = 30;
 
@@ -23,7 +28,7 @@ export class Captions {
     tag.textContent = label;
     el.append(tag, " ");
     this.root.append(el);
-    turn = { el, units: [] };
+    turn = { el, units: [], segments: new Map() };
     this.turns.set(ctx, turn);
     while (this.turns.size > MAX_TURNS) {
       const [oldest] = this.turns.keys();
@@ -65,6 +70,26 @@ export class Captions {
     }
     if (turn.el.childNodes.length > 2) turn.el.append(" ");
     turn.el.append(seg);
+    if (Number.isInteger(segment.segment_id)) turn.segments.set(segment.segment_id, seg);
+    this.root.scrollTop = this.root.scrollHeight;
+  }
+
+  addSkipped(ctx, label, skipped) {
+    const turn = this.turn(ctx, label);
+    const span = document.createElement("span");
+    span.className = "skipped";
+    span.textContent = String(skipped.text ?? "");
+    span.title = `not spoken: no voice for ${skipped.language ?? "this language"}`;
+    span.dataset.language = String(skipped.language ?? "");
+    // never heard: a unit that no playback time reaches
+    turn.units.push({ el: span, start: Infinity, end: Infinity, isSkipped: true });
+    const seg = turn.segments.get(skipped.segment_id);
+    if (seg && Number.isInteger(skipped.offset)) {
+      insertAt(seg, skipped.offset, [document.createTextNode(" "), span]);
+    } else {
+      if (turn.el.childNodes.length > 2) turn.el.append(" ");
+      turn.el.append(span);
+    }
     this.root.scrollTop = this.root.scrollHeight;
   }
 
@@ -85,6 +110,7 @@ export class Captions {
     const turn = this.turns.get(ctx);
     if (!turn) return;
     for (const unit of turn.units) {
+      if (unit.isSkipped) continue;
       unit.el.classList.remove("now");
       unit.el.classList.add("said");
     }
@@ -96,6 +122,7 @@ export class Captions {
     if (!turn) return;
     turn.el.classList.add("is-cut");
     for (const unit of turn.units) {
+      if (unit.isSkipped) continue; // marked as skipped already
       unit.el.classList.remove("now");
       unit.el.classList.toggle("said", unit.end <= playedMs);
       unit.el.classList.toggle("dropped", unit.end > playedMs);
@@ -114,4 +141,21 @@ export class Captions {
     }
     return { spoken: spoken.join(" "), unspoken: unspoken.join(" ") };
   }
+}
+
+// Inserts `nodes` into `seg` where `offset` characters of its spoken text
+// end (skipped text already placed counts for none).
+function insertAt(seg, offset, nodes) {
+  let pos = 0;
+  for (const child of [...seg.childNodes]) {
+    const length = child.classList?.contains("skipped") ? 0 : child.textContent.length;
+    if (pos + length > offset) {
+      const isInside = child.nodeType === Node.TEXT_NODE && offset > pos;
+      const before = isInside ? child.splitText(offset - pos) : child;
+      for (const node of nodes) seg.insertBefore(node, before);
+      return;
+    }
+    pos += length;
+  }
+  seg.append(...nodes);
 }

@@ -1,6 +1,6 @@
 """The audio formats a client may ask for: one table, imported by every module that checks them.
 
-`session.update` (gateway/stream/messages.py) validates a client's choice against
+`session.update` (gateway/stream/options.py) validates a client's choice against
 these; `gateway/audio/codecs.py` builds encoders from them; the HTTP speech endpoint
 maps OpenAI's speed range onto the engine's. The speaking-rate range belongs to
 the engine (`SamplingParams` checks it, and the engine never imports the

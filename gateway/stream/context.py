@@ -4,17 +4,24 @@ A context owns a segmenter, the segments it released (each one engine
 request), the audio chunks received and not yet framed, and its `Playout`
 (encoder, outbox, the audio counters that `cancelled` and `context.done`
 report). It knows no socket and no clock.
+
+A segment speaks with one voice (the context's, or the one mapped for its
+language) and may hold text no voice can say, skipped (docs/voices.md,
+"Languages"): its `pieces`, spoken and skipped, rejoin to the segmenter's
+text; a segment with nothing spoken is skipped whole and goes to no engine.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
 from gateway.stream.options import SessionOptions
 from gateway.stream.playout import Playout
+from gateway.text.language import Piece
 from gateway.text.segmenter import Segmenter
 
 
@@ -40,6 +47,13 @@ class Segment:
     pts_ms: float = 0.0
     audio_ms: float = 0.0
     words: list[WordTiming] | None = None
+    voice: str = ""               # who says it (a mapped voice where the language asked)
+    pieces: tuple[Piece, ...] = ()  # the segmenter's text, spoken and skipped, in order
+    is_skipped: bool = False      # nothing in it was spoken: no request, no `segment` event
+
+    @property
+    def skipped(self) -> list[Piece]:
+        return [p for p in self.pieces if p.is_skipped]
 
 
 @dataclass(slots=True)
@@ -56,6 +70,18 @@ class Context:
     played_ms: float | None = None  # last `playback` report
     last_text_at: float = 0.0       # when text last came: an idle open context is flushed
     is_admitted: bool = False       # holds engine capacity (taken at its first segment)
+    voice_for: dict[str, str] = field(default_factory=dict)  # language -> voice, this turn's
+    has_started: bool = False       # its first audio went to the playout (TTFA is observed then)
+
+    @property
+    def voices(self) -> list[str]:
+        """The voices it may speak with, held in the catalog while it lives."""
+        return [self.options.voice, *self.voice_for.values()]
+
+    @property
+    def num_spoken(self) -> int:
+        """Segments with audio (`context.done` counts these; skipped ones have none)."""
+        return sum(1 for s in self.segments if not s.is_skipped)
 
     @property
     def is_closed(self) -> bool:
@@ -114,33 +140,58 @@ class Context:
 
         Whole words where the engine gave timings, whole segments otherwise: a
         segment counts as heard once its audio began playing (docs/protocol.md,
-        "Barge-in").
+        "Barge-in"). Skipped text was never spoken: it is unspoken wherever it falls.
         """
         spoken: list[str] = []
         unspoken: list[str] = []
         for segment in self.segments:
-            if not segment.is_started or segment.pts_ms >= heard_ms:
-                unspoken.append(segment.text)
+            if segment.is_skipped or not segment.is_started or segment.pts_ms >= heard_ms:
+                unspoken.append(_joined(p.text for p in segment.pieces) if segment.skipped
+                                else segment.text)
                 continue
             end_ms = segment.pts_ms + segment.audio_ms
-            if segment.is_sent and heard_ms >= end_ms:
-                spoken.append(segment.text)
-                continue
-            head, tail = _split_by_words(segment, heard_ms - segment.pts_ms)
-            if head:
-                spoken.append(head)
-            if tail:
-                unspoken.append(tail)
+            num_heard = None  # every word
+            if not (segment.is_sent and heard_ms >= end_ms):
+                num_heard = _num_words_heard(segment, heard_ms - segment.pts_ms)
+            for piece, is_heard in _pieces_heard(segment, num_heard):
+                (spoken if is_heard else unspoken).append(piece)
         pending = self.segmenter.pending_text.strip()
         if pending:
             unspoken.append(" ".join(pending.split()))
         return " ".join(spoken), " ".join(unspoken)
 
 
-def _split_by_words(segment: Segment, offset_ms: float) -> tuple[str, str]:
-    tokens = segment.text.split()
+def _num_words_heard(segment: Segment, offset_ms: float) -> int | None:
+    """Words of `segment.text` heard by `offset_ms` into it; None (all) without timings for
+    each word: the segment counts as heard once its audio began."""
     words = segment.words
-    if not words or len(words) != len(tokens):
-        return segment.text, ""
-    num_heard = sum(1 for w in words if w.end_ms <= offset_ms + 1e-6)
-    return " ".join(tokens[:num_heard]), " ".join(tokens[num_heard:])
+    if not words or len(words) != len(segment.text.split()):
+        return None
+    return sum(1 for w in words if w.end_ms <= offset_ms + 1e-6)
+
+
+def _pieces_heard(segment: Segment, num_heard: int | None) -> list[tuple[str, bool]]:
+    """The segment's text as (text, heard) runs, in order: its first `num_heard` spoken
+    words heard (all when None), its skipped pieces never."""
+    if not segment.skipped:  # nothing cut out: its text as the segmenter gave it
+        if num_heard is None:
+            return [(segment.text, True)]
+        tokens = segment.text.split()
+        halves = [(" ".join(tokens[:num_heard]), True), (" ".join(tokens[num_heard:]), False)]
+        return [(text, heard) for text, heard in halves if text]
+    runs: list[tuple[str, bool]] = []
+    left = num_heard
+    for piece in segment.pieces:
+        if piece.is_skipped:
+            runs.append((_joined([piece.text]), False))
+            continue
+        tokens = piece.text.split()
+        cut = len(tokens) if left is None else min(left, len(tokens))
+        if left is not None:
+            left -= cut
+        runs += [(" ".join(tokens[:cut]), True), (" ".join(tokens[cut:]), False)]
+    return [(text, heard) for text, heard in runs if text]
+
+
+def _joined(texts: Iterable[str]) -> str:
+    return " ".join(" ".join(text.split()) for text in texts if text.strip())

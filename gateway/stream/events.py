@@ -131,7 +131,29 @@ class Cancelled:
                 "unspoken_text": self.unspoken_text}
 
 
-Event = SessionReady | SessionUpdated | SegmentEvent | AudioEvent | ContextDone | Cancelled | ErrorEvent
+@dataclass(slots=True, frozen=True)
+class TextSkipped:
+    """Text no voice of the server can say (docs/voices.md, "Languages"), sent where it falls:
+    cut from inside segment `segment_id` at `offset` (characters of that segment's text, just
+    after its `segment` event), or the whole of a segment that has no `segment` event (`offset`
+    None), in order with the segments around it."""
+
+    type: ClassVar[str] = "text.skipped"
+    context_id: str
+    segment_id: int
+    offset: int | None
+    text: str
+    language: str
+    reason: str = "language_unsupported"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": self.type, "context_id": self.context_id, "segment_id": self.segment_id,
+                "offset": self.offset, "text": self.text, "reason": self.reason,
+                "language": self.language}
+
+
+Event = (SessionReady | SessionUpdated | SegmentEvent | AudioEvent | TextSkipped | ContextDone
+         | Cancelled | ErrorEvent)
 
 
 def encode_event(event: Event, encoding: str) -> str | bytes:

@@ -12,8 +12,8 @@ in. Every refusal is a ProtocolError saying what was expected and what came.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from gateway.audio.formats import (
@@ -26,7 +26,8 @@ from gateway.audio.formats import (
     SAMPLE_RATES,
 )
 from gateway.errors import ProtocolError
-from gateway.voices.catalog import unknown_voice_message
+from gateway.text.routing import normalize_voice_for
+from gateway.voices.catalog import VoiceChoices, unknown_voice_message
 
 ENCODINGS = ("json", "msgpack")
 AUDIO_AS = ("binary", "base64")
@@ -49,6 +50,9 @@ class Limits:
     max_text_chars_per_s: float = 4000.0
     max_messages_per_s: float = 400.0
     burst_s: float = 5.0
+    #: a vendor socket that may send its key in its first message (ElevenLabs) is closed when
+    #: none came within this: it holds a place in the session cap meanwhile (not announced)
+    auth_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in ("max_message_bytes", "max_text_per_context", "max_open_contexts"):
@@ -60,6 +64,8 @@ class Limits:
             raise ValueError(f"context_idle_timeout_s must be > 0, got {self.context_idle_timeout_s}")
         if self.max_text_chars_per_s <= 0 or self.max_messages_per_s <= 0 or self.burst_s <= 0:
             raise ValueError("rate limits must be > 0")
+        if self.auth_timeout_s <= 0:
+            raise ValueError(f"auth_timeout_s must be > 0, got {self.auth_timeout_s}")
 
     def to_wire(self) -> dict[str, Any]:
         return {"max_message_bytes": self.max_message_bytes,
@@ -107,6 +113,14 @@ class SessionOptions:
     audio_as: str = "binary"
     pacing: str = "asap"
     max_buffer_delay_ms: int = 0
+    #: language -> the voice for segments the context's voice cannot speak, over the server's
+    #: `--voice-for`; None: no voice (skipped). docs/voices.md, "Languages"
+    voice_for: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def voices(self) -> list[str]:
+        """The voices a session holds for these options: its own, and those it maps to."""
+        return [self.voice, *(v for v in self.voice_for.values() if v is not None)]
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +195,8 @@ def check_option(key: Any, value: Any) -> Any:
             raise ProtocolError("unsupported_option", "bitrate must be within "
                                 f"{MIN_OPUS_BITRATE}-{MAX_OPUS_BITRATE}, got {str(value)[:40]}")
         return value
+    if key == "voice_for":
+        return _voice_for(value)
     if key == "max_buffer_delay_ms":
         _expect(value, int, "max_buffer_delay_ms")
         if not 0 <= value <= 60000:
@@ -189,6 +205,15 @@ def check_option(key: Any, value: Any) -> Any:
         return value
     raise ProtocolError("unsupported_option", f"unknown option {str(key)[:40]!r}; expected one of "
                         f"{', '.join(OPTION_NAMES)}")
+
+
+def _voice_for(value: Any) -> dict[str, str | None]:
+    """`{"zh": "voice-id", "ru": null}`: language tags to voice ids (null: none, skip it)."""
+    _expect(value, dict, "voice_for")
+    try:
+        return normalize_voice_for(value)
+    except ValueError as exc:
+        raise ProtocolError("unsupported_option", str(exc)) from None
 
 
 def check_options(changes: Mapping[Any, Any]) -> dict[str, Any]:
@@ -206,6 +231,9 @@ def apply_update(options: SessionOptions, changes: Mapping[str, Any],
     voice = checked.get("voice")
     if voice is not None and voice not in voice_ids:  # the answer lists no voice: they may be a tenant's
         raise ProtocolError("unknown_voice", unknown_voice_message(voice))
+    for mapped in checked.get("voice_for", {}).values():
+        if mapped is not None and mapped not in voice_ids:
+            raise ProtocolError("unknown_voice", unknown_voice_message(mapped))
     updated = replace(options, **checked)
     if updated.codec == "mulaw":
         updated.sample_rate = 8000
@@ -233,3 +261,13 @@ def options_from_query(query: Mapping[str, str], base: SessionOptions,
         except ValueError:
             raise ProtocolError("bad_message", f"query parameter {key} must be a number, got {raw!r}") from None
     return apply_update(base, changes, voice_ids)
+
+
+def hold_voices(catalog: VoiceChoices, *, hold: Iterable[str] = (),
+                release: Iterable[str] = ()) -> None:
+    """Hold the voices of `hold` in the catalog, then let go of those of `release` (a voice in
+    both stays held throughout: a deleted one is not removed in between)."""
+    for voice in hold:
+        catalog.hold(voice)
+    for voice in release:
+        catalog.release(voice)

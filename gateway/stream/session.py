@@ -11,9 +11,10 @@ play one after another in creation order; a closed context id answers
 `seq` has no gaps and `pts_ms` grows by `duration_ms` (each context's
 `Playout`, gateway/stream/playout.py, keeps the last two and paces its audio).
 
-Voices are held in the shared `VoiceCatalog`: the session's current voice
-and each open context's, released on change, at a context's end and on
-disconnect, so that a deleted voice stays speakable for whoever holds it.
+Voices are chosen among those of the socket's tenant (a `CatalogView` of the
+shared `VoiceCatalog`) and held there (with those mapped for other languages,
+`voice_for`): the session's and each open context's, released on change, at a
+context's end and on disconnect; a deleted voice speaks on for its holders.
 
 What is not protocol lives beside it: the engine half (segments submitted
 within the look-ahead window, admission, deadlines, audio routed back) in
@@ -46,11 +47,12 @@ from gateway.stream.messages import (
     TextMessage,
     decode_message,
 )
-from gateway.stream.options import Limits, SessionOptions, TokenBucket, apply_update
+from gateway.stream.options import Limits, SessionOptions, TokenBucket, apply_update, hold_voices
 from gateway.stream.playout import Playout
 from gateway.stream.synthesis import Synthesis, frame_ready_audio
+from gateway.text.routing import Languages, merge_voice_for
 from gateway.text.segmenter import Segmenter, SegmenterConfig
-from gateway.voices.catalog import VoiceCatalog
+from gateway.voices.catalog import VoiceChoices
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -63,19 +65,21 @@ __all__ = ["Action", "Cancel", "Close", "Observe", "Send", "Session", "Submit"]
 class Session:
     """One WebSocket connection's protocol state."""
 
-    def __init__(self, session_id: str, *, catalog: VoiceCatalog, sample_rate: int,
+    def __init__(self, session_id: str, *, catalog: VoiceChoices, sample_rate: int,
                  options: SessionOptions | None = None, limits: Limits | None = None,
                  admit: Callable[[str], None] = lambda key: None,
-                 release: Callable[[str], None] = lambda key: None) -> None:
-        """Holds `options.voice` in `catalog` until `disconnect`; the caller validated it."""
+                 release: Callable[[str], None] = lambda key: None,
+                 languages: Languages | None = None) -> None:
+        """Holds its voices in `catalog` until `disconnect` (the caller validated them);
+        `languages` routes segments by language (None: every one to the context's voice)."""
         self.session_id = session_id
         self.catalog = catalog
         self.engine_sample_rate = sample_rate
         self.options = options or SessionOptions()
         self.limits = limits or Limits()
-        catalog.hold(self.options.voice)
+        hold_voices(catalog, hold=self.options.voices)
         self._is_holding_voice = True
-        self._synthesis = Synthesis(session_id, admit=admit, release=release)
+        self._synthesis = Synthesis(session_id, admit=admit, release=release, languages=languages)
         self.contexts: dict[str, Context] = {}     # open, in creation order
         self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
         self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
@@ -170,7 +174,7 @@ class Session:
                         if isinstance(a, Cancel)]
         if self._is_holding_voice:
             self._is_holding_voice = False
-            self.catalog.release(self.options.voice)
+            hold_voices(self.catalog, release=self.options.voices)
         return actions
 
     def next_wakeup(self) -> float | None:
@@ -277,9 +281,8 @@ class Session:
 
     def _on_update(self, message: SessionUpdate) -> list[Action]:
         options = apply_update(self.options, message.changes, self.catalog.listed)
-        if options.voice != self.options.voice and self._is_holding_voice:
-            self.catalog.hold(options.voice)
-            self.catalog.release(self.options.voice)
+        if self._is_holding_voice:
+            hold_voices(self.catalog, hold=options.voices, release=self.options.voices)
         self.options = options
         return [Send(SessionUpdated(options))]
 
@@ -315,9 +318,10 @@ class Session:
         encoder = make_encoder(options.codec, options.sample_rate, options.frame_ms,
                                options.bitrate, self.engine_sample_rate)
         playout = Playout(context_id, encoder, is_realtime=options.pacing == "realtime")
-        context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now)
+        context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now,
+                          voice_for=merge_voice_for(self._synthesis.voice_for, options.voice_for))
         self.contexts[context_id] = context
-        self.catalog.hold(options.voice)
+        hold_voices(self.catalog, hold=context.voices)
         return context
 
     def _closed_answer(self, context_id: str) -> list[Action]:
@@ -364,7 +368,7 @@ class Session:
         while len(self._closed) > MAX_REMEMBERED_CLOSED:
             self._closed.popitem(last=False)
         self._synthesis.release(context)
-        self.catalog.release(context.options.voice)
+        hold_voices(self.catalog, release=context.voices)
         return actions
 
     # -- audio -------------------------------------------------------------------
@@ -387,7 +391,7 @@ class Session:
             if not context.is_drained():
                 break
             actions.append(Send(ContextDone(context.context_id, context.audio_ms_sent,
-                                            len(context.segments))))
+                                            context.num_spoken)))
             actions += self._end_context(context, ContextState.DONE)
         if not self.contexts and self.is_closing:
             actions.append(Close(1000, "session closed by client"))

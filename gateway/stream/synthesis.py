@@ -6,9 +6,13 @@ look-ahead window (`MAX_SEGMENTS_AHEAD`), takes engine capacity for a context
 as its first segment goes (admission), and gives every request its deadline.
 Audio coming back is routed by request id to its segment, and
 `frame_ready_audio` hands it to the context's playout in playback order,
-announcing each segment as its audio starts. Like the `Session` that holds it,
-it does no I/O and reads no clock; the session decides what a refused
-admission or an engine error ends, and when audio is released to the socket.
+announcing each segment as its audio starts. Each segment is routed by
+language first (gateway/text/routing.py): it keeps the context's voice or
+goes to the voice mapped for its language, and what no voice can say is
+skipped, announced with `text.skipped` where it falls and sent to no engine.
+Like the `Session` that holds it, it does no I/O and reads no clock; the
+session decides what a refused admission or an engine error ends, and when
+audio is released to the socket.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
 from gateway.errors import error_message
 from gateway.stream.actions import Action, Cancel, Observe, Send, Submit
 from gateway.stream.context import Context, Segment
-from gateway.stream.events import SegmentEvent
+from gateway.stream.events import SegmentEvent, TextSkipped
+from gateway.text.routing import Languages, VoiceScripts, route
 
 #: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
 #: segments per socket with the engine or waiting to be framed; the engine's
@@ -33,18 +38,28 @@ class Synthesis:
     """One socket's engine requests: named, admitted, submitted and routed back."""
 
     def __init__(self, session_id: str, *, admit: Callable[[str], None],
-                 release: Callable[[str], None]) -> None:
+                 release: Callable[[str], None], languages: Languages | None = None) -> None:
+        """`languages`: None speaks every segment with the context's voice, as it comes."""
         self.session_id = session_id
         self._admit = admit
         self._release = release
         self._by_request: dict[RequestId, Context] = {}
         self._request_ids = itertools.count()
+        self._scripts = None if languages is None else VoiceScripts(languages.languages_of)
+        self.voice_for = {} if languages is None else languages.voice_for  # the server's map
 
     def add_segments(self, context: Context, texts: list[str], now: float) -> None:
         """Queue the segments `context`'s segmenter released; `submit_ready` sends them."""
         for text in texts:
             request_id = RequestId(f"{self.session_id}:{next(self._request_ids)}")
-            context.segments.append(Segment(len(context.segments), text, request_id, now))
+            segment = Segment(len(context.segments), text, request_id, now,
+                              voice=context.options.voice)
+            if self._scripts is not None:
+                routed = route(text, context.options.voice, context.voice_for, self._scripts)
+                segment.text, segment.voice, segment.pieces = routed.text, routed.voice, routed.pieces
+                # nothing to say: no request; it passes in order, announcing what it skipped
+                segment.is_skipped = segment.is_synthesized = not routed.text
+            context.segments.append(segment)
 
     def submit_ready(self, contexts: dict[str, Context], now: float,
                      actions: list[Action]) -> list[Context]:
@@ -63,7 +78,7 @@ class Synthesis:
         for context in contexts.values():
             options = context.options
             for segment in context.segments:
-                if segment.is_submitted:
+                if segment.is_submitted or segment.is_skipped:
                     continue
                 if in_flight >= MAX_SEGMENTS_AHEAD:
                     break
@@ -74,9 +89,13 @@ class Synthesis:
                 in_flight += 1
                 self._by_request[segment.request_id] = context
                 deadline = _deadline(contexts, context, segment.segment_id, now)
+                # `language` and `instructions` are for the context's own voice: a voice mapped
+                # for another language speaks that one, and may take no instructions
+                is_own = segment.voice == options.voice
                 actions.append(Submit(SynthesisRequest(
-                    segment.request_id, segment.text, options.voice, deadline, context_key=context.key,
-                    language=options.language, instructions=options.instructions,
+                    segment.request_id, segment.text, segment.voice, deadline, context_key=context.key,
+                    language=options.language if is_own else None,
+                    instructions=options.instructions if is_own else None,
                     params=SamplingParams(speed=options.speed))))
         return refused
 
@@ -154,6 +173,8 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
     for segment in context.segments:
         if segment.is_sent:
             continue
+        if segment.is_skipped:
+            _announce_skipped(context, segment, actions)
         while segment.chunks:
             chunk = segment.chunks.popleft()
             if not segment.is_started:
@@ -164,7 +185,9 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
                             else chunk.words[-1].end_ms if chunk.words else None)
                 actions.append(Send(SegmentEvent(context.context_id, segment.segment_id,
                                                  segment.text, segment.pts_ms, duration, chunk.words)))
-                if segment.segment_id == 0:
+                _announce_skipped(context, segment, actions)
+                if not context.has_started:
+                    context.has_started = True
                     actions.append(Observe("ttfa", now - segment.released_at))
             segment.audio_ms += chunk.duration_ms
             playout.push(chunk.pcm)
@@ -173,3 +196,22 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
         segment.is_sent = True
     if context.is_spoken():
         playout.finish()
+
+
+def _announce_skipped(context: Context, segment: Segment, actions: list[Action]) -> None:
+    """`text.skipped` for what `segment` skipped, where it fell (docs/protocol.md).
+
+    Cut from inside a spoken segment: just after its `segment` event, with the
+    offset in its text where the cut was; skipped whole: in its place, no offset.
+    """
+    offset = 0  # characters of `segment.text` before the piece
+    for piece in segment.pieces:
+        if not piece.is_skipped:
+            words = piece.text.split()
+            if words:
+                offset += len(" ".join(words)) + (1 if offset else 0)
+            continue
+        actions += [Send(TextSkipped(context.context_id, segment.segment_id,
+                                     None if segment.is_skipped else offset, piece.text,
+                                     piece.language or "und")),
+                    Observe("skipped:" + (piece.language or "und"), len(piece.text))]

@@ -166,6 +166,25 @@ def test_malformed_input_gets_its_error_and_the_session_goes_on(
     assert client.received.of("context.done", "after")
 
 
+def test_a_misspelt_field_gets_bad_message_naming_it_and_its_delta_is_not_spoken(
+        server: ServerProcess) -> None:
+    async def scenario() -> tuple[dict, Client]:
+        client = await Client.connect(server.ws_url)
+        await client.send({"type": "text", "context_id": "c", "text": "Hello there."})
+        await client.send({"type": "text", "context_id": "c", "text": " Goodbye now.", "flsh": True})
+        error = await client.until("error")
+        await client.send({"type": "flush", "context_id": "c"})
+        await client.until("context.done", "c")
+        await client.close()
+        return error, client
+
+    error, client = run(scenario())
+    assert (error["code"], error["context_id"], error["fatal"]) == ("bad_message", "c", False)
+    assert error["message"] == "unknown field 'flsh' in 'text'; expected context_id, text, flush"
+    assert [s["text"] for s in client.received.of("segment", "c")] == ["Hello there."]
+    assert client.received.audio_of("c")
+
+
 def test_first_segment_of_a_long_first_sentence_arrives_before_the_sentence_is_complete(
         server: ServerProcess) -> None:
     head = "When you finally reach the old railway station at the end of the road,"

@@ -206,6 +206,26 @@ def test_typing_streams_finished_words_so_a_sentence_speaks_before_enter(
     assert console.errors == []
 
 
+def test_text_no_voice_can_say_is_shown_in_place_as_skipped_and_never_heard(
+        page: tuple[Page, Console]) -> None:
+    pg, console = page
+    pg.fill("#type-text", "Yesterday I met 王小明 at the station. Привет, как дела? See you soon.")
+    pg.press("#type-text", "Enter")
+    pg.wait_for_function(all_played(1), timeout=30_000)
+    s = stats(pg)
+    assert s["skipped_chars"] == len("王小明") + len("Привет, как дела?")
+    assert [x["language"] for x in s["skipped"]] == ["zh", "und-Cyrl"]
+    skipped = pg.eval_on_selector_all("#captions .skipped", "els => els.map(e => e.textContent)")
+    assert skipped == ["王小明", "Привет, как дела?"]
+    # the name sits where it was cut from, inside its sentence; the Cyrillic one between sentences
+    caption = " ".join(pg.inner_text("#captions").split())
+    assert "Yesterday I met 王小明 at the station. Привет, как дела? See you soon." in caption
+    assert pg.locator("#captions .skipped.said").count() == 0  # finished: words said, skips not
+    assert pg.locator("#captions .w.said").count() > 0
+    screenshot(pg, "desktop-skipped")
+    assert console.errors == []
+
+
 def test_the_interrupt_button_silences_playback_and_shows_heard_and_dropped_text(
         page: tuple[Page, Console]) -> None:
     pg, console = page

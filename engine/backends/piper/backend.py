@@ -70,7 +70,7 @@ from engine.backends.piper.loader import (
     discover_voices,
     load_voice,
 )
-from engine.backends.piper.segment import PiperState, finish_segment, silent_result
+from engine.backends.piper.segment import PiperState, finish_segment, silent_result, to_engine_rate
 from engine.backends.piper.windows import run_window
 from engine.errors import (
     BackendFailure,
@@ -151,16 +151,11 @@ class PiperBackend(Backend):
             if entry.is_builtin:
                 self.sample_rate = voice.info.sample_rate
             voices[voice_id] = voice
-        for voice_id, voice in list(voices.items()):
-            # StepResult carries no rate: every voice must speak at the backend's.
+        for voice_id, voice in voices.items():
+            # StepResult carries no rate: a voice of another rate is resampled (to_engine_rate).
             if voice.info.sample_rate != self.sample_rate:
-                logger.warning(
-                    "piper voice %r skipped: expected sample rate %d, got %d",
-                    voice_id,
-                    self.sample_rate,
-                    voice.info.sample_rate,
-                )
-                del voices[voice_id]
+                logger.info("piper voice %r speaks at %d Hz: resampled to %d", voice_id,
+                            voice.info.sample_rate, self.sample_rate)
         self._voices = voices
         logger.info("piper backend loaded voices: %s", ", ".join(voices))
 
@@ -193,6 +188,7 @@ class PiperBackend(Backend):
             voice_id=voice_id,
             name=str(meta.get("name") or voice_id),
             language=base.info.language,  # piper speaks its base voice's language
+            languages=base.info.languages,
             backend=self.name,
             sample_rate=self.sample_rate,
             is_builtin=False,
@@ -258,7 +254,8 @@ class PiperBackend(Backend):
                     error=BackendFailure(f"expected a prepared piper request, got {state!r}"),
                 )
             elif not state.phonemes:
-                results[index] = silent_result(state, self.sample_rate)  # nothing speakable
+                # nothing speakable
+                results[index] = silent_result(state, state.voice.config.sample_rate)
             elif self.config.windowed and state.voice.is_split:
                 windowed.append(index)
             else:
@@ -300,12 +297,17 @@ class PiperBackend(Backend):
         for index in windowed:
             state = batch[index].state
             if state.num_windows == 1:  # its front part ran: the segment's length is known
-                batch[index].est_audio_s = state.num_frames * state.voice.config.hop_length / self.sample_rate
-        return [r if r is not None else StepResult(is_finished=True) for r in results]
+                config = state.voice.config
+                batch[index].est_audio_s = state.num_frames * config.hop_length / config.sample_rate
+        # every voice speaks at the backend's rate (a voice of another is resampled)
+        return [StepResult(is_finished=True) if r is None
+                else to_engine_rate(item.state, r, self.sample_rate)
+                if isinstance(item.state, PiperState) else r
+                for item, r in zip(batch, results, strict=True)]
 
     def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
         if is_window:
-            return [run_window(states[0], self._plan, self.sample_rate, is_solo)]
+            return [run_window(states[0], self._plan, states[0].voice.config.sample_rate, is_solo)]
         return self._run_group(states, is_solo=is_solo)
 
     # -- internals ------------------------------------------------------------
@@ -341,6 +343,6 @@ class PiperBackend(Backend):
             failure = BackendFailure(f"piper synthesis failed: {exc}")
             return [StepResult(is_finished=True, error=failure) for _ in states]
         return [
-            finish_segment(state, audio[row], durations[row, : len(state.ids)], self.sample_rate)
+            finish_segment(state, audio[row], durations[row, : len(state.ids)], config.sample_rate)
             for row, state in enumerate(states)
         ]

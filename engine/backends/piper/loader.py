@@ -82,6 +82,25 @@ def _language_tag(config: dict[str, Any]) -> str:
     return str(code).replace("_", "-")
 
 
+#: espeak-ng voice names whose language has a two-letter subtag of its own (ISO 639-1)
+_ESPEAK_LANGUAGES = {"cmn": "zh", "fa-latn": "fa"}
+
+
+def voice_languages(config: dict[str, Any]) -> tuple[str, ...]:
+    """What a piper voice speaks, as primary subtags: its `language.code` (`en_US` -> `en`)
+    and its espeak voice (`en-us` -> `en`, `cmn` -> `zh`), once each."""
+    tags = [str(config.get("language", {}).get("code") or ""),
+            str(config.get("espeak", {}).get("voice") or "")]
+    languages: list[str] = []
+    for tag in tags:
+        tag = tag.strip().lower().replace("_", "-")
+        primary = _ESPEAK_LANGUAGES.get(tag) or _ESPEAK_LANGUAGES.get(tag.split("-")[0])
+        primary = primary or tag.split("-")[0]
+        if primary.isalpha() and primary not in languages:
+            languages.append(primary)
+    return tuple(languages)
+
+
 @dataclass(slots=True)
 class LoadedVoice:
     """A voice ready to synthesize: session, frontend, and its measured constants.
@@ -265,6 +284,7 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         voice_id=files.voice_id,
         name=f"{name} ({files.model_path.stem})",
         language=_language_tag(config_dict),
+        languages=voice_languages(config_dict),
         backend="piper",
         sample_rate=piper_config.sample_rate,
         is_builtin=files.is_builtin,

@@ -8,13 +8,21 @@ frames per phoneme id (`segment_timings`), the result of a segment with
 nothing speakable (`silent_result`), and the trim to true length, fixed voice
 gain and clip of a whole segment (`finish_segment`). The backend (piper)
 decides what runs in which call; this module never calls onnxruntime.
+
+Piper voices come at 16 or 22.05 kHz (the "low" and "medium" qualities);
+the engine speaks at one rate. `to_engine_rate` resamples a voice of another
+rate as its audio comes, window by window, with one streaming resampler
+(FFmpeg's swresample through PyAV) per segment, so the pieces join without
+a seam and add up to the segment's length at the engine's rate.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
+import av
 import numpy as np
 
 from engine.backend import StepResult
@@ -48,6 +56,7 @@ class PiperState:
     pace: Pace = Pace.SHORT  # how its windows are cut, set at its first window (piper.step)
     is_catching_up: bool = False  # its next window is due too soon for a long one (piper.step)
     has_caught_up: bool = False  # one window was cut short so already: the rest keep their sizes
+    resampler: Any = None  # av.AudioResampler to the engine's rate, for a voice of another rate
 
 
 def silent_result(state: PiperState, sample_rate: int) -> StepResult:
@@ -89,3 +98,28 @@ def finish_segment(state: PiperState, audio: np.ndarray, durations: np.ndarray,
         logger.exception("piper postprocessing failed")
         error = exc if isinstance(exc, BackendFailure) else BackendFailure(str(exc))
         return StepResult(is_finished=True, error=error)
+
+
+def to_engine_rate(state: PiperState, result: StepResult, sample_rate: int) -> StepResult:
+    """`result` with its audio at `sample_rate`; the voice's own rate passes unchanged.
+
+    Word timings are in ms already (made at the voice's rate): they hold.
+    """
+    rate = state.voice.config.sample_rate
+    if rate == sample_rate or result.error is not None:
+        return result
+    if state.resampler is None:
+        state.resampler = av.AudioResampler(format="flt", layout="mono", rate=sample_rate)
+    frames = []
+    if len(result.pcm):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(result.pcm, np.float32)[None, :],
+                                           format="flt", layout="mono")
+        frame.sample_rate = rate
+        frames += state.resampler.resample(frame)
+    if result.is_finished:
+        frames += state.resampler.resample(None)  # the filter's tail
+        state.resampler = None
+    pcm = (np.concatenate([f.to_ndarray().reshape(-1) for f in frames]) if frames
+           else np.zeros(0, dtype=np.float32))
+    result.pcm = np.clip(pcm, -1.0, 1.0).astype(np.float32, copy=False)
+    return result

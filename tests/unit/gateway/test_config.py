@@ -48,3 +48,14 @@ def test_the_fair_share_caps_tenants_and_leaves_loopback_mode_uncapped_unless_as
     assert GatewayConfig(max_engine_share=0.25).engine_share == 0.25
     with pytest.raises(ValueError, match=r"max_engine_share must be within \[0, 1\]"):
         GatewayConfig(max_engine_share=1.5)
+
+
+def test_voice_for_comes_from_its_variable_or_the_flags_which_win() -> None:
+    env = {"VOXGATE_VOICE_FOR": "zh-CN=mei, ru=ivan"}
+    assert GatewayConfig.from_env(env).voice_for == {"zh": "mei", "ru": "ivan"}
+    assert GatewayConfig.from_env(env, voice_for={"ja": "kumi"}).voice_for == {"ja": "kumi"}
+    assert GatewayConfig.from_env({}).voice_for == {}
+    with pytest.raises(ValueError, match="LANGUAGE=VOICE"):
+        GatewayConfig.from_env({"VOXGATE_VOICE_FOR": "mei"})
+    with pytest.raises(ValueError, match="language tags"):
+        GatewayConfig(voice_for={"chinese!": "mei"})

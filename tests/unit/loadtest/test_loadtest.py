@@ -19,7 +19,7 @@ import pytest
 
 from loadtest.__main__ import main
 from loadtest.anchor import PiperHttpSession, wav_duration_ms
-from loadtest.client import TurnState, stream_url
+from loadtest.client import SpeechRate, TurnState, VoxgateSession, stream_url
 from loadtest.config import LoadConfig, Protocol, check_target
 from loadtest.corpus import Answer, first_segment_end, first_segment_token, load_corpus, tokenize
 from loadtest.make_corpus import generate
@@ -175,6 +175,24 @@ def test_summary_counts_add_up_and_a_level_holds_only_without_gaps_or_failures()
     assert not passes(waiting, 1000.0)  # it waited through the whole drain period
 
 
+def test_segments_and_skipped_text_are_counted_by_script_and_language() -> None:
+    records: list[TurnRecord] = []
+    session = VoxgateSession(0, LoadConfig(url="http://127.0.0.1:1"), [], records, SpeechRate(),
+                             turn_budget=[0])
+    record = TurnRecord(0, "c", num_tokens=3, num_chars=40)
+    session._turns["c"] = TurnState(record, 0.0)
+    session._dispatch(1.0, {"type": "segment", "context_id": "c", "text": "My friend said hi."})
+    session._dispatch(1.0, {"type": "text.skipped", "context_id": "c", "text": "王小明",
+                            "reason": "language_unsupported", "language": "zh"})
+    session._dispatch(1.1, {"type": "text.skipped", "context_id": "c", "text": "Привет",
+                            "reason": "language_unsupported", "language": "und-Cyrl"})
+    assert record.spoken_letters == {"Latn": 14}
+    assert record.skipped_chars == {"zh": 3, "und-Cyrl": 6}
+    text = summarize([record, record], RunStats(10.0, 0.5, 1))["text"]
+    assert text == {"spoken_letters": 28, "spoken_letters_by_script": {"Latn": 28},
+                    "skipped_chars": 18, "skipped_chars_by_language": {"und-Cyrl": 12, "zh": 6}}
+
+
 def test_sweep_levels_double_up_to_the_maximum() -> None:
     assert sweep_levels(20) == [1, 2, 4, 8, 16, 20]
     assert sweep_levels(8) == [1, 2, 4, 8]
@@ -294,7 +312,10 @@ def _check_consistent(summary: dict[str, Any], turns: list[dict[str, Any]]) -> N
         if x["outcome"] == "completed" or x["is_cancelled_after_done"]:
             # what we summed is what the server says it sent
             assert x["audio_ms"] == pytest.approx(x["server_audio_ms"], abs=1.0)
-            assert x["ttfa_first_token_ms"] > 0
+            if x["num_frames"]:
+                assert x["ttfa_first_token_ms"] > 0
+            else:  # a Chinese answer: joe says none of it (docs/voices.md, "Languages")
+                assert x["skipped_chars"] and not x["spoken_letters"]
     assert summary["gaps"]["count"] == sum(x["num_gaps"] for x in turns)
     assert summary["violations"] == {}
     assert summary["run"]["client_cpu_s"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 from pathlib import Path
 
@@ -208,3 +209,46 @@ def test_a_registered_voice_speaks_with_its_base_until_removed_and_unlisted_once
         backend.remove_voice("alice")
     with pytest.raises(ValueError, match="piper voices take no prompt features"):
         backend.add_voice("carol", b"features", {})
+
+
+def test_voices_declare_their_languages_from_their_config(tmp_path: Path) -> None:
+    joe = PiperBackend().get_files("joe")
+    config = json.loads(joe.config_path.read_text(encoding="utf-8"))
+    config["espeak"], config["language"] = {"voice": "cmn"}, {"code": "zh_CN"}
+    (tmp_path / "mandarin.onnx.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "mandarin.onnx").symlink_to(joe.model_path)
+    piper = create_backend("piper", voices_dir=tmp_path, num_threads=1)
+    piper.load()
+    assert {v.voice_id: v.languages for v in piper.voices()} == {"joe": ("en",), "mandarin": ("zh",)}
+    assert piper.add_voice("alice", None, {"base_voice": "mandarin"}).languages == ("zh",)
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_a_voice_of_another_rate_is_resampled_to_the_engines_and_its_words_tile_it(
+        tmp_path: Path, windowed: bool) -> None:
+    # joe's model under a config that says 16 kHz (piper's "low" quality): what it makes is
+    # taken as 16 kHz audio, so at the engine's 22.05 kHz it is 22050/16000 times as long
+    joe = PiperBackend().get_files("joe")
+    config = json.loads(joe.config_path.read_text(encoding="utf-8"))
+    config["audio"]["sample_rate"] = 16000
+    (tmp_path / "low.onnx.json").write_text(json.dumps(config), encoding="utf-8")
+    (tmp_path / "low.onnx").symlink_to(joe.model_path)
+    piper = create_backend("piper", voices_dir=tmp_path, num_threads=1, windowed=windowed)
+    piper.load()
+    assert piper.sample_rate == 22050 and "low" in [v.voice_id for v in piper.voices()]
+    lengths, last_words = {}, {}
+    for voice in ("joe", "low"):
+        item = piper.prepare(request("Hello there, this is a test of another rate.", voice=voice))
+        pieces = []
+        while True:
+            (result,) = piper.step([item])
+            assert result.error is None
+            pieces.append(result.pcm)
+            if result.words:
+                last_words[voice] = result.words[-1].end_ms
+            if result.is_finished:
+                break
+        lengths[voice] = sum(len(p) for p in pieces)
+        assert all(p.dtype == np.float32 for p in pieces)
+    assert lengths["low"] == pytest.approx(lengths["joe"] * 22050 / 16000, abs=2)
+    assert last_words["low"] == pytest.approx(1000 * lengths["low"] / 22050, abs=1.0)
