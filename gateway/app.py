@@ -31,6 +31,7 @@ from gateway.config import GatewayConfig
 from gateway.http.speech import speech_endpoint
 from gateway.metrics import Metrics
 from gateway.stream.endpoint import stream_endpoint
+from gateway.text.routing import Languages
 from gateway.voices.catalog import VoiceCatalog
 from gateway.voices.routes import voice_routes
 from gateway.voices.service import VoiceConfig, VoiceService
@@ -49,12 +50,15 @@ class AppState:
     metrics: Metrics
     connections: set[Any] = field(default_factory=set)
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
+    languages: Languages = field(init=False)  # what each voice speaks, for routing by language
     key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     is_shutting_down: bool = False
     fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
 
     def __post_init__(self) -> None:
+        engine = self.engine
+        self.languages = Languages.from_listing(lambda: engine.voices, self.config.voice_for)
         self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
                                     self.engine.scheduler.max_contexts,
                                     FairShareConfig(self.config.engine_share))
@@ -169,6 +173,10 @@ def create_app(config: GatewayConfig | None = None, engine: EngineClient | None 
         voices = {v.voice_id for v in engine.voices}
         if config.voice not in voices:
             raise SystemExit(f"default voice {config.voice!r} is not loaded; have: {', '.join(sorted(voices))}")
+        for language, voice in config.voice_for.items():
+            if voice not in voices:
+                raise SystemExit(f"--voice-for {language}={voice}: no voice {voice!r} is loaded; "
+                                 f"have: {', '.join(sorted(voices))}")
         try:
             yield
         finally:

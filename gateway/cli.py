@@ -14,9 +14,11 @@ from typing import Any
 
 import uvicorn
 
-from gateway.access.keys import AuthConfig, check_exposure, install_log_redaction, load_keys
+from gateway.access.keys import AuthConfig, check_exposure, load_keys
+from gateway.access.redaction import install_log_redaction
 from gateway.config import GatewayConfig
 from gateway.http.timeouts import uvicorn_limits
+from gateway.text.routing import parse_voice_for
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -29,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000, or $PORT; VOXGATE_PORT)")
     serve.add_argument("--engine", choices=["piper", "cosyvoice"], help="speech engine (default piper)")
     serve.add_argument("--voice", help="default voice id (default joe)")
+    serve.add_argument("--voice-for", action="append", default=[], metavar="LANGUAGE=VOICE",
+                       help="the voice for segments in a language the session's voice cannot speak, "
+                       "repeatable: --voice-for zh=NAME (VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER; "
+                       "docs/voices.md, Languages)")
     serve.add_argument("--max-batch-size", type=int,
                        help="most segments per engine step (default: the engine's; piper 8, cosyvoice 256 on a GPU)")
     serve.add_argument("--max-contexts", type=int,
@@ -178,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                           allowed_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
                           allow_no_auth=args.no_auth)
         config = GatewayConfig.from_env(host=args.host, port=port, engine=args.engine, voice=args.voice,
+                                        voice_for=parse_voice_for(args.voice_for) or None,
                                         max_batch_size=args.max_batch_size,
                                         max_contexts=args.max_contexts, data_dir=args.data_dir,
                                         scheduler_policy=args.scheduler, auth=auth,

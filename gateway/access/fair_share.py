@@ -18,7 +18,9 @@ A cap and not a fair queue: a context cannot be taken back once it talks, so
 the only fair thing to do at the door is to keep room for others. The cap is
 recomputed at every admission from the engine's current capacity (which the
 scheduler may measure and revise), and it is at least one context, so every
-owner can always speak once. With `max_share` 1.0 the policy is off.
+owner can always speak once. With `max_share` 1.0 the policy is off: a
+client past the engine's capacity gets the engine's own `busy` (the engine is
+full), not `rate_limited`, as it does whenever its share is the whole engine.
 
 Plain Python, no I/O and no clock: tests/unit/gateway/access/test_fair_share.py drives it with a
 fake engine.
@@ -83,11 +85,14 @@ class FairShare:
         if context_key in self._owner_by_context:
             return
         held = self._num_held.get(owner, 0)
-        limit = self.max_per_owner()
-        if held >= limit:
+        capacity = self.capacity()
+        limit = max(1, int(capacity * self.config.max_share))
+        # A share that is the whole engine (one tenant, or a one-context engine) is no cap of
+        # its own: past it the engine is simply full, and the engine says `busy`.
+        if held >= limit and limit < capacity:
             self.num_refused += 1
             raise ShareExceededError(
-                f"this client holds {held} of the engine's {self.capacity()} talking contexts, "
+                f"this client holds {held} of the engine's {capacity} talking contexts, "
                 "its share; finish (flush) or cancel one first")
         self.admit_engine(context_key)  # raises when the engine is full: nothing recorded
         self._owner_by_context[context_key] = owner

@@ -73,6 +73,10 @@ class SessionTokens:
             return None
         return entry[0]
 
+    def num_outstanding(self, key: str) -> int:
+        """Tokens of `key` not yet spent (expired ones included until `issue` drops them)."""
+        return sum(1 for entry in self._tokens.values() if entry[0] == key)
+
     def __len__(self) -> int:
         return len(self._tokens)
 
@@ -89,9 +93,14 @@ async def create_session_token(request: Request) -> Response:
                           headers={"WWW-Authenticate": "Bearer"})
     tokens: SessionTokens = state.session_tokens
     issued = tokens.issue(key, time.time())
-    if issued is None:
-        return http_error(429, "rate_limited", f"{tokens.max_tokens} session tokens are outstanding; "
-                          "try again in a minute")
+    if issued is None:  # say whose cap it is: the key's own, or the server's
+        if tokens.num_outstanding(key) >= tokens.max_per_key:
+            message = (f"this key holds {tokens.max_per_key} session tokens not yet used, the cap "
+                       f"per key; use them, or wait for them to expire ({tokens.ttl_s:g} s)")
+        else:
+            message = (f"the server holds {tokens.max_tokens} session tokens not yet used; try "
+                       "again in a minute")
+        return http_error(429, "rate_limited", message)
     token, expires_at = issued
     return JSONResponse({"token": token, "expires_at": round(expires_at, 3),
                          "expires_in_s": tokens.ttl_s}, headers={"Cache-Control": "no-store"})

@@ -1,16 +1,21 @@
 """`POST /v1/audio/speech`: OpenAI's speech endpoint, streamed as audio is made.
 
-The input is cut by the same segmenter as the socket; segments go to the
-engine a few at a time (the first due now, the rest when the audio before them
+The input is cut by the same segmenter as the socket and routed by language
+the same way (docs/voices.md, "Languages": a segment its voice cannot speak
+goes to the server's `--voice-for` voice, text no voice can say is skipped,
+logged without the text and counted); segments go to the engine a few at a time (the first due now, the rest when the audio before them
 would run out) and the body streams each segment's audio in order as soon as
 it exists. `stream_format: sse` sends `speech.audio.delta` events with base64
-audio, then `speech.audio.done`, as OpenAI does. The voice is checked against
-the shared voice catalog and held there until the body ends, as a socket holds
+audio, then `speech.audio.done`, as OpenAI does. The voice is resolved in the
+caller's tenant (the voice catalog's view for the request's principal: another
+tenant's id is `unknown_voice`) and held until the body ends, as a socket holds
 its voice; refusals use the one HTTP error shape (`gateway.errors.http_error`).
 
-Work is checked before it is done: the body must be `application/json` (415),
-no larger than MAX_BODY_BYTES by its Content-Length or as it streams (413,
-before it is read whole), and every field of the right type (400). Engine
+Work is checked before it is done: the key and the Origin first (the access
+guard, before the route), then the body: `application/json` (415), no larger
+than MAX_BODY_BYTES by its Content-Length or as it streams (413, before it is
+read whole), whole within `slow_consumer_timeout_s` however it trickles in
+(408, gateway/http/bodies.py), and every field of the right type (400). Engine
 capacity counts against the caller's fair share (gateway/access/fair_share.py). Once
 streaming, a client that reads nothing for `slow_consumer_timeout_s` (the
 write timeout) or goes away ends its synthesis at once: every engine request
@@ -26,7 +31,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +43,16 @@ from engine.client import EngineClient
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest, estimate_audio_s
 from gateway.access.fair_share import FairShare, owner_of
+from gateway.access.guard import principal
 from gateway.access.keys import presented_key
 from gateway.audio.containers import ContainerStreamEncoder, available_formats
 from gateway.audio.formats import MAX_SPEED, MIN_SPEED, OPENAI_MAX_SPEED, OPENAI_MIN_SPEED
 from gateway.errors import http_error
+from gateway.http.bodies import BodyTimeoutError, within
 from gateway.stream.messages import decode_json
+from gateway.text.routing import Languages, VoiceScripts, route
 from gateway.text.segmenter import Segmenter
-from gateway.voices.catalog import VoiceCatalog
+from gateway.voices.catalog import VoiceCatalog, VoiceChoices, unknown_voice_message
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -69,7 +77,8 @@ async def speech_endpoint(request: Request) -> Response:
     body = await _read_body(request, timeout_s)
     if isinstance(body, Response):
         return body
-    catalog: VoiceCatalog = state.catalog
+    shared: VoiceCatalog = state.catalog
+    catalog = shared.view(principal(request))  # the voices of this request's tenant
     job = _parse(body, catalog.listed, state.config.voice)
     if isinstance(job, Response):
         return job
@@ -79,6 +88,10 @@ async def speech_endpoint(request: Request) -> Response:
     segments = segmenter.push(job.text, 0.0) + segmenter.flush(0.0)
     if not segments:
         return http_error(400, "bad_request", "'input' has nothing speakable after cleanup")
+    routed = _route(segments, job.voice, state.languages, state.metrics)
+    if not routed:
+        return http_error(400, "bad_request", f"'input' has nothing voice {job.voice!r} can say, "
+                          "and the server maps no voice for its language (docs/voices.md)")
 
     auth = state.config.auth
     owner = owner_of(presented_key(request.headers, dict(request.query_params)),
@@ -89,9 +102,8 @@ async def speech_endpoint(request: Request) -> Response:
         fair_share.admit(owner, key)
     except VoxgateError as exc:
         return http_error(getattr(exc, "status", 503), exc.code, str(exc))
-    catalog.hold(job.voice)  # both let go when the body ends (_Synthesis.close)
     state.metrics.http_speech.inc()
-    synthesis = _Synthesis(engine, fair_share, catalog, key, segments, job)
+    synthesis = _Synthesis(engine, fair_share, catalog, key, routed, job)  # holds its voices
     encoder = ContainerStreamEncoder(job.fmt, engine.sample_rate)
     if job.stream_format == "sse":
         return _AudioResponse(_sse(synthesis.chunks(), encoder), synthesis, timeout_s,
@@ -112,19 +124,14 @@ async def _read_body(request: Request, timeout_s: float) -> bytes | Response:
                           f"Content-Length says {declared[:20]}")
     chunks: list[bytes] = []
     size = 0
-    stream = request.stream().__aiter__()
-    try:
-        while True:
-            try:  # a body that trickles in holds a connection: the same timeout as for writes
-                chunk = await asyncio.wait_for(stream.__anext__(), timeout_s)
-            except StopAsyncIteration:
-                break
+    try:  # a body that trickles in holds a connection: the whole of it within the write timeout
+        async for chunk in within(request, timeout_s):
             size += len(chunk)
             if size > MAX_BODY_BYTES:  # chunked, or longer than it said: stop reading here
                 return http_error(413, "body_too_large", f"the body may be at most {MAX_BODY_BYTES} bytes")
             chunks.append(chunk)
-    except asyncio.TimeoutError:
-        return http_error(408, "body_timeout", f"the body did not arrive within {timeout_s:g} s")
+    except BodyTimeoutError as exc:
+        return http_error(408, "body_timeout", str(exc))
     except ClientDisconnect:
         return http_error(400, "bad_request", "the client went away while sending the body")
     return b"".join(chunks)
@@ -140,7 +147,7 @@ class _Job:
     instructions: str | None
 
 
-def _parse(raw: bytes, voices: frozenset[str] | set[str], default_voice: str) -> _Job | Response:
+def _parse(raw: bytes, voices: Collection[str], default_voice: str) -> _Job | Response:
     """Every field checked for its type before its value (a list where a string goes is a 400)."""
     try:
         body = decode_json(raw)
@@ -164,8 +171,7 @@ def _parse(raw: bytes, voices: frozenset[str] | set[str], default_voice: str) ->
     if voice in OPENAI_VOICES and voice not in voices:
         voice = default_voice
     if voice not in voices:
-        return http_error(400, "unknown_voice", f"unknown voice {voice[:80]!r}; expected one of: "
-                          f"{', '.join(sorted(voices))}")
+        return http_error(400, "unknown_voice", unknown_voice_message(voice))
     fmt = body.get("response_format") or "mp3"
     if fmt not in available_formats():
         return http_error(400, "unsupported_option",
@@ -188,24 +194,45 @@ def _type(value: Any) -> str:
                                          "bool": "a boolean"}.get(type(value).__name__, "a number")
 
 
+def _route(segments: list[str], voice: str, languages: Languages,
+           metrics: Any) -> list[tuple[str, str]]:
+    """(text, voice) of each segment with something to say; what no voice can say is
+    skipped (OpenAI's endpoint has no word for it): logged without the text, and counted."""
+    scripts = VoiceScripts(languages.languages_of)
+    out: list[tuple[str, str]] = []
+    for segment in segments:
+        result = route(segment, voice, languages.voice_for, scripts)
+        for piece in result.skipped:
+            language = piece.language or "und"
+            metrics.observe("skipped:" + language, len(piece.text))
+            log.info("speech: skipped %d characters of %s: no voice for it", len(piece.text), language)
+        if result.text:
+            out.append((result.text, result.voice))
+    return out
+
+
 class _Synthesis:
     """One request's engine work: segments submitted a few ahead, all freed by `close`."""
 
-    def __init__(self, engine: EngineClient, fair_share: FairShare, catalog: VoiceCatalog, key: str,
-                 segments: list[str], job: _Job) -> None:
+    def __init__(self, engine: EngineClient, fair_share: FairShare, catalog: VoiceChoices, key: str,
+                 segments: list[tuple[str, str]], job: _Job) -> None:
+        """`segments`: (text, voice) each; every voice is held until `close`."""
         self.engine, self.fair_share, self.catalog = engine, fair_share, catalog
         self.key, self.segments, self.job = key, segments, job
+        self.voices = sorted({job.voice, *(voice for _, voice in segments)})
+        for voice in self.voices:
+            catalog.hold(voice)
         self._request_ids: list[RequestId] = []
         self._due = time.monotonic()
         self.is_closed = False
 
     def _submit_next(self, streams: deque[AsyncIterator[AudioChunk]]) -> None:
         index = len(self._request_ids)
-        text = self.segments[index]
+        text, voice = self.segments[index]
         request_id = RequestId(f"{self.key}:{index}")
         self._request_ids.append(request_id)
         streams.append(self.engine.submit(SynthesisRequest(
-            request_id, text, self.job.voice, self._due, context_key=self.key,
+            request_id, text, voice, self._due, context_key=self.key,
             instructions=self.job.instructions, params=self.job.params)))
         self._due += estimate_audio_s(text, self.job.params.speed)
 
@@ -232,7 +259,8 @@ class _Synthesis:
         for request_id in self._request_ids:
             self.engine.cancel(request_id)  # a no-op for requests already finished
         self.fair_share.release(self.key)
-        self.catalog.release(self.job.voice)
+        for voice in self.voices:
+            self.catalog.release(voice)
 
 
 class _AudioResponse(StreamingResponse):

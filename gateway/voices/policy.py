@@ -40,7 +40,9 @@ class VoiceConfig:
     default_voice: str = "joe"  # speaks for registered voices on backends that cannot clone
     limits: UploadLimits = field(default_factory=UploadLimits)
     quota: Quota = field(default_factory=Quota)
-    max_concurrent_uploads: int = 2  # read + decode + features at once; more get 429
+    max_concurrent_uploads: int = 2  # decode + features at once, bodies read first; more get 429
+    #: the whole upload body must arrive within this (408 after): a stalled one holds nothing long
+    upload_timeout_s: float = 60.0
     sync_interval_s: float = 2.0  # how often other replicas' changes are picked up (0: never)
     reserve_bytes: int = DEFAULT_RESERVE_BYTES  # kept free on the store's disk for deletes
 
@@ -50,6 +52,8 @@ class VoiceConfig:
             self.assets_dir = Path(self.assets_dir)
         if self.max_concurrent_uploads < 1:
             raise ValueError(f"max_concurrent_uploads must be >= 1, got {self.max_concurrent_uploads}")
+        if self.upload_timeout_s <= 0:
+            raise ValueError(f"upload_timeout_s must be > 0, got {self.upload_timeout_s}")
         if self.sync_interval_s < 0:
             raise ValueError(f"sync_interval_s must be >= 0 (0: never), got {self.sync_interval_s}")
         if self.reserve_bytes < 0:

@@ -1,9 +1,11 @@
 """`/v1/voices`: the voice registry's HTTP routes (docs/voices.md).
 
-Each route acts for the principal the access guard found (gateway/access/guard.py):
-a tenant lists, reads and deletes its own voices (and sees the operator's); an
-admin key reaches all. An upload takes one of the service's upload places
-before its body is read, so concurrent decodes stay bounded (429 when full).
+Each route acts for the principal the access guard found (gateway/access/guard.py),
+which checked its key and Origin first: a tenant lists, reads and deletes its
+own voices (and sees the operator's); an admin key reaches all. An upload's
+body is read first, whole within `upload_timeout_s` (408 after); only then does
+it take one of the service's upload places, so concurrent decodes stay bounded
+(429 when full) and a body that never comes holds none.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ async def list_voices(request: Request) -> Response:
 async def create_voice(request: Request) -> Response:
     service = _service(request)
     try:
+        upload = await read_upload(request, service.config.limits, service.config.upload_timeout_s)
         with service.upload_slot():
-            upload = await read_upload(request, service.config.limits)
             body = await service.register(upload, owner=principal(request).tenant)
     except VoiceUploadError as exc:
         return http_error(exc.status, exc.code, exc.message)

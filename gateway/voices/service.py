@@ -15,9 +15,11 @@ holder lets go, the catalog calls back and the voice leaves the engine.
 
 Tenancy: each registered voice has an owner, the tenant (a hash of the API
 key) that registered it, or "" for the operator's (assets, and uploads from
-before tenancy). A tenant lists, reads and deletes its own voices and sees the
-operator's (deleting those takes an admin key); an admin sees all. With auth
-off there is one tenant. Voice ids are one namespace: built-in names (OpenAI's
+before tenancy). A tenant lists, reads, deletes and speaks with its own voices
+and the operator's (deleting those takes an admin key); an admin reaches all.
+Another tenant's voice is unknown to it on every route, as one that does not
+exist (the catalog resolves ids per caller: gateway/voices/catalog.py). With
+auth off there is one tenant. Voice ids are one namespace: built-in names (OpenAI's
 voice names, installed voices and piper model names) cannot be registered.
 
 Replicas sharing one store are kept in step by `ReplicaSync` (voice_sync.py),
@@ -38,7 +40,7 @@ from engine.client import EngineClient
 from engine.errors import UnknownVoiceError, UnsupportedOptionError, VoxgateError
 from engine.types import VoiceInfo
 from gateway.access.keys import OPERATOR, Principal
-from gateway.voices.catalog import VoiceCatalog
+from gateway.voices.catalog import VoiceCatalog, unknown_voice_message
 from gateway.voices.policy import VoiceConfig, is_reserved, is_visible, may_delete
 from gateway.voices.space import (
     QuotaExceededError,
@@ -90,7 +92,7 @@ class VoiceService(ReplicaSync):
         self._checksums: dict[str, str] = {}  # id -> stored checksum: what sync() compares
         self.installed: set[str] = set()
         self.num_features_computed = 0
-        self.num_uploads = 0  # uploads being read, decoded or featurized now
+        self.num_uploads = 0  # uploads being decoded or featurized now (their bodies complete)
         self._lock = asyncio.Lock()
         self._removals: set[asyncio.Task[None]] = set()  # retired voices whose last holder left
 
@@ -108,7 +110,7 @@ class VoiceService(ReplicaSync):
             # Nothing to serve from the store, so none is created (tests with scripted engines).
             log.info("the %s backend cannot register voices; the voice registry is off",
                      self.engine.backend_name)
-            self.catalog.set_listed(self.installed)
+            self.catalog.set_listed(self.installed, owners={})
             return
         try:
             await self.registry.open()
@@ -123,7 +125,7 @@ class VoiceService(ReplicaSync):
         for record in records:
             await self._load(record)
         await self._register_assets()
-        self.catalog.set_listed(v.voice_id for v in self.engine.voices)
+        self.catalog.set_listed((v.voice_id for v in self.engine.voices), owners=self.owners)
         await self._start_sync()
         log.info("voice registry %s: %d registered, %d unavailable", self.registry.path,
                  len(self.registered), len(self.unavailable))
@@ -184,8 +186,8 @@ class VoiceService(ReplicaSync):
     def _base_voice(self, requested: str | None) -> str:
         if requested is not None:
             if requested not in self.installed:
-                raise VoiceUploadError(400, "unknown_voice", f"unknown base voice {requested!r}; "
-                                       f"expected an installed voice: {', '.join(sorted(self.installed))}")
+                raise VoiceUploadError(400, "unknown_voice", f"unknown base voice {requested[:64]!r}; "
+                                       "expected an installed voice (GET /v1/voices: builtin)")
             return requested
         if self.config.default_voice in self.installed:
             return self.config.default_voice
@@ -193,8 +195,9 @@ class VoiceService(ReplicaSync):
 
     @contextlib.contextmanager
     def upload_slot(self) -> Iterator[None]:
-        """One of `max_concurrent_uploads` places for reading, decoding and featurizing an
-        upload; when all are taken, 429 at once (decoding is the costly, bounded part)."""
+        """One of `max_concurrent_uploads` places for decoding and featurizing an upload whose
+        body is complete; when all are taken, 429 at once (decoding is the costly, bounded
+        part; a body still on its way takes none, so a stalled one blocks nobody)."""
         if self.num_uploads >= self.config.max_concurrent_uploads:
             raise VoiceUploadError(429, "too_many_uploads", f"{self.num_uploads} voice uploads are "
                                    "being processed; try again in a few seconds")
@@ -249,7 +252,7 @@ class VoiceService(ReplicaSync):
             self._digests[voice_id] = record.source_digest
             self.owners[voice_id] = owner
             self._checksums[voice_id] = record.checksum()
-            self.catalog.add(voice_id)  # open sockets may switch to it now
+            self.catalog.add(voice_id, owner)  # its tenant's open sockets may switch to it now
         log.info("registered voice %r (%s, %.1f s, %s)", voice_id, source, record.duration_s,
                  "no features" if features is None else f"{len(features)} feature bytes")
         return self.describe_registered(info, self.registered[voice_id])
@@ -260,8 +263,9 @@ class VoiceService(ReplicaSync):
                                    "(an installed voice, an OpenAI voice name or a piper model name); "
                                    "choose another id")
         if not replace_existing and (voice_id in self.registered or voice_id in self.unavailable):
-            raise VoiceUploadError(409, "voice_exists", f"voice {voice_id!r} is registered already; "
-                                   "delete it first or choose another id")
+            # ids are one namespace: this says the id is taken, never whose it is
+            raise VoiceUploadError(409, "voice_exists", f"voice id {voice_id!r} is taken; choose "
+                                   "another id (or, to replace a voice of yours, delete it first)")
 
     async def _register_assets(self) -> None:
         """`name.wav` + `name.txt` pairs, registered once; a changed pair is registered again."""
@@ -298,7 +302,7 @@ class VoiceService(ReplicaSync):
         return is_visible(self.owners.get(voice_id, ""), principal)
 
     def _unknown(self, voice_id: str) -> VoiceUploadError:  # another tenant's voice reads as absent
-        return VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r} is registered")
+        return VoiceUploadError(404, "unknown_voice", unknown_voice_message(voice_id))
 
     # -- deleting -------------------------------------------------------------
 
@@ -361,7 +365,7 @@ class VoiceService(ReplicaSync):
     @staticmethod
     def describe_info(info: VoiceInfo) -> dict[str, Any]:
         return {"id": info.voice_id, "name": info.name, "language": info.language,
-                "backend": info.backend, "sample_rate": info.sample_rate, "builtin": info.is_builtin,
+                "languages": list(info.languages), "backend": info.backend, "sample_rate": info.sample_rate, "builtin": info.is_builtin,
                 "supports_instructions": info.supports_instructions}
 
     def describe_registered(self, info: VoiceInfo, summary: dict[str, Any]) -> dict[str, Any]:
@@ -384,7 +388,7 @@ class VoiceService(ReplicaSync):
             raise VoiceUploadError(409, code, message)
         info = next((v for v in self.engine.voices if v.voice_id == voice_id), None)
         if info is None:
-            raise VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r}")
+            raise self._unknown(voice_id)
         if voice_id not in self.registered:
             return {**self.describe_info(info), "registered": False}
         try:
@@ -392,7 +396,7 @@ class VoiceService(ReplicaSync):
         except CorruptRecordError as exc:
             raise VoiceUploadError(exc.status, exc.code, str(exc)) from None
         if record is None:
-            raise VoiceUploadError(404, "unknown_voice", f"no voice {voice_id!r}")
+            raise self._unknown(voice_id)
         return self.describe_registered(info, record.summary())
 
 

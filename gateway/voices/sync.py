@@ -94,7 +94,7 @@ class ReplicaSync:
             return False
         await self._load(record)
         if voice_id in self.registered:
-            self.catalog.add(voice_id)
+            self.catalog.add(voice_id, self.owners.get(voice_id, ""))
             log.info("voice %r was registered by another replica", voice_id)
         return True
 

@@ -6,8 +6,11 @@ reaches a 500. Work is checked before it is done: the container's header
 (sample rate, channels, declared duration) is read by PyAV before any sample
 is decoded, and decoding stops as soon as it passes the allowed rate x
 duration, so a small compressed file that claims 655 kHz x 8 channels, or
-expands to hours, costs no more than a header read. Decoding runs off the
-event loop; how many run at once is the voice service's bound.
+expands to hours, costs no more than a header read. The body must arrive
+whole within the upload deadline, however slowly it trickles (408,
+gateway/http/bodies.py); file parts past 1 MiB spool to a temporary file while
+it is read. Decoding runs off the event loop; how many run at once is the
+voice service's bound, taken once the body is complete (gateway/voices/routes.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import av
 import numpy as np
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from engine.errors import VoxgateError
+from gateway.http.bodies import BodyTimeoutError, within
 
 FIELDS = ("audio", "text", "name", "language", "id", "base_voice")
 VOICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -92,9 +96,9 @@ class ReferenceAudio:
     format: str
 
 
-async def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
+async def _capped(request: Request, limit: int, timeout_s: float) -> AsyncGenerator[bytes, None]:
     total = 0
-    async for chunk in request.stream():
+    async for chunk in within(request, timeout_s):
         total += len(chunk)
         if total > limit:
             raise VoiceUploadError(413, "upload_too_large",
@@ -102,8 +106,8 @@ async def _capped(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
         yield chunk
 
 
-async def read_upload(request: Request, limits: UploadLimits) -> VoiceUpload:
-    """Parse and check the multipart form; raises VoiceUploadError."""
+async def read_upload(request: Request, limits: UploadLimits, timeout_s: float) -> VoiceUpload:
+    """Parse and check the multipart form, whole within `timeout_s`; raises VoiceUploadError."""
     content_type = request.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data"):
         raise VoiceUploadError(415, "not_multipart", "expected a multipart/form-data body with an "
@@ -113,12 +117,17 @@ async def read_upload(request: Request, limits: UploadLimits) -> VoiceUpload:
     if declared.isdigit() and int(declared) > limit:
         raise VoiceUploadError(413, "upload_too_large",
                                f"the upload is {declared} bytes; the limit is {limit} bytes")
-    parser = MultiPartParser(request.headers, _capped(request, limit), max_files=len(FIELDS),
-                             max_fields=2 * len(FIELDS), max_part_size=64 * 1024)
+    parser = MultiPartParser(request.headers, _capped(request, limit, timeout_s),
+                             max_files=len(FIELDS), max_fields=2 * len(FIELDS), max_part_size=64 * 1024)
     try:
         form = await parser.parse()
     except MultiPartException as exc:
         raise VoiceUploadError(400, "bad_multipart", f"the multipart body is malformed: {exc.message}") from None
+    except BodyTimeoutError as exc:
+        raise VoiceUploadError(408, "upload_timeout", f"{exc}; send it faster, or a smaller "
+                               "recording") from None
+    except ClientDisconnect:
+        raise VoiceUploadError(400, "bad_request", "the client went away while sending the body") from None
     try:
         return await _fields(form.multi_items())
     finally:

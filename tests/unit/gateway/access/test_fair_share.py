@@ -106,3 +106,16 @@ def test_a_share_outside_zero_to_one_is_refused() -> None:
     for share in (0.0, -0.5, 1.5):
         with pytest.raises(ValueError, match="max_share"):
             FairShareConfig(share)
+
+
+def test_with_the_whole_engine_as_the_share_one_client_past_capacity_gets_busy() -> None:
+    policy, engine = make(16, 1.0)  # one tenant (loopback mode): the share is no cap of its own
+    for n in range(16):
+        policy.admit("addr:127.0.0.1", f"c{n}")
+    with pytest.raises(EngineBusyError):  # the engine is full: the code back-off logic knows
+        policy.admit("addr:127.0.0.1", "c16")
+    assert policy.num_refused == 0 and len(engine.contexts) == 16
+    small, _ = make(1, 0.5)  # a one-context engine: its share of one is the whole of it
+    small.admit("a", "a0")
+    with pytest.raises(EngineBusyError):
+        small.admit("a", "a1")
