@@ -9,24 +9,31 @@ avoids (docs/scaling.md):
   and a WebSocket is one ongoing request for its whole life.
 - Gateway autoscaling on ongoing requests, i.e. open sessions.
 - `graceful_shutdown_timeout_s` above a turn's length: Serve's default 20 s
-  cuts live turns when a replica is scaled down or redeployed.
+  cuts live turns when a replica is scaled down or redeployed. A gateway
+  replica being stopped drains within it (drain.py): turns finish, then 1001.
 - No request timeout for sockets: `request_timeout_s` stays unset in the
   proxy's `http_options` (launch.py; the config file says so too).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
+from gateway.ray_serve.drain import drain_grace_s
+from gateway.ray_serve.drain import install as install_drain
 from gateway.ray_serve.engine_replica import EngineReplica, replica_id
 from gateway.ray_serve.remote import RemoteEngine
 from gateway.ray_serve.routing import PinnedRouter
+
+if TYPE_CHECKING:
+    from gateway.app import AppState
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -69,6 +76,9 @@ class RayServeConfig:
                              f"{self.min_gateway_replicas} and {self.max_gateway_replicas}")
         if self.sessions_per_gateway < 1 or self.target_sessions_per_gateway <= 0:
             raise ValueError("sessions_per_gateway and target_sessions_per_gateway must be positive")
+        if self.gateway_cpus < 0 or self.engine_cpus < 0:
+            raise ValueError(f"gateway_cpus and engine_cpus must be >= 0, got {self.gateway_cpus} "
+                             f"and {self.engine_cpus}")
 
 
 class _ReplicaHeader:
@@ -94,12 +104,21 @@ class _ReplicaHeader:
 
 @serve.ingress()
 class GatewayReplica:
-    """The gateway tier: voxgate's Starlette app, reaching the engine tier through a handle."""
+    """The gateway tier: voxgate's Starlette app, reaching the engine tier through a handle.
+
+    Stopped by Serve, it drains like `voxgate serve` on SIGTERM (drain.py): no new
+    socket, open contexts finish within `shutdown_grace_s` less Serve's margin, then
+    every socket is closed with 1001.
+    """
 
     async def __init__(self, engine: DeploymentHandle[Any],  # type: ignore[misc]  # Serve awaits it
-                       gateway: dict[str, Any]) -> None:
+                       gateway: dict[str, Any], shutdown_grace_s: float = 120.0) -> None:
         self.engine_handle = engine
         self.overrides = gateway
+        self.state: AppState | None = None  # the app's, once Serve has built it
+        self.grace_s = drain_grace_s(shutdown_grace_s)
+        # The loop the app's sockets run on: Serve stops the replica from another one.
+        install_drain(self._drain, asyncio.get_running_loop(), timeout_s=self.grace_s + 5.0)
 
     def __serve_build_asgi_app__(self) -> Any:
         from gateway.app import create_app
@@ -107,7 +126,18 @@ class GatewayReplica:
 
         config = GatewayConfig.from_env(**self.overrides)
         app = create_app(config, engine=RemoteEngine(self.engine_handle))
+        self.state = app.state.voxgate
         return _ReplicaHeader(app, replica_id())
+
+    async def _drain(self) -> None:  # called by drain.py in this process, not through a handle
+        """Refuse new sockets, let open contexts finish, close every socket with 1001."""
+        if self.state is None:
+            return
+        from gateway.app import drain
+
+        log.info("gateway replica %s stopping: draining %d sockets (grace %.0f s)", replica_id(),
+                 len(self.state.connections), self.grace_s)
+        await drain(self.state, self.grace_s)
 
 
 def _gateway_options(cfg: RayServeConfig) -> dict[str, Any]:
@@ -153,4 +183,4 @@ def build_app(args: dict[str, Any] | None = None) -> Any:
     deployment: Any = serve.deployment
     engine = deployment(EngineReplica).options(**_engine_options(cfg)).bind(cfg.gateway)
     gateway = deployment(GatewayReplica).options(**_gateway_options(cfg))
-    return gateway.bind(engine, cfg.gateway)
+    return gateway.bind(engine, cfg.gateway, cfg.shutdown_grace_s)

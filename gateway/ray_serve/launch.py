@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import threading
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger("voxgate.gateway")
@@ -24,6 +25,10 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--engine", choices=["piper", "cosyvoice"], help="speech engine (default piper)")
     parser.add_argument("--engine-gpus", type=float, default=0.0,
                         help="GPUs per engine replica (1 for cosyvoice)")
+    parser.add_argument("--gateway-cpus", type=float, default=1.0,
+                        help="CPUs Ray reserves per gateway replica (default 1)")
+    parser.add_argument("--engine-cpus", type=float, default=1.0,
+                        help="CPUs Ray reserves per engine replica (default 1)")
     parser.add_argument("--data-dir", help="the voice registry's folder: a path every replica "
                         "shares (docs/scaling.md)")
     parser.add_argument("--max-batch-size", type=int, help="most segments per engine step")
@@ -34,7 +39,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Deploy and block until SIGINT/SIGTERM, then shut Serve down (its replicas drain)."""
+    """Deploy and block until SIGINT/SIGTERM, then shut Serve down: each gateway replica lets its
+    open turns finish and closes its sockets with 1001 (drain.py)."""
     try:
         import ray
         from ray import serve
@@ -51,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
     replicas: int | str = args.gateway_replicas
     try:
         replicas = "auto" if args.gateway_replicas == "auto" else int(args.gateway_replicas)
-        RayServeConfig(gateway_replicas=replicas, engine_replicas=args.engine_replicas)
+        RayServeConfig(gateway_replicas=replicas, engine_replicas=args.engine_replicas,
+                       gateway_cpus=args.gateway_cpus, engine_cpus=args.engine_cpus)
     except ValueError as exc:
         print(f"voxgate: bad configuration: {exc}")
         return 2
@@ -59,17 +66,27 @@ def run(args: argparse.Namespace) -> int:
         print("voxgate: a non-loopback --host needs API keys (VOXGATE_API_KEYS) or --no-auth")
         return 2
     ray.init(address=args.address)
+    # A signal during the deploy stops Serve once it is up (the proxy may already answer);
+    # a second one stops at once.
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if stop.is_set():
+            signal.default_int_handler(signum, frame)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     # request_timeout_s stays unset: a socket lives as long as its conversation.
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app({"gateway_replicas": replicas, "engine_replicas": args.engine_replicas,
-                         "engine_gpus": args.engine_gpus,
+                         "engine_gpus": args.engine_gpus, "gateway_cpus": args.gateway_cpus,
+                         "engine_cpus": args.engine_cpus,
                          "sessions_per_gateway": args.sessions_per_gateway, "gateway": gateway}),
               name="voxgate", route_prefix="/")
     log.info("voxgate on Ray Serve: http://%s:%d (gateway %s, engine %d)", args.host, args.port,
              replicas, args.engine_replicas)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    serve.shutdown()  # type: ignore[no-untyped-call]
+    log.info("stopping: each gateway replica lets its open turns finish, then closes with 1001")
+    serve.shutdown()  # type: ignore[no-untyped-call, unused-ignore]  # typed where Ray is installed
     return 0

@@ -105,7 +105,7 @@ class RemoteEngine:
             self._poller.cancel()
             self._poller = None
         for stream in list(self._streams.values()):
-            stream.cancel()  # type: ignore[no-untyped-call]
+            stream.cancel()  # type: ignore[no-untyped-call, unused-ignore]
         for key in list(self._placement):
             self.release_context(key)
         if self._tasks:
@@ -232,7 +232,7 @@ class RemoteEngine:
     def _open(self, request: SynthesisRequest, replica_id: str) -> DeploymentResponseGenerator[Any]:
         stream: DeploymentResponseGenerator[Any] = _own_request(lambda: self.handle.options(
             method_name="synthesize", stream=True).remote(
-            wire.request_to_wire(request, self.gateway_id), replica=replica_id))  # type: ignore[arg-type,return-value]
+            wire.request_to_wire(request, self.gateway_id), replica=replica_id))  # type: ignore[arg-type, return-value, unused-ignore]
         self._streams[request.request_id] = stream
         return stream
 
@@ -270,7 +270,7 @@ class RemoteEngine:
         finally:
             live = self._streams.pop(request.request_id, None)
             if live is not None:
-                live.cancel()  # type: ignore[no-untyped-call]  # a no-op once the stream ended
+                live.cancel()  # type: ignore[no-untyped-call, unused-ignore]  # a no-op once it ended
 
     async def _next(self, stream: DeploymentResponseGenerator[Any], replica_id: str) -> dict[str, Any]:
         """The next chunk; fails when the replica stops answering polls for `stall_s`."""
@@ -297,7 +297,7 @@ class RemoteEngine:
         """Cancel the call: Serve cancels the replica's generator, which frees the request."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.cancel()  # type: ignore[no-untyped-call]
+            stream.cancel()  # type: ignore[no-untyped-call, unused-ignore]
 
     # -- voices: every replica speaks every voice ------------------------------------------
     async def make_voice_features(self, audio: np.ndarray, sample_rate: int,

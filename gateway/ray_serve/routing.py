@@ -18,7 +18,7 @@ import importlib
 import random
 from typing import Any
 
-from ray.serve.request_router import (  # type: ignore[attr-defined]  # public, re-exported
+from ray.serve.request_router import (  # type: ignore[attr-defined, unused-ignore]  # public, re-exported
     PendingRequest,
     RequestRouter,
     RunningReplica,
@@ -32,7 +32,7 @@ def live_replicas(deployment: str) -> tuple[str, ...]:
     return _LIVE.get(deployment, ())
 
 
-class PinnedRouter(RequestRouter):
+class PinnedRouter(RequestRouter):  # type: ignore[misc, unused-ignore]  # Any without Ray installed
     """Route to the replica a call names; otherwise to the less loaded of two."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

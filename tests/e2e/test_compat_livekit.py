@@ -13,11 +13,14 @@ import asyncio
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import pytest
-from livekit.plugins import cartesia, elevenlabs
 
 from tests.support.server import ServerProcess, start_server
+
+COMPAT_TEST = "the compat-test extra: pip install -e '.[compat-test]'"
+cartesia = pytest.importorskip("livekit.plugins.cartesia", reason=COMPAT_TEST)
+elevenlabs = pytest.importorskip("livekit.plugins.elevenlabs", reason=COMPAT_TEST)
+aiohttp = pytest.importorskip("aiohttp", reason=COMPAT_TEST)
 
 TEXT = "Hello there, my good friend. The weather is lovely today, so let us take a walk."
 

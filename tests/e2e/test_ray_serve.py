@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+import websockets
 
 with warnings.catch_warnings():  # Ray's modules warn on import (pydantic v1-style fields)
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -27,6 +28,7 @@ with warnings.catch_warnings():  # Ray's modules warn on import (pydantic v1-sty
 
     from gateway.ray_serve.app import REPLICA_HEADER, build_app
 from tests.e2e.test_voices import register
+from tests.support.wait import async_wait_until, wait_until
 from tests.support.wsclient import Client, speak
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
@@ -218,38 +220,103 @@ def test_an_engine_replica_killed_mid_turn_errors_within_5_s_and_the_next_turn_s
           "no context held on any engine replica")
 
 
-def test_a_burst_of_sessions_scales_the_gateway_from_1_to_2_and_back(cluster: Cluster) -> None:
+DRAIN_TEXT = " ".join(["This sentence is spoken while the replica under it is being removed."] * 4)
+
+
+def _gateway_states(app: str) -> dict[str, int]:
+    status = serve.status().applications.get(app)
+    if status is None or "Gateway" not in status.deployments:
+        return {}
+    return {str(k): int(v) for k, v in status.deployments["Gateway"].replica_states.items()}
+
+
+async def _read_until_done_or_closed(client: Client, context_id: str, timeout_s: float) -> int | None:
+    """Read (recording) until `context_id` is done, then until the socket closes or `timeout_s`
+    pass; the close code, or None while it stays open."""
+    loop = asyncio.get_running_loop()
+    try:
+        while not client.received.of("context.done", context_id):
+            await client.recv(timeout=60)
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await client.recv(timeout=deadline - loop.time())
+    except websockets.ConnectionClosed as closed:
+        return closed.rcvd.code if closed.rcvd else -1
+    return None
+
+
+def test_a_gateway_replica_the_autoscaler_removes_finishes_its_turn_then_closes_with_1001(
+        cluster: Cluster) -> None:
+    # Autoscaled on open sockets (short delays, one per replica): 1 -> 2 -> 1. Serve removes
+    # the newest replica first.
     serve.run(build_app({
         "gateway_replicas": "auto", "min_gateway_replicas": 1, "max_gateway_replicas": 2,
         "target_sessions_per_gateway": 1.0, "upscale_delay_s": 0.5, "downscale_delay_s": 2.0,
         "look_back_period_s": 2.0, "engine_replicas": 1, "gateway_cpus": 0.25, "engine_cpus": 0.25,
+        "shutdown_grace_s": 60.0,  # the drain's grace: 50 s, far past the turn
         "gateway": {"data_dir": str(cluster.data_dir), "max_batch_size": 2}}),
-        name="scaled", route_prefix="/scaled", blocking=False)
+        name="drain", route_prefix="/drain")
+    url = cluster.ws_url + "/drain/v1/stream?pacing=realtime"  # a turn lasts as long as its audio
 
-    def replicas() -> int:
-        status = serve.status().applications.get("scaled")
-        if status is None or "Gateway" not in status.deployments:
-            return 0
-        counts = status.deployments["Gateway"].replica_states
-        return int(counts.get("RUNNING", 0))
+    def states() -> dict[str, int]:
+        return _gateway_states("drain")
 
-    _wait(lambda: replicas() == 1, 120, "the scaled app to start with one gateway replica")
+    async def connect() -> tuple[Client, str]:
+        client = await Client.connect(url)
+        return client, client.ws.response.headers[REPLICA_HEADER.decode()]
 
-    async def burst() -> None:
-        clients = [(await _connect_prefixed(cluster, "/scaled")) for _ in range(4)]
-        try:
-            await asyncio.to_thread(_wait, lambda: replicas() == 2, 60, "a second gateway replica")
-        finally:
-            for client in clients:
-                await client.close()
+    async def scenario() -> dict[str, Any]:
+        assert states() == {"RUNNING": 1}
+        first, older = await connect()
+        second, _ = await connect()  # two sockets: the autoscaler adds a second replica
+        await asyncio.to_thread(wait_until, lambda: states().get("RUNNING") == 2, timeout=90,
+                                interval=0.25, message="a second gateway replica")
+        for _ in range(40):  # the proxy picks the less loaded replica: soon the new one
+            client, newer = await connect()
+            if newer != older:
+                break
+            await client.close()
+        assert newer != older, "no socket reached the second gateway replica"
+        await second.close()
+        await client.send({"type": "text", "context_id": "turn", "text": DRAIN_TEXT, "flush": True})
+        while not client.received.audio_of("turn"):
+            await client.recv(timeout=60)
+        reader = asyncio.create_task(_read_until_done_or_closed(client, "turn", 30.0))
+        await first.close()  # one socket left: the autoscaler removes the newer replica, under it
+        await async_wait_until(lambda: asyncio.to_thread(lambda: states().get("STOPPING")),
+                               timeout=60, interval=0.2, message="a gateway replica stopping")
+        done_when_stopping = bool(client.received.of("context.done", "turn"))
+        newcomers = []  # sockets opened while the replica drains: the proxy sends them elsewhere
+        for _ in range(3):
+            try:
+                other, replica = await connect()
+            except AssertionError as refused:  # not session.ready
+                newcomers.append(f"refused: {refused}")
+                continue
+            newcomers.append(replica)
+            await other.close()
+        code = await reader
+        await asyncio.to_thread(wait_until, lambda: states() == {"RUNNING": 1}, timeout=90,
+                                interval=0.25, message="the gateway back to one replica")
+        return {"client": client, "drained": newer, "survivor": older, "code": code,
+                "done_when_stopping": done_when_stopping, "newcomers": newcomers}
 
-    asyncio.run(burst())
-    _wait(lambda: replicas() == 1, 90, "the gateway to scale back to one replica")
-    serve.delete("scaled")
-
-
-async def _connect_prefixed(cluster: Cluster, prefix: str) -> Client:
-    return await Client.connect(cluster.ws_url + prefix + "/v1/stream")
+    try:
+        result = asyncio.run(asyncio.wait_for(scenario(), 300))
+    finally:
+        serve.delete("drain")
+    assert result["done_when_stopping"] is False, "the replica was stopped after the turn, not during it"
+    assert result["code"] == 1001
+    # The whole turn came before the close: every sentence, and all of its audio.
+    got = result["client"].received
+    (done,) = got.of("context.done", "turn")
+    assert done["segments"] == len(got.of("segment", "turn")) == 4
+    assert sum(frame["duration_ms"] for frame in got.audio_of("turn")) == pytest.approx(done["audio_ms"], abs=100)
+    assert done["audio_ms"] > 4 * 2000
+    assert got.of("error") == []
+    assert result["drained"] not in result["newcomers"], result["newcomers"]
+    assert not [n for n in result["newcomers"] if n.startswith("refused")], result["newcomers"]
 
 
 def test_the_serve_config_file_is_valid_for_serve_deploy_and_the_builder() -> None:

