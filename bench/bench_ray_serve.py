@@ -91,7 +91,7 @@ def run_hop(chunks: int, repeats: int) -> dict[str, float]:
 
         return asyncio.run(measure())
     finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
+        serve.shutdown()  # type: ignore[no-untyped-call, unused-ignore]
         ray.shutdown()
 
 

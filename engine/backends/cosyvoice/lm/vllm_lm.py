@@ -114,7 +114,7 @@ class SpeechSampling:
         )  # the processor does RAS
 
 
-class SpeechLogitsProcessor(LogitsProcessor):
+class SpeechLogitsProcessor(LogitsProcessor):  # type: ignore[misc, unused-ignore]  # Any without vLLM
     """Head bias, min-length mask and RAS for every request of the engine (see module doc)."""
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
