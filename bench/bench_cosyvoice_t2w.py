@@ -1,11 +1,15 @@
-"""What bounding the flow's recomputed history saves and costs (docs/cosyvoice.md, "Bounded history").
+"""What bounding the flow's recomputed history saves and costs.
 
-Cost: mel frames the flow estimator runs over per chunk, from the chunk
-schedule alone (no model). Fidelity: the upstream tiny fixture's 240 greedy
-LM tokens streamed with upstream's hops, full recomputation against bounded
-history, deterministic vocoder source; relative RMS of the differences.
+The figures and why: docs/cosyvoice-design.md, "Bounded history". Cost: mel
+frames the flow estimator runs over per chunk, from the chunk schedule alone
+(no model). Fidelity: the upstream tiny fixture's 240 greedy LM tokens
+streamed with upstream's hops, full recomputation against bounded history,
+deterministic vocoder source; relative RMS of the differences. The fixtures
+are the upstream-made ones kept beside the repository, never copied in
+(`--fixtures`, by default where the parity tests read them:
+tests/support/cosyvoice_parity.FIXTURES).
 
-    python -m bench.bench_cosyvoice_t2w --fixtures ../shared/fixtures/cosyvoice-upstream-tiny
+    python -m bench.bench_cosyvoice_t2w [--fixtures DIR]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.flow import build_flow
 from engine.backends.cosyvoice.models.hift import build_hift
 from engine.backends.cosyvoice.t2w.streams import FlowPrompt, T2WConfig, TokenToWave, schedule
+from tests.support.cosyvoice_parity import FIXTURES
 
 HISTORIES: list[int | None] = [None, 100, 50, 25]
 
@@ -67,7 +72,8 @@ def fidelity_table(fixtures: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--fixtures", type=Path, default=Path("../shared/fixtures/cosyvoice-upstream-tiny"))
+    parser.add_argument("--fixtures", type=Path, default=FIXTURES,
+                        help="the upstream-made tiny fixtures (default: %(default)s)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)

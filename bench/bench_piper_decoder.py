@@ -8,8 +8,8 @@ the forms taking turns call by call so that the host's noise falls on all
 alike:
 
 - 1-D: the decoder as cut from the voice's graph;
-- 2-D: `graphs.split.decoder_as_2d` (the loader's form before round twelve);
-- blocked: `piper_blocked.blocked_decoder` over the 2-D form (the loader's
+- 2-D: `graphs.split.decoder_as_2d` (the loader's form before the blocked rewrite);
+- blocked: `graphs.blocked.blocked_decoder` over the 2-D form (the loader's
   form where it converts).
 
 Sessions as the backend opens them (`loader.open_session`, one thread,

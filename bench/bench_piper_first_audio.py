@@ -9,15 +9,16 @@ rounds, over `bench.bench_ttfa`'s sentences:
 1. The front part (text encoder, durations, prior) on onnxruntime sessions:
    one thread (what the lanes run), every core, and every core with its
    threads spinning while the call runs (what `Pace.LONE` runs), each with its
-   LayerNorms fused as the server loads it (piper_fuse); and one thread and
+   LayerNorms fused as the server loads it (graphs.layernorm); and one thread and
    every core spinning on the graph as piper ships it (unfused), the anchors
    for that rewrite.
 2. First audio through the engine, no gateway: `Engine.submit` of one
    sentence, due now, in a context of its own, to its first chunk, one at a
-   time. The engine's defaults (the one talking session: an 8-frame first
+   time. The engine's defaults (the one talking session: a 7-frame first
    window, the spinning front part, the short first flow slice) against the
-   same with round six's contexts (12 decoder frames each side, the first
-   flow slice on the flow's whole context) and with that path off (a 12-frame
+   same with wider contexts (12 decoder frames each side, the first flow
+   slice on the flow's whole context and kept; figures: docs/benchmarks.md,
+   "Decoder windows") and with that path off (a 14-frame
    first window, the one-thread front part: what a segment gets while another
    session talks).
 """
@@ -89,10 +90,10 @@ async def time_first_audio(engine: Engine, backend: PiperBackend, rounds: int) -
     voice = backend.get_voice("joe")
     lone_plan, lone_session = backend._plan, voice.lone_session
     off_plan = dataclasses.replace(lone_plan, lone_first_frames=lone_plan.first_frames)
-    # round six's contexts: 12 frames each side of a window, the first flow slice on 32 and kept
+    # wider contexts: 12 frames each side of a window, the first flow slice on 32 and kept
     wide_plan = dataclasses.replace(lone_plan, context_frames=12, first_flow_context_frames=32)
     variants = {"one talking session (defaults)": (lone_plan, lone_session),
-                "that, with round six's contexts": (wide_plan, lone_session),
+                "that, with wider contexts": (wide_plan, lone_session),
                 "that path off (as beside another session)": (off_plan, None)}
     timings: dict[str, list[float]] = {name: [] for name in variants}
     try:

@@ -6,9 +6,10 @@ paragraphs, lists, emphasis, links, inline code, a code block, emoji) of
 about 100,000 characters, fed as one string, in LLM-token-sized deltas (1-8 characters)
 and one character at a time. One warm-up run per row, then the best of
 --repeats runs (process CPU time). The last column compares with synthesis:
-piper's joe voice runs about 33x real time per core on the 2-core reference
-machine (DESIGN.md), and speech is about 15 characters per second, so one
-core synthesizes about 500 characters of text per second.
+piper's joe voice runs at most 12.4x real time on one core (the raw limit on
+the box the targets were set on: docs/benchmarks.md, "Anchors"), and speech is
+about 15 characters per second, so one core synthesizes about 190 characters
+of text per second.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 
 from gateway.text.segmenter import Segmenter
 
-SYNTHESIS_CHARS_PER_S = 33 * 15  # piper, one core: real-time factor x speaking rate
+SYNTHESIS_CHARS_PER_S = 12.4 * 15  # piper, one core: real-time factor x speaking rate
 
 PARAGRAPHS = [
     ("Sure, here is what I found. The **main** point is simple: Dr. Smith measured 3.14 units "

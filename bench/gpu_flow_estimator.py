@@ -16,8 +16,8 @@ output's departure from eager (relative RMS). Modes:
   with one execution context (upstream AsyncCosyVoice's arrangement) against
   `--contexts` contexts (ours): passes per second in all.
 
-DESIGN.md's anchor (H200, eager bf16): 7.2 ms for 1 stream x 200 frames,
-62 ms for 128 streams x 200 frames.
+The anchor (H200, eager bf16; docs/benchmarks.md, "Anchors"): 7.2 ms for
+1 stream x 200 frames, 62 ms for 128 streams x 200 frames.
 
 One device call, under 5 minutes (`--budget-s`, default 270): eager and CUDA
 graphs take about a minute; the TensorRT export and build run in a child
@@ -72,7 +72,7 @@ from engine.backends.cosyvoice.models.flow_dit import DiTEstimator
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REAL_DIT = {"dim": 1024, "depth": 22, "heads": 16, "dim_head": 64}
 TINY_DIT = {"dim": 64, "depth": 2, "heads": 4, "dim_head": 16}
-ANCHOR_MS = {1: 7.2, 128: 62.0}  # DESIGN.md, H200, eager, 200 frames
+ANCHOR_MS = {1: 7.2, 128: 62.0}  # docs/benchmarks.md, "Anchors": H200, eager, 200 frames
 
 
 def random_dit(size: dict[str, int], device: torch.device, dtype: torch.dtype) -> DiTEstimator:

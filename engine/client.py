@@ -49,7 +49,7 @@ class SchedulerView(Protocol):
 
 
 class EngineClient(Protocol):
-    """The speech engine as the gateway reaches it (DESIGN.md, "Engine")."""
+    """The speech engine as the gateway reaches it (docs/architecture.md, "The engine")."""
 
     # -- lifecycle and health -------------------------------------------------
     @property

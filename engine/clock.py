@@ -39,7 +39,7 @@ class RequestHandle:
     own prediction wins over the deadline the gateway guessed from the text: a
     guess too early makes a segment due seconds before its listener can hear
     it, and the earliest-deadline order then serves it before listeners about
-    to run dry (docs/benchmarks.md, "Round nine"). Heard audio is the time
+    to run dry (docs/benchmarks.md, "The burst"). Heard audio is the time
     since the start, never more than what was taken (a reader that stops
     reading stops its clock).
 

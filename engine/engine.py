@@ -1,7 +1,8 @@
 """The shared speech engine: one scheduler loop per process, every session's requests.
 
-Public face (DESIGN.md): `submit(SynthesisRequest) -> AsyncIterator[AudioChunk]`,
-`cancel(request_id)`, `voices`, `sample_rate`, `start()`, `stop()`, admission
+Public face (docs/architecture.md, "The engine"):
+`submit(SynthesisRequest) -> AsyncIterator[AudioChunk]`, `cancel(request_id)`,
+`voices`, `sample_rate`, `start()`, `stop()`, admission
 (`admit`/`release_context`) and `stats` for metrics. Each loop iteration is
 prepare (new requests, most urgent first), schedule (EDF over each request's
 next piece), run (one backend step in the worker thread), route (chunks to

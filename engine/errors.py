@@ -8,15 +8,15 @@ VoxgateError                          `code`: the wire code a client sees
  |    +-- EngineStoppedError     the engine is not running
  |    +-- BackendFailure         a backend step raised; ends the affected requests only
  |    +-- ModelLoadError         a model directory or file is missing or malformed
- +-- ProtocolError               (gateway.errors) a client message broke PROTOCOL.md
+ +-- ProtocolError               (gateway.errors) a client message broke docs/protocol.md
  +-- RegistryError               (gateway.voices.store) the voice store fails; `status` 503
  |    +-- VoiceExistsError       the voice id is taken; 409
  |    +-- CorruptRecordError     a stored record fails its checksum; 409
  +-- VoiceUploadError            (gateway.voices.upload) a refused registration; its own
                                  `code` and HTTP `status` per refusal (docs/voices.md)
 
-Each error that reaches a client carries its wire `code` (PROTOCOL.md "Error
-codes", docs/voices.md "Errors"); the gateway's errors that answer HTTP
+Each error that reaches a client carries its wire `code` (docs/protocol.md
+"Errors", docs/voices.md "Errors"); the gateway's errors that answer HTTP
 requests also carry their HTTP `status`. The gateway maps exceptions to
 messages in one place (gateway/errors.py: `error_message` for the socket,
 `http_error` for HTTP). The engine knows no HTTP, so its errors carry codes

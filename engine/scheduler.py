@@ -1,14 +1,14 @@
 """Scheduling policy: which requests run in the next backend step.
 
 Plain Python with the clock passed in, so a test drives it step by step.
-Earliest deadline first (DESIGN.md, Engine) over pieces of audio: each
-request's `due` is when its next piece must exist (the engine sets it from
-the request's playback clock; a turn's first piece is due "now"). The batch
-grows while the step it makes still ends before the most urgent deadline (a
-batch that would make the urgent request late is cut back); it never shrinks
-below one, so the most urgent request always runs. Where a step's items
-share no work (`serial_items`: the piper backend, one call per item) a
-bigger batch is only a longer step, so a step takes one item per core.
+Earliest deadline first (docs/architecture.md, "Deadline scheduling") over
+pieces of audio: each request's `due` is when its next piece must exist (the
+engine sets it from the request's playback clock; a turn's first piece is due
+"now"). The batch grows while the step it makes still ends before the most
+urgent deadline (a batch that would make the urgent request late is cut back);
+it never shrinks below one, so the most urgent request always runs. Where a
+step's items share no work (`serial_items`: the piper backend, one call per
+item) a bigger batch is only a longer step, so a step takes one item per core.
 
 Bounded look-ahead: a request already further ahead of its listener than the
 engine's look-ahead (`is_ahead`) runs only when no other request is

@@ -85,7 +85,7 @@ class SynthesisRequest:
     `deadline` is on the engine's monotonic clock (seconds): the time by which
     this request's first audio must exist to avoid a gap. The first segment of
     a turn is due "now" (its TTFA); a later one is due when the audio already
-    sent for its context runs out (DESIGN.md, Engine).
+    sent for its context runs out (docs/architecture.md, "Deadline scheduling").
 
     `context_key` groups the requests of one spoken turn so that admission
     control counts turns, not segments.
@@ -109,7 +109,8 @@ class AudioChunk:
     chunk that carries timings (piper gives them for the whole segment with its
     only chunk). `is_last` marks the request's final chunk. `step_ms` is the wall
     time of the engine step that made it (shared by every request of that batch):
-    what a client is told the server spent on its audio (docs/compat.md, Cartesia).
+    what a client is told the server spent on its audio (docs/compat.md, "What
+    differs from the vendors": Cartesia's `step_time`).
     """
 
     request_id: RequestId

@@ -133,9 +133,10 @@ def tune_malloc(profile: str) -> None:
     fast: two arenas, and freed heap pages handed back every
     MALLOC_TRIM_PERIOD_S (malloc_trim). Two lanes of onnxruntime calls free
     and allocate large buffers side by side, and without the trim the heap
-    fragments: RSS grew 42-53 MB over 200 barge-in sessions; with a trim every
-    2 s it grew 12 MB and sat ~130 MB lower, at a cost of ~3% of the engine's
-    throughput at saturation (docs/benchmarks.md, "Round three").
+    fragments: RSS grew 42-53 MB over 200 barge-in sessions, 9-40 MB with the
+    trim every 5 s; a 2 s period held it to 9-13 MB but cost 7-11% of the
+    engine's throughput at saturation (docs/benchmarks.md, "Memory under
+    churn"; docs/operations.md, "Memory").
     compact: also a fixed 1 MiB mmap threshold. glibc otherwise raises its
     threshold as large blocks are freed and serves them from the heap; fixed,
     big inference buffers are mapped and unmapped on every call instead,

@@ -17,7 +17,7 @@ MAX_TURNS = 1_000_000
 class Protocol(str, Enum):
     """What the target speaks."""
 
-    VOXGATE = "voxgate"  # the /v1/stream WebSocket (PROTOCOL.md)
+    VOXGATE = "voxgate"  # the /v1/stream WebSocket (docs/protocol.md)
     PIPER_HTTP = "piper-http"  # piper's Flask server: POST /synthesize -> whole WAV
 
 

@@ -8,7 +8,8 @@ time when the first frame of a turn arrives (plus an optional playout delay, a
 player's jitter buffer; 0 by default) and plays each frame for its
 `duration_ms`. When a frame arrives after the audio already received has run
 out, the listener hears silence: that is a gap, of length arrival minus
-run-out, and playback resumes from the late frame (DESIGN.md, "Gaps").
+run-out, and playback resumes from the late frame (docs/loadtest.md, "The
+numbers").
 """
 
 from __future__ import annotations

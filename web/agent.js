@@ -1,7 +1,7 @@
 // The voice-agent core of the page: turns (contexts), the socket, playback,
 // barge-in and the numbers the stats panel and the browser tests read.
 //
-// TTFA here is what a listener waits for (DESIGN.md, Numbers): from the
+// TTFA here is what a listener waits for (docs/loadtest.md, "The numbers"): from the
 // moment the turn's first segment was complete in the text sent (the send
 // that carried the text confirming its end, or the last send when nothing
 // followed it) to the first sample of the turn leaving the player, jitter

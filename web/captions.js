@@ -1,6 +1,6 @@
 // Live captions from `segment` events, with the word being spoken
 // highlighted. Word timings are relative to their segment's start and the
-// segment's `pts_ms` is where its audio starts in the context (PROTOCOL.md),
+// segment's `pts_ms` is where its audio starts in the context (docs/protocol.md, "A turn"),
 // so a word plays at context time pts_ms + start_ms.
 //
 // Text the server skipped (`text.skipped`: a language no voice of it speaks)

@@ -1,4 +1,4 @@
-// The page's end of /v1/stream (PROTOCOL.md): JSON text frames out, JSON
+// The page's end of /v1/stream (docs/protocol.md): JSON text frames out, JSON
 // events and msgpack binary frames (audio, or events under `encoding:
 // msgpack`) in.
 

@@ -13,7 +13,7 @@
 //   {type: "finished", ctx, played_ms}     all of ctx was played
 //   {type: "flushed", id, ctx, played_ms}  answer to flush: what was heard of ctx
 //
-// Contexts play one after the other in push order (PROTOCOL.md, Contexts).
+// Contexts play one after the other in push order (docs/protocol.md, "Contexts").
 // A context starts, and resumes after an underrun, once `jitter_ms` of audio
 // is buffered or its end has arrived, so network jitter does not turn into
 // audible gaps.

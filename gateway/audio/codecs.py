@@ -1,6 +1,6 @@
 """Per-context audio encoding for the WebSocket: resample, cut frames, encode.
 
-One `StreamEncoder` per context (DESIGN.md, Audio). It takes the engine's mono
+One `StreamEncoder` per context (docs/architecture.md, "Audio"). It takes the engine's mono
 float32 PCM at the voice's rate and returns whole `frame_ms` frames: Opus
 packets (libopus, bundled in PyAV's wheels), PCM16 little-endian bytes, or
 G.711 mu-law bytes at 8 kHz. `encode` returns only whole frames and keeps the

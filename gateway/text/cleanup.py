@@ -11,9 +11,9 @@ Its output is the speakable text plus three marks the segmenter reads:
   may fall.
 
 `clean_for_speech(text)` is the whole-text form with the marks removed: the
-reference that the joined segments of a context equal (PROTOCOL.md: "the
-segment texts ... equal the cleaned text"). Rules, each with its reason, are
-in docs/segmenter.md.
+reference that the joined segments of a context equal (docs/protocol.md,
+"Rules the server keeps": text is never lost or duplicated). Rules, each with
+its reason, are in docs/segmenter.md.
 
 The module is a little past the ~400 lines the style asks for: it is one
 incremental scanner, and its readers of markdown constructs share the

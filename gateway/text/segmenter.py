@@ -3,7 +3,7 @@
 Sans-I/O and clock-free (time is passed in). Fed deltas of any size, it
 releases a segment only once the text after its boundary confirms it, so the
 segments depend on the text alone, never on how it was split into deltas
-(PROTOCOL.md "Rules the server keeps"); the one exception is the time-based
+(docs/protocol.md, "Rules the server keeps"); the one exception is the time-based
 release of `max_buffer_delay_ms`. Text is first cleaned for speech
 (gateway/text/cleanup.py); the emitted segments, joined, equal the cleaned text
 up to the whitespace between them.
@@ -73,7 +73,7 @@ class SegmenterConfig:
     """Segmentation policy of one context; docs/segmenter.md justifies the defaults.
 
     `max_buffer_delay_ms` of 0 means only punctuation, the length cap and flush
-    release text (PROTOCOL.md `session.update`).
+    release text (docs/protocol.md, "Options").
     """
 
     max_segment_chars: int = 250

@@ -22,8 +22,16 @@ exist (the catalog resolves ids per caller: gateway/voices/catalog.py). With
 auth off there is one tenant. Voice ids are one namespace: built-in names (OpenAI's
 voice names, installed voices and piper model names) cannot be registered.
 
-Replicas sharing one store are kept in step by `ReplicaSync` (voice_sync.py),
+Replicas sharing one store are kept in step by `ReplicaSync` (sync.py),
 which `VoiceService` builds on.
+
+The module is a little past the ~400 lines the style asks for: loading,
+registering, deleting and describing all read and change the same state (the
+registered voices, their owners and checksums, the unavailable ones) under the
+one lock, and the engine's and the catalog's views must change with it; a
+split by verb would pass that state between modules. What stands apart already
+lives apart: the store (store.py, schema.py), reading an upload (upload.py),
+what may be registered (policy.py), replicas (sync.py) and the routes.
 """
 
 from __future__ import annotations

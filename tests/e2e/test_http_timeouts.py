@@ -18,6 +18,7 @@ import uvicorn
 
 from gateway.http.timeouts import _h11_class, _httptools_class
 from tests.support.server import free_port
+from tests.support.wait import wait_until
 
 
 async def hello(scope: Any, receive: Any, send: Any) -> None:
@@ -35,10 +36,7 @@ def port(request: pytest.FixtureRequest) -> Iterator[int]:
                                            log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    wait_until(lambda: server.started, timeout=20, interval=0.05, message="uvicorn did not start")
     yield number
     server.should_exit = True
     thread.join(10)
@@ -73,4 +71,6 @@ def test_a_whole_request_is_answered_and_the_next_one_on_the_connection_too(port
             while not answer.endswith(b"ok"):
                 answer += sock.recv(1024)
             assert answer.startswith(b"HTTP/1.1 200")
-            time.sleep(1.0)  # past the header timeout: an idle keep-alive connection is not timed by it
+            # on purpose, the subject: twice the 0.5 s header timeout, which an idle keep-alive
+            # connection is not timed by
+            time.sleep(1.0)

@@ -262,13 +262,6 @@ async def drain(sock: Any, errors: list[str], quiet_s: float = 1.5) -> None:
             errors.append(str(message["error"]))
 
 
-async def wait_for_metric(server: ServerProcess, name: str, value: float, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while server.metric(name) != value:
-        assert time.monotonic() < deadline, f"{name} stayed at {server.metric(name)}, expected {value}"
-        await asyncio.sleep(0.1)
-
-
 def test_a_key_sent_in_the_first_message_counts_against_that_keys_share(two_keys: ServerProcess) -> None:
     url = ws(two_keys, "/v1/text-to-speech/joe/multi-stream-input?output_format=pcm_16000")
 
@@ -282,7 +275,7 @@ def test_a_key_sent_in_the_first_message_counts_against_that_keys_share(two_keys
             await asyncio.gather(*(drain(sock, errors) for sock, errors in opened))
             refused = [code for _, errors in opened for code in errors]
             assert refused and set(refused) == {"rate_limited"}, refused
-            await wait_for_metric(two_keys, "voxgate_engine_active_contexts", 8)
+            await two_keys.metric_reaches("voxgate_engine_active_contexts", 8)
             other = await Client.connect(two_keys.ws_url, additional_headers=bearer(KEY_B))
             try:
                 started = time.monotonic()

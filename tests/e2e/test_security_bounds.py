@@ -209,7 +209,8 @@ def test_an_upload_trickled_in_is_cut_off_by_its_total_deadline(bodies: ServerPr
         part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode()
         sock.sendall(part)
         sock.setblocking(False)
-        # one byte every 0.5 s: no read waits long, but the whole body is too slow
+        # The trickle is the subject: one byte every 0.5 s, no read waits long, but the whole
+        # body is too slow; the loop ends when the server answers, within the deadline + 10 s.
         while time.monotonic() - started < BODY_TIMEOUT_S + 10:
             try:
                 sock.send(b"x")
@@ -238,7 +239,9 @@ def test_a_speech_body_trickled_in_is_cut_off_by_its_total_deadline(bodies: Serv
                       f"Content-Length: {len(body)}\r\n\r\n").encode())
         started = time.monotonic()
         sock.setblocking(False)
-        for byte in body:  # one byte every 0.5 s: each read is quick, the body never ends in time
+        # The trickle is the subject: one byte every 0.5 s, each read is quick, the body never
+        # ends in time; the loop ends when the server answers (after BODY_TIMEOUT_S).
+        for byte in body:
             try:
                 sock.send(bytes([byte]))
                 if sock.recv(1, socket.MSG_PEEK):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import stat
-import time
 from pathlib import Path
 
 import httpx
 
 from tests.e2e.test_voices import listed, register, say
 from tests.support.server import start_server
+from tests.support.wait import wait_until
 
 
 def test_the_data_dir_and_the_database_are_private_to_the_server_user(tmp_path: Path) -> None:
@@ -43,15 +43,6 @@ def test_a_damaged_database_is_moved_aside_and_the_server_starts_degraded(tmp_pa
         proc.stop()
 
 
-def wait_for(predicate, timeout: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def test_replicas_sharing_one_store_see_each_other_s_registrations_and_deletes(tmp_path: Path) -> None:
     env = {"VOXGATE_DATA_DIR": str(tmp_path / "shared"), "VOXGATE_VOICE_SYNC_INTERVAL_S": "0.5"}
     logs = [tmp_path / "a", tmp_path / "b"]
@@ -60,11 +51,13 @@ def test_replicas_sharing_one_store_see_each_other_s_registrations_and_deletes(t
     first, second = (start_server(folder, env=env) for folder in logs)
     try:
         assert register(first.url, "shared-voice").status_code == 201
-        assert wait_for(lambda: "shared-voice" in listed(second.url))
+        wait_until(lambda: "shared-voice" in listed(second.url), timeout=20, interval=0.2,
+                   message="the other replica never listed the voice")
         done, frames, errors = asyncio.run(say(second.ws_url, "Spoken by the other replica.", "shared-voice"))
         assert done["type"] == "context.done" and frames > 0 and not errors
         assert httpx.delete(second.url + "/v1/voices/shared-voice").status_code == 200
-        assert wait_for(lambda: "shared-voice" not in listed(first.url))
+        wait_until(lambda: "shared-voice" not in listed(first.url), timeout=20, interval=0.2,
+                   message="the first replica still lists the deleted voice")
         assert httpx.get(first.url + "/v1/voices/shared-voice").status_code == 404
         assert register(first.url, "shared-voice").status_code == 201  # the id is free again
     finally:

@@ -83,11 +83,13 @@ def assert_equal_report(name: str, got: Any, want: Any) -> None:
     )
 
 
+#: The upstream-made tiny fixtures (docs/cosyvoice-design.md, "Parity with upstream"): kept
+#: beside the repository, never copied in. Tests and benches read them from here only.
 FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "cosyvoice-upstream-tiny"
 
 
 def fixture_dir(version: int) -> Path:
-    """The upstream-made tiny model directory of a version (../shared/fixtures, never copied in)."""
+    """The upstream-made tiny model directory of a version, under `FIXTURES`."""
     return FIXTURES / f"cosyvoice{version}"
 
 

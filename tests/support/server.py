@@ -7,14 +7,14 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from tests.support.wait import async_wait_until, wait_until
+
 REPO = Path(__file__).resolve().parents[2]
-SHARED = REPO.parent / "shared"
 
 
 def free_port() -> int:
@@ -55,6 +55,11 @@ class ServerProcess:
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
+    async def metric_reaches(self, name: str, value: float, timeout: float = 30.0) -> None:
+        """Wait, the event loop running, until an unlabelled metric reads `value`."""
+        await async_wait_until(lambda: self.metric(name) == value, timeout=timeout, interval=0.1,
+                               message=lambda: f"{name} stayed at {self.metric(name)}, expected {value}")
+
     def stop(self, timeout: float = 20.0) -> int:
         if self.process.poll() is None:
             self.process.terminate()
@@ -82,15 +87,18 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
         process = subprocess.Popen([*command, *args], cwd=REPO, env=full_env, stdout=log_file,
                                    stderr=subprocess.STDOUT)
     server = ServerProcess(process, port, log_path)
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
+
+    def is_ready() -> bool:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log()}")
         try:
-            if httpx.get(server.url + "/readyz", timeout=1.0).status_code == 200:
-                return server
+            return httpx.get(server.url + "/readyz", timeout=1.0).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}")
+            return False
+
+    try:
+        wait_until(is_ready, timeout=ready_timeout, interval=0.2)
+    except AssertionError:
+        server.stop()
+        raise RuntimeError(f"server not ready after {ready_timeout} s:\n{server.log()}") from None
+    return server

@@ -1,7 +1,7 @@
 """Piper voices for tests, made from the embedded joe model: no download.
 
 `install_mandarin_voice` drops into `<data_dir>/voices/` (docs/voices.md, "Piper
-model") joe's model with a config that phonemizes with espeak's Mandarin
+models") joe's model with a config that phonemizes with espeak's Mandarin
 (`cmn`) and declares `zh_CN`. Every phoneme espeak writes for Mandarin is in
 joe's phoneme map, so it is a real second voice that speaks Chinese text,
 with an English speaker's sound: enough to test routing by language.

@@ -2,9 +2,13 @@
 
 A fixed sleep is either too short on a slow box (the test fails) or makes a
 negative check pass vacuously (nothing happened yet). `wait_until` polls a
-predicate until it holds and fails with a message when it never does;
-`still_false_after` is the one honest form of a negative check: the thing
-did not happen while something else that must come first did.
+predicate until it holds and fails with a message when it never does. A
+negative check waits instead for something that must come first (an answer to
+a later message, a task that would have done the thing finishing) and then
+checks that the thing did not happen.
+
+`message` is a string or a function that makes one when the wait fails, so
+it can say what the value was then ("voxgate_sessions stayed at 1").
 """
 
 from __future__ import annotations
@@ -15,10 +19,16 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+Message = str | Callable[[], str]
+
+
+def _failure(timeout: float, message: Message, predicate: object) -> AssertionError:
+    text = message() if callable(message) else message
+    return AssertionError(f"not true after {timeout:g} s: {text or repr(predicate)}")
 
 
 def wait_until(predicate: Callable[[], T], *, timeout: float = 10.0, interval: float = 0.02,
-               message: str = "") -> T:
+               message: Message = "") -> T:
     """The predicate's first truthy value; AssertionError after `timeout` seconds without one."""
     deadline = time.monotonic() + timeout
     while True:
@@ -26,12 +36,12 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = 10.0, interval: f
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not true after {timeout:g} s: {message or predicate!r}")
+            raise _failure(timeout, message, predicate)
         time.sleep(interval)
 
 
 async def async_wait_until(predicate: Callable[[], T | Awaitable[T]], *, timeout: float = 10.0,
-                           interval: float = 0.02, message: str = "") -> T:
+                           interval: float = 0.02, message: Message = "") -> T:
     """`wait_until` for asyncio tests: the event loop runs while it waits."""
     deadline = time.monotonic() + timeout
     while True:
@@ -41,5 +51,5 @@ async def async_wait_until(predicate: Callable[[], T | Awaitable[T]], *, timeout
         if value:
             return value  # type: ignore[return-value]
         if time.monotonic() >= deadline:
-            raise AssertionError(f"not true after {timeout:g} s: {message or predicate!r}")
+            raise _failure(timeout, message, predicate)
         await asyncio.sleep(interval)

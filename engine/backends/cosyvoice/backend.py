@@ -1,7 +1,7 @@
 """The cosyvoice backend: CosyVoice 2/3 behind the engine's `Backend` interface.
 
 One `step` advances a batch of requests by one LM decode step and whatever
-audio became ready (DESIGN.md, Engine):
+audio became ready (docs/architecture.md, "The streaming model"):
 
 1. requests without an LM stream start one (prefill into a free KV-cache
    slot; when every slot is held, the holder with the latest deadline that is

@@ -51,12 +51,13 @@ class CosyVoiceBackendConfig:
     max_flow_streams: int = 0
     # CFG rows x frames of the largest flow call replayed as a CUDA graph (captured at load);
     # larger calls are compute-bound and run eagerly on their exact shapes. 0: every bucket
-    # (flow_runtime/estimator_graphs.py; docs/benchmarks.md, "GPU figures").
+    # (flow_runtime/estimator_graphs.py; docs/benchmarks.md, "Flow estimator pass").
     max_flow_graph_row_frames: int = 8192
     # cuDNN's attention kernels on a GPU (off: flash or memory-efficient attention). torch builds
     # a cuDNN attention plan per exact shape (batch and lengths), on each thread, cached without
     # bound: every eager call at a new shape (flow calls past the graph limit, LM prefills) pays a
-    # build of tens of ms to about a second (loader.choose_attention; docs/cosyvoice.md).
+    # build of tens of ms to about a second (loader.choose_attention; docs/cosyvoice-design.md,
+    # "Attention kernels").
     cudnn_attention: bool = False
     # flow + vocoder on their own thread (and CUDA stream), overlapping the LM: auto = on a GPU
     flow_thread: str = "auto"

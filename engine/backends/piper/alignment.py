@@ -13,7 +13,7 @@ Timings then follow from the model's per-phoneme durations: a word ends where
 its last phoneme (with its trailing pad) ends, and starts where the previous
 word ended, so pauses belong to the word they precede and the words tile the
 audio exactly. A listener cut off after `end_ms` of a word has heard all of it
-(PROTOCOL.md, `cancelled`: "whole words where timings exist").
+(docs/protocol.md, "Barge-in": whole words where the engine gave timings).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ target, how a step's items are packed into onnxruntime calls (padding waste,
 one call per item, calls in parallel), and the decoder window sizes and leads,
 which it hands on as a `WindowPlan` and a `PacePolicy` (plan.py). The order of
 its fields is the order of the option list (tests/unit/engine/test_options.py).
-The measurements behind the defaults are in docs/benchmarks.md.
+The measurements behind the defaults are in docs/benchmarks.md ("Decoder
+windows", "Component costs").
 """
 
 from __future__ import annotations
@@ -38,19 +39,21 @@ class PiperBackendConfig:
     # this fraction of real phoneme ids (None: one call per voice and scales, however
     # ragged). On CPU the work is linear in audio and a ragged call pays for its
     # padding (1.7-2.7x the CPU of one call per item at 8-16 items), so only items of equal
-    # length share a call by default (docs/benchmarks.md, "piper backend batching").
+    # length share a call by default (docs/benchmarks.md, "Component costs").
     max_padding_waste: float | None = 0.0
     # On a CPU, items in one call run on one core while separate calls run side by
-    # side on the pool: 8 sentences took 6.0 s as one padded call plus singles and
-    # 2.9 s as 8 separate calls over 2 cores (bench in docs/benchmarks.md). So by
-    # default every item gets its own call; False packs by `max_padding_waste`.
+    # side on the pool: measured when this default was set, 8 sentences took 6.0 s as one
+    # padded call plus singles and 2.9 s as 8 separate calls over 2 cores (the CPU cost of
+    # padding: docs/benchmarks.md, "Component costs"). So by default every item gets its
+    # own call; False packs by `max_padding_waste`.
     one_call_per_item: bool = True
     # Calls that run side by side, each on `num_threads` cores: the engine's lanes (one
     # request per step, a step started whenever a lane is free), or, with
     # `one_call_per_item` False, the calls of one step. A call that runs alone uses every
     # core. 0 (default): as many as the cores hold, cores // num_threads
-    # (docs/benchmarks.md, "Round three": a 128-frame window took 100 ms alone on one core,
-    # 103-115 ms each with two side by side, 74 ms alone on both cores).
+    # (docs/benchmarks.md, "Saturation against the raw limit": a 152-frame window took
+    # 100 ms alone on one thread, 103-115 ms each with two side by side, 74 ms alone on
+    # both cores).
     num_parallel_calls: int = 0
     # Decoder windows in latent frames (hop_length samples each; 256 at 22050 Hz, 11.6 ms):
     # an urgent segment whose step runs alone has a small first window (first audio soon)
@@ -58,14 +61,14 @@ class PiperBackendConfig:
     # window, and the rest are `window_frames` (see `window_urgent_lead_s`).
     # `window_context_frames` each side make each window equal the whole decode (10 matches
     # joe's to 1e-6 over 150 corpus sentences, 8 to only 3e-3; each frame of context less is
-    # one less decoded twice: docs/benchmarks.md, "Round seven").
+    # one less decoded twice: docs/benchmarks.md, "Decoder windows").
     # A turn's first windows end just past the gateway's 20 ms Opus frame grid: its
     # encoder sends whole frames and holds the rest (and its resampler 16 samples) until
     # the next window comes, so a window ending short of a frame boundary leaves its
     # listener up to 20 ms less to wait in. At 22050 Hz (hop 256) a 12-frame first window
     # (139 ms) reached the listener as 120 ms, 14 (163 ms) as 160; 12 + 36 as 540 ms,
     # 14 + 38 as 600; a 48-frame medium window as 540 ms, 52 as 600 (tests/unit/
-    # engine/piper/test_windows.py; docs/benchmarks.md, "Round ten").
+    # engine/piper/test_windows.py; docs/benchmarks.md, "Decoder windows").
     windowed: bool = True
     window_first_frames: int = 14
     window_second_frames: int = 38
@@ -75,30 +78,30 @@ class PiperBackendConfig:
     # The flow runs on slices with this much context each side (its receptive field: exact
     # on joe): a short one for an urgent segment's first window, then `window_flow_frames`
     # frames at a time as the windows need them, so a segment's first window never pays
-    # for the flow of audio due seconds later (docs/benchmarks.md, "Round three").
+    # for the flow of audio due seconds later (docs/benchmarks.md, "Decoder windows").
     window_flow_context_frames: int = 32
     window_flow_frames: int = 256
     # A segment's first flow slice, when the second slice recomputes its frames anyway, runs
     # on this much context and only the first window's audio reads it: at 20 that audio is
-    # as close to the whole as at 32 (2e-5 over 150 corpus sentences); at 16 it was 3e-4 to
-    # 1.1e-3, by the noise drawn (docs/benchmarks.md, "Round seven").
+    # as close to the whole as at 32 (1.6e-5 over 150 corpus sentences); at 16 up to
+    # 1.1e-3, by the noise drawn (docs/benchmarks.md, "Decoder windows").
     window_first_flow_context_frames: int = 20
     # The first window of an urgent segment whose context is the only one with work (one
     # talking session; `Pace.LONE`): 7 frames (81 ms; 8 reached the listener as the same
-    # 80 ms of whole frames). At 4 (46 ms) first audio came ~2 ms sooner, but at 8 sessions a
-    # turn that began alone and met another's turn before its second window left 1-3 short
-    # gaps a run where 8 left none; with other sessions talking the first window stays
-    # `window_first_frames` (docs/benchmarks.md, "Round five", "Round six" and "Round ten").
+    # 80 ms of whole frames). At 4 (46 ms) first audio came ~2 ms sooner, but at 4-8
+    # sessions a turn that began alone and met another's turn before its second window left
+    # 1-3 short gaps a run; with other sessions talking the first window stays
+    # `window_first_frames` (docs/benchmarks.md, "Decoder windows"; docs/history.md,
+    # "Piper: windows and their sizes").
     window_lone_first_frames: int = 7
     # A segment is urgent while its next audio is due within `window_urgent_lead_s` and is
     # not later than `window_behind_s` already (a new turn's first segment, on a box that
     # keeps up): if its step runs alone it gets the small windows and the flow slice; beside
     # another lane's step one medium first window (`window_medium_first_frames`), then long
-    # ones. (Round four measured long windows there as better: at 14 sessions small windows
-    # for every urgent segment, or a medium first window, left 3-10x the silence. Its
-    # later segments were then due early by the gateway's guess from their text; with
-    # their due times from the backend's length a medium first window cut 12-session
-    # TTFA p95 by a third: docs/benchmarks.md, "Round nine".) One with more lead, or
+    # ones. (Long windows there once measured better, while later segments were due early
+    # by the gateway's guess from their text; with their due times from the backend's
+    # length a medium first window brought 12-session TTFA p95 to 183-236 ms from 299:
+    # docs/benchmarks.md, "Decoder windows".) One with more lead, or
     # whose listener has waited longer (the box is behind), takes `window_frames` windows
     # and the flow in `window_flow_frames` pieces, which makes more audio per second of
     # work (less context computed twice). A step beside look-ahead work (due later than
@@ -118,7 +121,7 @@ class PiperBackendConfig:
     # to at most `window_second_frames`, the flow sliced for it: a long one with its flow
     # piece took 110-160 ms beside another lane's step and came late (a gap 600 ms into a
     # turn, where a medium first window ends), a short one is ready in about a third of
-    # that (docs/benchmarks.md, "Round eleven"). 0: windows keep their pace's sizes.
+    # that (docs/benchmarks.md, "Decoder windows"). 0: windows keep their pace's sizes.
     window_catchup_lead_s: float = 0.15
 
     def __post_init__(self) -> None:

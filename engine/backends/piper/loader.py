@@ -294,9 +294,10 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
     if split is not None:
         # Spinning only for the only talking context (`Pace.LONE`): beside another lane's
         # step its threads would take that step's core (a gap at 12 sessions when every
-        # lone call spun; docs/benchmarks.md, "Round five"). On joe's front part: one
-        # thread 25.8 ms, both cores 27.5, both spinning 21.8 (`bench.bench_piper_first_audio`,
-        # docs/benchmarks.md, "Round six").
+        # lone call spun; docs/history.md, "Piper: graphs and runtimes"). On joe's front
+        # part, measured when this was added: one thread 25.8 ms, both cores 27.5, both
+        # spinning 21.8 (`bench.bench_piper_first_audio`; with its LayerNorms fused:
+        # docs/benchmarks.md, "Decoder windows", text part).
         voice.lone_session = open_session(cores, front, spin=True) if cores > num_threads else None
         # The 2-D form is faster on one thread and slower on several (measured on joe with
         # both cores: 1-D 15.5 and 60 ms, 2-D 18.8 and 80 ms for 36 and 152 frames).
@@ -357,8 +358,8 @@ def open_session(threads: int, graph: bytes, *, spin: bool = False) -> Any:
     # The event loop shares these cores: idle inference threads must sleep, not spin.
     # `spin` lets them spin while a call runs and stop when it returns
     # (`force_spinning_stop`): the front part's ~2,200 small ops each woke a sleeping
-    # thread; spinning past the call's end burned a core for ~40 ms after each
-    # (docs/benchmarks.md, "Round five").
+    # thread; spinning past the call's end burned a core for ~40 ms after each (what
+    # spinning costs beside other lanes: docs/history.md, "Piper: graphs and runtimes").
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if spin:
         options.add_session_config_entry("session.force_spinning_stop", "1")

@@ -10,16 +10,16 @@ session is the only one talking). The backend runs what they say
 `PiperBackendConfig`.
 
 Flow and decoder are convolutional with finite receptive fields, so a slice
-with enough context equals the whole. Measured on joe (1 thread, a 4.4 s
-sentence; docs/benchmarks.md, "decoder windows"): the decoder is ~70-78% of the cost;
+with enough context equals the whole. Measured on joe when windows were
+introduced (1 thread, a 4.4 s sentence): the decoder is ~70-78% of the cost;
 W=64, C=16 equals the whole decode exactly (max abs 0.0) and costs 1.16x the
 whole decode, W=128, C=16 1.03x; C=8 differs by 1e-4; W=16 costs 2.6x. With
 both cores, W=128, C=12 matches to 2e-8 and decodes ~10% faster than C=16. The
 flow matches exactly with 32 frames of context and costs 36 ms over a whole
-2.7 s sentence against 13 ms over the 72 frames a first window needs
-(docs/benchmarks.md, "piper windows"). So a segment's first window is small
-(first audio = text part + a short flow slice + one short decode), later ones
-large.
+2.7 s sentence against 13 ms over the 72 frames a first window needs. So a
+segment's first window is small (first audio = text part + a short flow
+slice + one short decode), later ones large. The sizes chosen and the
+measurements behind them now: docs/benchmarks.md, "Decoder windows".
 """
 
 from __future__ import annotations
@@ -53,16 +53,17 @@ class WindowPlan:
     turn) beside other work one medium first window, which is ready in time
     where a long one might not be; any other takes long windows throughout. Small
     windows cost context decoded twice and a step each, and under load every
-    other stream pays for that (docs/benchmarks.md, "Round four"). A segment
+    other stream pays for that (docs/benchmarks.md, "Decoder windows"). A segment
     due now whose context is the only one with work (`Pace.LONE`) starts with a
     smaller window (`lone_first_frames`): no other stream's work is there to come
-    before its second (docs/benchmarks.md, "Round six"). A short first flow slice
-    runs on `first_flow_context_frames` where the second recomputes its frames anyway.
+    before its second (docs/history.md, "Piper: windows and their sizes"). A
+    short first flow slice runs on `first_flow_context_frames` where the second
+    recomputes its frames anyway.
     The sizes come from `PiperBackendConfig` (its `window_*` options, where the
     defaults and their measurements are); its defaults end a turn's first
     windows just past the 20 ms frame grid of the gateway's Opus encoder at
     22050 Hz and hop 256: what does not fill a frame reaches the listener only
-    with the next window (docs/benchmarks.md, "Round ten").
+    with the next window (docs/benchmarks.md, "Decoder windows").
     """
 
     first_frames: int
@@ -161,8 +162,8 @@ class PacePolicy:
         segment, urgent or due within `medium_lead_s` (its lead is positive: its
         listener hears the turn), gets one medium first window, the flow sliced for
         it, then long ones: its audio comes in half the time of a long first window
-        (docs/benchmarks.md, "Round nine": at 12 sessions on seed 1 TTFA p95 fell
-        from 270-429 to 167-213 ms). A segment with lead to spare, or whose
+        (docs/benchmarks.md, "Decoder windows": 12-session TTFA p95 183-236 ms
+        against 299). A segment with lead to spare, or whose
         listener has waited longer than `behind_s` already, takes long
         windows: the box is behind, and long windows, more audio per second of
         work, catch up sooner. An urgent segment whose context is the only one
@@ -184,7 +185,8 @@ class PacePolicy:
         `behind_s` ago). The backend cuts such a window to at most `second_frames`
         where it would be longer (`WindowPlan.can_catch_up`), once per segment, so a
         box behind keeps the long windows that make more audio per second of work
-        (docs/benchmarks.md, "Round eleven"). A `catchup_lead_s` of 0 never cuts.
+        (docs/benchmarks.md, "Decoder windows"; why once: docs/history.md, "Piper:
+        windows and their sizes"). A `catchup_lead_s` of 0 never cuts.
         """
         lead = step.due - now
         return self.catchup_lead_s > 0 and -self.behind_s <= lead <= self.catchup_lead_s

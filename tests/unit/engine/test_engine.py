@@ -14,6 +14,7 @@ from engine.errors import BackendFailure, EngineBusyError, UnknownVoiceError
 from engine.scheduler import SchedulerConfig
 from engine.types import RequestId, SynthesisRequest
 from tests.support.scripted_backend import ScriptedBackend
+from tests.support.wait import async_wait_until
 
 
 def request(name: str, text: str = "hello", voice: str = "v", deadline: float | None = None) -> SynthesisRequest:
@@ -126,8 +127,8 @@ def test_a_new_turn_waits_behind_at_most_one_step_of_look_ahead_work() -> None:
                                               warmup_text="", look_ahead_s=0.2))
         await engine.start()
         readers = [asyncio.create_task(_collect(engine.submit(request(f"bg{n}")))) for n in range(4)]
-        while len(backend.batches) < 20:
-            await asyncio.sleep(0.005)
+        await async_wait_until(lambda: len(backend.batches) >= 20, timeout=10.0, interval=0.005,
+                               message="the readers made fewer than 20 steps")
         mark = len(backend.events)
         first = await engine.submit(request("new")).__anext__()
         assert first.pcm.size
@@ -307,8 +308,8 @@ async def blocked_in_a_lane(name: str) -> tuple[LaneBackend, Engine, asyncio.Tas
     engine = await started(backend)
     backend.gates[name] = threading.Event()
     task = asyncio.create_task(_collect(engine.submit(request(name))))
-    while f"begin:{name}" not in backend.log:
-        await asyncio.sleep(0.005)
+    await async_wait_until(lambda: f"begin:{name}" in backend.log, timeout=10.0, interval=0.005,
+                           message=f"{name} never began its step")
     return backend, engine, task
 
 
@@ -331,7 +332,7 @@ def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
 def test_with_lanes_the_loop_sleeps_while_the_only_request_is_in_its_step() -> None:
     # The request's lead stays under the look-ahead until its step routes audio; that
     # must not wake the loop every few milliseconds for as long as the step runs.
-    async def scenario() -> int:
+    async def scenario() -> tuple[int, int]:
         backend, engine, slow = await blocked_in_a_lane("slow")
         schedule, calls = engine.scheduler.schedule, [0]
 
@@ -340,14 +341,19 @@ def test_with_lanes_the_loop_sleeps_while_the_only_request_is_in_its_step() -> N
             return schedule(*args, **kwargs)
 
         engine.scheduler.schedule = counted  # type: ignore[method-assign]
+        # The window is the subject: a loop that woke every few milliseconds while the step
+        # ran would schedule tens of times in it; one that sleeps, at most twice.
         await asyncio.sleep(0.3)
         during = calls[0]
         backend.gates["slow"].set()
         await asyncio.wait_for(slow, 5)
+        after = calls[0]
         await engine.stop()
-        return during
+        return during, after
 
-    assert run(scenario()) <= 2, "the loop kept waking while the step ran"
+    during, after = run(scenario())
+    assert during <= 2, "the loop kept waking while the step ran"
+    assert after > during, "the count saw no scheduling at all: it measured nothing"
 
 
 def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_nothing() -> None:
@@ -357,10 +363,9 @@ def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_no
         other = await asyncio.wait_for(_collect(engine.submit(request("other"))), 5)  # the other lane steps
         backend.gates["victim"].set()
         await asyncio.wait_for(victim, 5)
-        for _ in range(100):  # released by the next step or the idle loop
-            if "release:victim" in backend.log:
-                break
-            await asyncio.sleep(0.01)
+        # released by the next step or the idle loop
+        await async_wait_until(lambda: "release:victim" in backend.log, timeout=5.0,
+                               message="the cancelled request was never released")
         await engine.stop()
         return backend, engine, other
 

@@ -23,9 +23,9 @@ without a graph runs the static path eagerly.
 
 Only buckets of at most `max_graph_row_frames` (CFG rows x frames) get a graph.
 A graph removes launch cost, which counts only while the GPU's work is short:
-on an H200 (docs/benchmarks.md, "GPU figures"; 480 frames) graphs took a pass
-from 28 to 5.4 ms at 1 stream but saved 3% at 16 streams (32 rows) and 1-2 ms
-of 72-276 ms above, less than a padded bucket costs (up to 31 rows and 63
+on an H200 (docs/benchmarks.md, "Flow estimator pass"; 480 frames) graphs took
+a pass from 14.2 to 4.4 ms at 1 stream (2 rows) but 59.7 to 58.6 ms at 32 (64
+rows), and about 1% above: less than a padded bucket costs (up to 31 rows and 63
 frames of padding). Capturing every bucket meant 377 graphs at the default
 limits, each after two warm-up passes up to 256 rows x 1,856 frames: the
 first device run's load took 200 s. A call past the limit runs the plain

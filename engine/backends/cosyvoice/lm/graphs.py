@@ -1,7 +1,8 @@
 """Static-shape decode steps for the speech LM, captured as CUDA graphs per batch-size bucket.
 
-At real sizes a decode step is launch-bound (24 layers of small kernels:
-DESIGN.md's anchor, 5.7-12 ms eager against 1.3-4.7 ms with graphs), so the
+At real sizes a decode step is launch-bound (24 layers of small kernels: the
+anchor is 5.7-12 ms eager against 1.27-4.7 ms with graphs, docs/benchmarks.md,
+"Anchors"; this build's figures are under "LM decode step" there), so the
 GPU path replays one captured graph per (batch bucket, KV-length bucket)
 instead (gpt-fast / nano-vllm style), every bucket captured at load (`capture_all`).
 The graph holds the whole step of decode_step.py: the sampling of each row's

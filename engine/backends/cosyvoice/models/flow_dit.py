@@ -268,7 +268,8 @@ class DiTEstimator(nn.Module):
         seq = x.shape[2]
         h = self.input_embed(torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)], dim=1).transpose(1, 2))
         # what every block shares, made once a pass: each small kernel costs a launch, and
-        # an eager pass at serving sizes is bound by its launches (docs/benchmarks.md)
+        # an eager pass at serving sizes is bound by its launches (docs/benchmarks.md,
+        # "Flow estimator pass")
         rope = self.rotary_embed.tables(seq)
         attn_mask = chunk_attention_mask(mask[:, 0].bool(), self.static_chunk_size, streaming)
         hidden = ~attn_mask[:, -1, :, None]

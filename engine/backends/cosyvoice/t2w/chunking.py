@@ -15,8 +15,8 @@ stream's own):
   keeps the whole history, so a chunk costs more the longer the answer.
   `max_history_tokens` bounds it: only the most recent history (cut on the
   25-token grid, at least that many tokens) is recomputed, with the noise of
-  its absolute frames. docs/cosyvoice.md gives the measured cost in fidelity;
-  None keeps upstream's full recomputation.
+  its absolute frames. docs/cosyvoice-design.md, "Bounded history", gives the
+  measured cost in fidelity; None keeps upstream's full recomputation.
 - with the K/V cache (CosyVoice 3, `cached`: t2w/cached_flow.py), a chunk
   costs its own frames: the prompt is trimmed to whole 25-token chunks, the
   grid counts from the answer's start, and each run computes the one chunk

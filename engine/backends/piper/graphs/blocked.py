@@ -6,7 +6,8 @@ ReorderOutput (blocked -> plain), and fuses away only the pairs that meet
 directly. HiFi-GAN's residual blocks put an Add and a LeakyRelu between every
 two convolutions, which it runs on plain tensors, and its upsampling
 ConvTransposes have no blocked kernel, so joe's decoder reordered 34 times
-per call: 19 of its 97 ms on one thread (docs/benchmarks.md, "Round twelve").
+per call: 19 of its 97 ms on one thread, as measured when this form was
+written (the three forms now: docs/benchmarks.md, "Decoder windows").
 
 `blocked_decoder` first writes each ConvTranspose as one Conv over its
 stride's phases and an interleave (`_polyphase`), which the blocked kernels

@@ -9,8 +9,9 @@ means over the channel axis instead of the last. So `fuse_layer_norms`
 rewrites the nine into one LayerNormalization over the last axis before
 onnxruntime sees the graph (the transposes stay; onnxruntime runs
 LayerNormalization at every opset). joe's text part has 36 of them (text
-encoder and duration predictor); on one thread it went from 24.7 to 22.2 ms,
-its durations equal and z_p within 7e-6 (docs/benchmarks.md, "Round six").
+encoder and duration predictor); measured when the rewrite was made, on one
+thread it went from 24.7 to 22.2 ms, its durations equal and z_p within 7e-6
+(spinning on both cores: docs/benchmarks.md, "Decoder windows", text part).
 The loader checks each rewrite against the original at load and keeps
 the original where they differ.
 """

@@ -165,7 +165,8 @@ def decoder_as_2d(decoder: bytes) -> bytes | None:
     1-D ones through im2col: measured on joe with one thread, a 152-frame window
     decodes in 90-95 ms against 112-115 ms, equal to 1.3e-7; with two threads
     the blocked kernels are slower (80 against 60 ms), so the loader uses this
-    form for one-thread sessions only (docs/benchmarks.md, "Round three"). The latent [B, C, T] enters through an Unsqueeze to
+    form for one-thread sessions only (docs/history.md, "Piper: graphs and
+    runtimes"). The latent [B, C, T] enters through an Unsqueeze to
     [B, C, 1, T]; the output keeps its samples in order (callers reshape it).
     None for a graph with any other op (a multi-speaker decoder's speaker
     conditioning, say): that one runs as it is.

@@ -229,7 +229,7 @@ def test_bounded_history_departs_from_full_recomputation_only_where_history_was_
     # chunks ending at 30 and 55 start at offsets 0 and 30 <= 25 + 25 tokens: no history cut
     assert_close_report(f"t2w_v{flow.version}.bounded_before_cut", bounded[:, :110], full[:, :110], 1e-5)
     rel = float((bounded - full).pow(2).mean().sqrt() / full.std())
-    assert 0 < rel < 0.25, f"relative rms departure {rel:.3%} (docs/cosyvoice.md reports it per version)"
+    assert 0 < rel < 0.25, f"relative rms departure {rel:.3%} (docs/cosyvoice-design.md, \"Bounded history\", reports it per version)"
 
 
 @pytest.mark.parametrize("speed", [0.75, 1.6])

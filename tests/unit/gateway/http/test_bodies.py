@@ -22,7 +22,7 @@ def trickling_request(num_chunks: int | None, interval_s: float) -> Request:
 
     async def receive() -> dict[str, Any]:
         nonlocal sent
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(interval_s)  # the trickle is the subject: a byte per interval
         sent += 1
         more = num_chunks is None or sent < num_chunks
         return {"type": "http.request", "body": b"x", "more_body": more}

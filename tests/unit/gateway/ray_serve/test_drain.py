@@ -31,7 +31,7 @@ def test_the_drain_runs_on_the_apps_loop_and_is_waited_for(app_loop: asyncio.Abs
     seen: list[object] = []
 
     async def drain() -> None:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a drain that takes a while: the subject is that it is waited for
         seen.append(asyncio.get_running_loop())
 
     asyncio.run(run_drain(drain, app_loop, timeout_s=10))

@@ -26,6 +26,7 @@ from gateway.stream.endpoint import Connection
 from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Session
 from tests.support.scripted_backend import ScriptedBackend
+from tests.support.wait import async_wait_until
 
 PCM16 = SessionOptions(voice="v", codec="pcm16", sample_rate=16000)
 
@@ -69,14 +70,6 @@ class FakeWebSocket:
         return [msgpack.unpackb(f) for f in self.sent if isinstance(f, bytes)]
 
 
-async def until(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "the condition never held"
-        await asyncio.sleep(0.01)
-
-
 Scenario = Callable[[FakeWebSocket, Connection, AppState], Awaitable[None]]
 
 
@@ -105,7 +98,8 @@ def test_a_turn_goes_from_text_frames_to_audio_frames_and_context_done(tmp_path:
     async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
         running = asyncio.create_task(connection.run())
         ws.say({"type": "text", "context_id": "c", "text": "Hello there. ", "flush": True})
-        await until(lambda: any(e["type"] == "context.done" for e in ws.events()))
+        await async_wait_until(lambda: any(e["type"] == "context.done" for e in ws.events()),
+                               timeout=20.0, message="no context.done")
         ws.leave()
         await asyncio.wait_for(running, 10)
         events = ws.events()

@@ -50,7 +50,7 @@ def segment(text: str, config: SegmenterConfig | None = None,
 
 
 def assert_joined_equal_cleaned(segments: list[str], cleaned: str) -> None:
-    """cleaned == s1 + ws + s2 + ws + ... (PROTOCOL.md: up to boundary whitespace)."""
+    """cleaned == s1 + ws + s2 + ws + ... (docs/protocol.md, "Rules the server keeps")."""
     pos = 0
     for text in segments:
         while pos < len(cleaned) and cleaned[pos] == " ":

@@ -26,6 +26,7 @@ from gateway.voices.service import VoiceConfig, VoiceService
 from gateway.voices.upload import VoiceUpload
 from tests.e2e.test_voices import make_wav
 from tests.support.scripted_backend import ScriptedBackend
+from tests.support.wait import async_wait_until
 
 
 def sent(actions: list[Action], kind: str) -> list[dict[str, Any]]:
@@ -142,14 +143,6 @@ class RegisteringBackend(ScriptedBackend):
         self.removed.append(voice_id)
 
 
-async def until(condition: Any) -> None:
-    """Let the event loop run until `condition()` holds (the service removes voices in a task)."""
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-
-
 def run_with_service(tmp_path: Path, body: Any) -> Any:
     async def main() -> Any:
         backend = RegisteringBackend()
@@ -184,7 +177,8 @@ def test_the_engine_forgets_a_deleted_voice_only_when_the_session_speaking_it_le
         assert sent(actions, "context.done")[0]["audio_ms"] > 0
         assert backend.removed == []  # the session itself still holds it
         session.disconnect()
-        await until(lambda: backend.removed)
+        # the service removes it in a task of its own
+        await async_wait_until(lambda: backend.removed, timeout=5.0, message="never removed")
         assert backend.removed == ["ada"] and backend.retired == set()
 
     run_with_service(tmp_path, body)
@@ -200,7 +194,8 @@ def test_a_deleted_voice_nobody_holds_leaves_the_engine_at_once(tmp_path: Path) 
 
 
 def test_a_voice_registered_again_while_held_is_not_removed_by_the_old_holder(tmp_path: Path) -> None:
-    async def body(backend: RegisteringBackend, engine: Engine, service: VoiceService) -> None:
+    async def body(backend: RegisteringBackend, engine: Engine,
+                   service: VoiceService) -> tuple[RegisteringBackend, VoiceService]:
         session = Session("s", catalog=service.catalog, sample_rate=engine.sample_rate,
                           options=SessionOptions(voice="ada"))
         await service.delete("ada")
@@ -208,11 +203,14 @@ def test_a_voice_registered_again_while_held_is_not_removed_by_the_old_holder(tm
                                            voice_id="ada", name="Ada 2"))
         assert not service.catalog.is_retired("ada")
         session.disconnect()
-        await asyncio.sleep(0.05)  # a removal, had one been scheduled, would have run
-        assert backend.removed == [] and backend.registered == {"ada": "Ada 2"}
-        assert "ada" in service.catalog.listed
+        assert service.catalog.num_holders("ada") == 0  # the old holder let go
+        return backend, service
 
-    run_with_service(tmp_path, body)
+    # Checked after the service stopped: `stop` waits for every removal it scheduled, so one
+    # the old holder's release had set off would have run by then.
+    backend, service = run_with_service(tmp_path, body)
+    assert backend.removed == [] and backend.registered == {"ada": "Ada 2"}
+    assert "ada" in service.catalog.listed
 
 
 def test_a_tenant_chooses_its_own_voices_and_the_shared_ones_and_an_admin_all() -> None:
