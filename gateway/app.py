@@ -6,7 +6,6 @@ import contextlib
 import logging
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +20,15 @@ from engine.client import EngineClient
 from engine.engine import Engine, EngineConfig
 from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
-from gateway.access.fair_share import FairShare, FairShareConfig
 from gateway.access.guard import AccessGuard
-from gateway.access.keys import KeyCounter
 from gateway.access.redaction import install_log_redaction
 from gateway.access.tokens import SessionTokens, create_session_token
 from gateway.compat import compat_routes
 from gateway.config import GatewayConfig
 from gateway.http.speech import speech_endpoint
 from gateway.metrics import Metrics
+from gateway.state import AppState
 from gateway.stream.endpoint import stream_endpoint
-from gateway.text.routing import Languages
-from gateway.voices.catalog import VoiceCatalog
 from gateway.voices.routes import voice_routes
 from gateway.voices.service import VoiceConfig, VoiceService
 
@@ -41,31 +37,6 @@ log = logging.getLogger("voxgate.gateway")
 # The browser client: web/ beside the package in a source tree, gateway/web in an installed wheel.
 _WEB_DIRS = (Path(__file__).resolve().parent.parent / "web", Path(__file__).resolve().parent / "web")
 WEB_DIR = next((d for d in _WEB_DIRS if (d / "index.html").is_file()), _WEB_DIRS[0])
-
-
-@dataclass(slots=True)
-class AppState:
-    config: GatewayConfig
-    engine: EngineClient
-    metrics: Metrics
-    connections: set[Any] = field(default_factory=set)
-    catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
-    languages: Languages = field(init=False)  # what each voice speaks, for routing by language
-    key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
-    session_tokens: SessionTokens = field(default_factory=SessionTokens)
-    is_shutting_down: bool = False
-    fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
-
-    def __post_init__(self) -> None:
-        engine = self.engine
-        self.languages = Languages.from_listing(lambda: engine.voices, self.config.voice_for)
-        self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
-                                    self.engine.scheduler.max_contexts,
-                                    FairShareConfig(self.config.engine_share))
-        self.metrics.track_state(lambda: len(self.connections), self.num_open_contexts)
-
-    def num_open_contexts(self) -> int:
-        return sum(len(c.session.contexts) for c in self.connections)
 
 
 async def drain(state: AppState, grace_s: float) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 
 import uvicorn
 
-from gateway.access.keys import AuthConfig, check_exposure, load_keys
+from gateway.access.keys import AuthConfig, load_keys
+from gateway.access.origins import check_exposure
 from gateway.access.redaction import install_log_redaction
 from gateway.config import GatewayConfig
 from gateway.http.timeouts import uvicorn_limits

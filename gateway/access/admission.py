@@ -45,7 +45,7 @@ from gateway.errors import (
 if TYPE_CHECKING:
     from types import TracebackType
 
-    from gateway.app import AppState
+    from gateway.state import AppState
 
 #: results counted per protocol in `voxgate_socket_admissions_total`
 RESULTS = ("admitted", "unauthorized", "forbidden_origin", "shutting_down", "busy", "rate_limited")

@@ -7,9 +7,9 @@ from `VOXGATE_ADMIN_KEYS` and/or `--admin-keys-file`. Clients send
 `?token=` (a short-lived single-use token: gateway/access/tokens.py) or
 `?api_key=<key>`. Keys are compared in constant time and never stored: a
 tenant is named by a hash of its key. With no keys configured, auth is off
-(one tenant), which the server allows only when bound to loopback (see
-`check_exposure`, and gateway/access/origins.py for the names and origins
-then accepted). `KeyCounter` counts the open sockets per key.
+(one tenant), which the server allows only when bound to loopback
+(gateway/access/origins.py: `check_exposure`, and the names and origins then
+accepted). `KeyCounter` counts the open sockets per key.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from gateway.access.origins import is_loopback
 
 
 @dataclass(slots=True)
@@ -62,18 +60,6 @@ def load_keys(env: Mapping[str, str] | None = None, keys_file: str | Path | None
             if line:
                 keys.append(line)
     return tuple(dict.fromkeys(keys))
-
-
-def check_exposure(host: str, auth: AuthConfig) -> str:
-    """A start-up message about auth; raises ValueError for an open server on a public address."""
-    if auth.is_enabled:
-        return f"auth is on: {len(auth.all_keys)} API key(s), {len(auth.admin_keys)} of them admin"
-    if is_loopback(host):
-        return "auth is off (bound to loopback only); set VOXGATE_API_KEYS to require keys"
-    if auth.allow_no_auth:
-        return f"WARNING: auth is off and the server listens on {host}; anyone who reaches it can use it"
-    raise ValueError(f"refusing to listen on {host} without API keys: set VOXGATE_API_KEYS (or "
-                     "--api-keys-file), or pass --no-auth to accept an open server")
 
 
 def presented_key(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:

@@ -1,7 +1,7 @@
 """Browser origins and loopback names: who may reach the server from where.
 
 With no keys configured, auth is off (one tenant), which the server allows
-only when bound to loopback (`keys.check_exposure`); then only loopback Host
+only when bound to loopback (`check_exposure`); then only loopback Host
 headers and origins are accepted (docs/operations.md, "Security model"): a
 DNS-rebound page reaches 127.0.0.1 under the attacker's name. Browsers send an
 Origin; `is_origin_allowed` says which pass (`--allowed-origins`, or pages
@@ -11,11 +11,9 @@ this server served itself).
 from __future__ import annotations
 
 import ipaddress
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-if TYPE_CHECKING:
-    from gateway.access.keys import AuthConfig
+from gateway.access.keys import AuthConfig
 
 
 def is_loopback(host: str) -> bool:
@@ -25,6 +23,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def check_exposure(host: str, auth: AuthConfig) -> str:
+    """A start-up message about auth; raises ValueError for an open server on a public address."""
+    if auth.is_enabled:
+        return f"auth is on: {len(auth.all_keys)} API key(s), {len(auth.admin_keys)} of them admin"
+    if is_loopback(host):
+        return "auth is off (bound to loopback only); set VOXGATE_API_KEYS to require keys"
+    if auth.allow_no_auth:
+        return f"WARNING: auth is off and the server listens on {host}; anyone who reaches it can use it"
+    raise ValueError(f"refusing to listen on {host} without API keys: set VOXGATE_API_KEYS (or "
+                     "--api-keys-file), or pass --no-auth to accept an open server")
 
 
 def host_name(host_header: str | None) -> str:

@@ -33,7 +33,7 @@ from gateway.ray_serve.remote import RemoteEngine
 from gateway.ray_serve.routing import PinnedRouter
 
 if TYPE_CHECKING:
-    from gateway.app import AppState
+    from gateway.state import AppState
 
 log = logging.getLogger("voxgate.gateway")
 

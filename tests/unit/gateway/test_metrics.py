@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine import Engine, EngineConfig
-from gateway.app import AppState
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from gateway.state import AppState
 from tests.support.scripted_backend import ScriptedBackend
 
 

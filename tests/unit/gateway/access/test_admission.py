@@ -16,10 +16,10 @@ from engine.engine import Engine, EngineConfig
 from engine.scheduler import SchedulerConfig
 from gateway.access.admission import Refused, admit
 from gateway.access.keys import AuthConfig, tenant_of
-from gateway.app import AppState
 from gateway.config import GatewayConfig
 from gateway.errors import ShareExceededError
 from gateway.metrics import Metrics
+from gateway.state import AppState
 from tests.support.scripted_backend import ScriptedBackend
 
 KEY = "sk-admission-0001"

@@ -10,13 +10,13 @@ from gateway.access.keys import (
     OPERATOR,
     AuthConfig,
     KeyCounter,
-    check_exposure,
     is_authorized,
     load_keys,
     presented_key,
     principal_of,
     tenant_of,
 )
+from gateway.access.origins import check_exposure
 
 KEY = "sk-voxgate-0123456789"
 OTHER = "sk-voxgate-9876543210"

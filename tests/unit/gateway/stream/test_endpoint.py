@@ -18,10 +18,10 @@ import msgpack
 import pytest
 
 from engine.engine import Engine, EngineConfig
-from gateway.app import AppState
 from gateway.audio.codecs import decode_pcm16
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from gateway.state import AppState
 from gateway.stream.endpoint import Connection
 from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Session

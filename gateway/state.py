@@ -1,0 +1,45 @@
+"""What every route and socket of one app shares: the config, the engine, the open sockets,
+the voice catalog, the admission counters and the engine's fair share.
+
+Its own module so that the parts that read it (gateway/access/admission.py, the
+sockets, Ray's replicas) need not import the app that builds it (gateway/app.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.client import EngineClient
+from gateway.access.fair_share import FairShare, FairShareConfig
+from gateway.access.keys import KeyCounter
+from gateway.access.tokens import SessionTokens
+from gateway.config import GatewayConfig
+from gateway.metrics import Metrics
+from gateway.text.routing import Languages
+from gateway.voices.catalog import VoiceCatalog
+
+
+@dataclass(slots=True)
+class AppState:
+    config: GatewayConfig
+    engine: EngineClient
+    metrics: Metrics
+    connections: set[Any] = field(default_factory=set)
+    catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
+    languages: Languages = field(init=False)  # what each voice speaks, for routing by language
+    key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
+    session_tokens: SessionTokens = field(default_factory=SessionTokens)
+    is_shutting_down: bool = False
+    fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
+
+    def __post_init__(self) -> None:
+        engine = self.engine
+        self.languages = Languages.from_listing(lambda: engine.voices, self.config.voice_for)
+        self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
+                                    self.engine.scheduler.max_contexts,
+                                    FairShareConfig(self.config.engine_share))
+        self.metrics.track_state(lambda: len(self.connections), self.num_open_contexts)
+
+    def num_open_contexts(self) -> int:
+        return sum(len(c.session.contexts) for c in self.connections)
