@@ -4,53 +4,15 @@ backend's CPU executor."""
 
 from __future__ import annotations
 
-import itertools
 import threading
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from engine.backend import BackendRequest
-from engine.backends import create_backend
-from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
-from engine.types import RequestId, SynthesisRequest
+from engine.backends.cosyvoice.backend import CosyState
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
-from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
-
-_ids = itertools.count()
-
-
-def make_backend(base: Path, **options: object) -> CosyVoiceBackend:
-    options = {"tokenizer": "bytes", "sampling": "greedy", "max_batch_size": 4, "num_threads": 1,
-               "default_voice_audio": str(reference_wav(base)), "default_voice_text": REFERENCE_TEXT,
-               **options}
-    backend = create_backend("cosyvoice", model_dir=str(tiny_model_dir(base, 3)), **options)
-    assert isinstance(backend, CosyVoiceBackend)
-    backend.load()
-    return backend
-
-
-def prepare(backend: CosyVoiceBackend, text: str, deadline: float = 0.0) -> BackendRequest:
-    return backend.prepare(SynthesisRequest(RequestId(f"fix-{next(_ids)}"), text, "default", deadline))
-
-
-def speak(backend: CosyVoiceBackend, items: list[BackendRequest]) -> dict[str, tuple[list[int], np.ndarray]]:
-    pcm: dict[str, list[np.ndarray]] = {item.request_id: [] for item in items}
-    out, live = {}, list(items)
-    for _ in range(3000):
-        if not live:
-            return out
-        for item, result in zip(list(live), backend.step(live), strict=True):
-            assert result.error is None, result.error
-            pcm[item.request_id].append(result.pcm)
-            if result.is_finished:
-                assert isinstance(item.state, CosyState)
-                out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
-                backend.release(item)
-                live.remove(item)
-    raise AssertionError("expected every request to finish")
+from tests.support.cosyvoice_steps import make_backend, prepare, run
 
 
 def test_flow_on_its_own_thread_speaks_what_the_serial_path_speaks(
@@ -61,7 +23,7 @@ def test_flow_on_its_own_thread_speaks_what_the_serial_path_speaks(
     texts = ("Hello world.", "Hi.", "A somewhat longer sentence, to make several chunks.")
     serial_items = [prepare(serial, t) for t in texts]
     threaded_items = [prepare(threaded, t) for t in texts]
-    want, got = speak(serial, serial_items), speak(threaded, threaded_items)
+    want, got = run(serial, serial_items), run(threaded, threaded_items)
     for a, b in zip(threaded_items, serial_items, strict=True):
         (tokens, pcm), (want_tokens, want_pcm) = got[a.request_id], want[b.request_id]
         assert tokens == want_tokens and len(pcm) == len(want_pcm) > 0
@@ -75,10 +37,10 @@ def test_flow_rows_per_step_are_capped_the_earliest_due_stream_first(
     assert backend.model is not None
     t2w = backend.model.t2w
     batches: list[list[str]] = []
-    run = t2w.run
-    monkeypatch.setattr(t2w, "run", lambda ids: batches.append(list(ids)) or run(ids))
+    t2w_run = t2w.run
+    monkeypatch.setattr(t2w, "run", lambda ids: batches.append(list(ids)) or t2w_run(ids))
     late, early = prepare(backend, "Hello world.", deadline=9.0), prepare(backend, "Hello world.", deadline=1.0)
-    got = speak(backend, [late, early])
+    got = run(backend, [late, early])
     assert batches and all(len(b) == 1 for b in batches)
     assert batches[0] == [str(early.request_id)]  # both ready at once: the more starved goes first
     assert len(got[late.request_id][1]) == len(got[early.request_id][1])
@@ -101,5 +63,5 @@ def test_prepare_hands_the_text_frontend_to_the_backends_cpu_executor(
     item = prepare(backend, "Hello world.")  # returns while the frontend still waits
     assert isinstance(item.state, CosyState) and not item.state.is_input_ready
     release.set()
-    tokens, pcm = speak(backend, [item])[item.request_id]
+    tokens, pcm = run(backend, [item])[item.request_id]
     assert threads and threads[0].startswith("voxgate-cosyvoice-cpu") and tokens and len(pcm)

@@ -4,14 +4,10 @@ frees its prompt, and a context's segments share one flow stream (lm_context="co
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from engine.backend import BackendRequest
-from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.t2w.cached_flow import CachedFlow
 from engine.engine import Engine, EngineConfig
@@ -19,19 +15,8 @@ from engine.errors import EngineBusyError
 from engine.scheduler import SchedulerConfig
 from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
-from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
-
-_ids = itertools.count()
-
-
-def make_backend(base: Path, **options: object) -> CosyVoiceBackend:
-    backend = create_backend(
-        "cosyvoice", model_dir=str(tiny_model_dir(base, 3)), tokenizer="bytes", sampling="greedy",
-        max_batch_size=4, num_threads=1, default_voice_audio=str(reference_wav(base)),
-        default_voice_text=REFERENCE_TEXT, **options)
-    assert isinstance(backend, CosyVoiceBackend)
-    backend.load()
-    return backend
+from tests.support.cosyvoice_steps import make_backend, prepare, run
+from tests.support.cosyvoice_tiny import REFERENCE_TEXT
 
 
 def cached_of(backend: CosyVoiceBackend) -> CachedFlow:
@@ -39,33 +24,16 @@ def cached_of(backend: CosyVoiceBackend) -> CachedFlow:
     return backend.model.t2w.cached
 
 
-def prepare(backend: CosyVoiceBackend, text: str, context: str = "", deadline: float = 0.0) -> BackendRequest:
-    return backend.prepare(SynthesisRequest(RequestId(f"fc-{next(_ids)}"), text, "default", deadline,
-                                            context_key=context))
-
-
-def run(backend: CosyVoiceBackend, items: list[BackendRequest], max_cache_streams: list[int] | None = None
-        ) -> dict[str, tuple[list[int], np.ndarray]]:
-    """Step the items together until each finishes (released then); `max_cache_streams` gets the
-    most streams the flow's cache held after any step."""
-    pcm: dict[str, list[np.ndarray]] = {item.request_id: [] for item in items}
-    out: dict[str, tuple[list[int], np.ndarray]] = {}
-    live = list(items)
-    cache = cached_of(backend).cache
-    for _ in range(3000):
-        if not live:
-            return out
-        for item, result in zip(list(live), backend.step(live), strict=True):
-            assert result.error is None, result.error
-            pcm[item.request_id].append(result.pcm)
-            if result.is_finished:
-                assert isinstance(item.state, CosyState)
-                out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
-                backend.release(item)
-                live.remove(item)
-        if max_cache_streams is not None:
-            max_cache_streams.append(cache.num_streams)
-    raise AssertionError(f"{len(live)} requests did not finish")
+def room_for_two_streams(base: Path) -> tuple[CosyVoiceBackend, int]:
+    """A backend whose flow cache holds two streams of the default voice and no more, and the blocks
+    that takes: two streams, the default voice's prompt, the scratch block."""
+    probe = cached_of(make_backend(base)).cache
+    shape, per_stream = probe.shape, probe.blocks_per_stream
+    prompt_blocks = len(probe._voices[next(iter(probe._voices))].blocks)
+    blocks = 2 * per_stream + prompt_blocks + 1
+    per_block = shape.bytes_per_block + shape.bytes_per_slot / per_stream + shape.bytes_per_slot
+    gib = (blocks * per_block + 2 * shape.bytes_per_slot + 1) / 2 ** 30
+    return make_backend(base, flow_cache_gib=str(gib)), blocks
 
 
 def test_a_cosyvoice_3_backend_runs_its_flow_over_the_cache_and_says_how_much_it_holds(
@@ -86,14 +54,7 @@ def test_a_cosyvoice_3_backend_runs_its_flow_over_the_cache_and_says_how_much_it
 
 def test_a_stream_the_cache_cannot_hold_waits_and_admission_says_no_until_one_ends(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    base = tmp_path_factory.getbasetemp()
-    probe = cached_of(make_backend(base)).cache
-    shape, per_stream = probe.shape, probe.blocks_per_stream
-    prompt_blocks = len(probe._voices[next(iter(probe._voices))].blocks)
-    blocks = 2 * per_stream + prompt_blocks + 1  # two streams, the default voice, the scratch block
-    per_block = shape.bytes_per_block + shape.bytes_per_slot / per_stream + shape.bytes_per_slot
-    gib = (blocks * per_block + 2 * shape.bytes_per_slot + 1) / 2 ** 30
-    backend = make_backend(base, flow_cache_gib=str(gib))
+    backend, blocks = room_for_two_streams(tmp_path_factory.getbasetemp())
     cache = cached_of(backend).cache
     assert cache.num_blocks == blocks and backend.can_admit()
     items = [prepare(backend, "Hello there, how are you today?") for _ in range(3)]
@@ -131,8 +92,9 @@ def test_a_contexts_segments_share_one_flow_stream(tmp_path_factory: pytest.Temp
     for mode in ("continue", "segment"):
         backend = make_backend(base, lm_context=mode)
         counts: list[int] = []
+        cache = cached_of(backend).cache
         first, second = prepare(backend, "Hello world.", "turn"), prepare(backend, "How are you?", "turn", 1.0)
-        spoken = run(backend, [first, second], counts)
+        spoken = run(backend, [first, second], after_step=lambda: counts.append(cache.num_streams))
         assert all(len(pcm) == len(tokens) * 960 > 0 for tokens, pcm in spoken.values())
         held[mode] = (max(counts), cached_of(backend).cache.num_streams)
         backend.end_context("turn")
@@ -142,14 +104,7 @@ def test_a_contexts_segments_share_one_flow_stream(tmp_path_factory: pytest.Temp
 
 def test_the_engine_refuses_a_context_the_flow_cache_cannot_hold_as_busy(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    base = tmp_path_factory.getbasetemp()
-    probe = cached_of(make_backend(base)).cache
-    shape, per_stream = probe.shape, probe.blocks_per_stream
-    prompt_blocks = len(probe._voices[next(iter(probe._voices))].blocks)
-    blocks = 2 * per_stream + prompt_blocks + 1  # room for two streams of the default voice
-    per_block = shape.bytes_per_block + shape.bytes_per_slot / per_stream + shape.bytes_per_slot
-    gib = (blocks * per_block + 2 * shape.bytes_per_slot + 1) / 2 ** 30
-    backend = make_backend(base, flow_cache_gib=str(gib))
+    backend, _ = room_for_two_streams(tmp_path_factory.getbasetemp())
     # asked for more than the memory holds: the memory's figure wins
     engine = Engine(backend, EngineConfig(scheduler=SchedulerConfig(max_contexts=64)))
     assert backend.context_capacity() == 2 and engine.scheduler.max_contexts() == 2

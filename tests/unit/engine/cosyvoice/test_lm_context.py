@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine.backend import BackendRequest
-from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.frontend.frontend import LMInput
 from engine.backends.cosyvoice.lm.driver import LMStart, TorchLMDriver
@@ -28,7 +26,8 @@ from tests.support.cosyvoice_parity import (
     fixture_dir,
     one_torch_thread,  # noqa: F401 (autouse)
 )
-from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
+from tests.support.cosyvoice_steps import make_backend as make_tiny_backend
+from tests.support.cosyvoice_steps import prepare, run
 from tests.support.wait import wait_until
 
 # -- the runner: a continuation is the sequence a single prefill of it would be --------------------
@@ -125,18 +124,8 @@ def test_the_driver_parks_a_kept_stream_and_falls_back_to_a_fresh_prefill_withou
 
 # -- the backend: contexts through the Backend interface ---------------------------------------------
 
-_ids = iter(range(1_000_000))
-
-
 def make_backend(base: Path, load: bool = True, **options: object) -> CosyVoiceBackend:
-    backend = create_backend(
-        "cosyvoice", model_dir=str(tiny_model_dir(base, 3)), tokenizer="bytes", sampling="greedy",
-        max_batch_size=2, num_threads=1, default_voice_audio=str(reference_wav(base)),
-        default_voice_text=REFERENCE_TEXT, **options)
-    assert isinstance(backend, CosyVoiceBackend)
-    if load:
-        backend.load()
-    return backend
+    return make_tiny_backend(base, load=load, **{"max_batch_size": 2, **options})
 
 
 @pytest.fixture(scope="module")
@@ -147,30 +136,6 @@ def continuing(tmp_path_factory: pytest.TempPathFactory) -> CosyVoiceBackend:
 @pytest.fixture(scope="module")
 def per_segment(tmp_path_factory: pytest.TempPathFactory) -> CosyVoiceBackend:
     return make_backend(tmp_path_factory.getbasetemp())
-
-
-def prepare(backend: CosyVoiceBackend, text: str, context: str = "", deadline: float = 0.0) -> BackendRequest:
-    return backend.prepare(SynthesisRequest(RequestId(f"seg-{next(_ids)}"), text, "default", deadline,
-                                            context_key=context))
-
-
-def run(backend: CosyVoiceBackend, items: list[BackendRequest]) -> dict[str, tuple[list[int], np.ndarray]]:
-    """Step the items together until each finishes (released then); (tokens, PCM) per request id."""
-    pcm: dict[str, list[np.ndarray]] = {item.request_id: [] for item in items}
-    out: dict[str, tuple[list[int], np.ndarray]] = {}
-    live = list(items)
-    for _ in range(3000):
-        if not live:
-            return out
-        for item, result in zip(list(live), backend.step(live), strict=True):
-            assert result.error is None, result.error
-            pcm[item.request_id].append(result.pcm)
-            if result.is_finished:
-                assert isinstance(item.state, CosyState)
-                out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
-                backend.release(item)
-                live.remove(item)
-    raise AssertionError(f"{len(live)} requests did not finish")
 
 
 def runner_of(backend: CosyVoiceBackend) -> SpeechLMRunner:
