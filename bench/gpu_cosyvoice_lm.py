@@ -27,24 +27,16 @@ CPU smoke run (tiny sizes; CI runs it so the script does not rot):
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+import itertools
 from typing import Any
 
 import torch
 
+from bench.gpu_common import DTYPES, Results, device_name, median_ms
 from engine.backends.cosyvoice.lm.runner import LMStream, SpeechLMRunner
 from engine.backends.cosyvoice.lm.sampling import RasConfig, draw_uniforms, sample_tokens
 from engine.backends.cosyvoice.models.qwen2 import CacheView
 from tests.support.cosyvoice_random_checkpoint import QWEN2_05B, QWEN2_TINY, random_speech_lm
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fake_streams(runner: SpeechLMRunner, n: int, context: int) -> list[LMStream]:
@@ -62,21 +54,15 @@ def fake_streams(runner: SpeechLMRunner, n: int, context: int) -> list[LMStream]
 def time_decode(runner: SpeechLMRunner, streams: list[LMStream], context: int, steps: int,
                 warmup: int) -> float:
     """Median ms of one `feed` (one token for every stream) at a fixed cache length."""
-    device = runner.device
     tokens = [i % 6561 for i in range(len(streams))]
     if runner.static is not None and runner.static.use_graphs:  # serving never captures: capture first
         runner.static.capture(*runner.static.buckets_for([s.slot for s in streams], [context] * len(streams)))
-    times = []
-    for i in range(warmup + steps):
+
+    def rewind() -> None:
         for s in streams:
             s.num_cached = context
-        sync(device)
-        start = time.perf_counter()
-        runner.feed(streams, tokens)
-        sync(device)
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+
+    return median_ms(lambda: runner.feed(streams, tokens), runner.device, steps, warmup, before=rewind)
 
 
 def time_bare(runner: SpeechLMRunner, n: int, context: int, steps: int, warmup: int) -> float:
@@ -105,15 +91,7 @@ def time_bare(runner: SpeechLMRunner, n: int, context: int, steps: int, warmup: 
             with torch.cuda.graph(graph):
                 body()
             run = graph.replay  # type: ignore[assignment]
-        times = []
-        for i in range(warmup + steps):
-            sync(device)
-            start = time.perf_counter()
-            run()
-            sync(device)
-            if i >= warmup:
-                times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+        return median_ms(run, device, steps, warmup)
 
 
 def time_sampling(runner: SpeechLMRunner, n: int, steps: int) -> float:
@@ -121,16 +99,13 @@ def time_sampling(runner: SpeechLMRunner, n: int, steps: int) -> float:
     logp = torch.randn(n, runner.spec.num_rows, device=runner.device).log_softmax(-1)
     history = torch.full((n, runner.ras.win_size), -1, dtype=torch.long, device=runner.device)
     is_greedy = torch.zeros(n, dtype=torch.bool, device=runner.device)
-    seeds = list(range(n))
-    times = []
-    for i in range(steps + 2):
-        sync(runner.device)
-        start = time.perf_counter()
-        uniforms = draw_uniforms(seeds, [i] * n, runner.device)
+    seeds, step = list(range(n)), itertools.count()
+
+    def choose() -> None:
+        uniforms = draw_uniforms(seeds, [next(step)] * n, runner.device)
         sample_tokens(logp, history, is_greedy, runner.ras, uniforms)
-        sync(runner.device)
-        times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times[2:])
+
+    return median_ms(choose, runner.device, steps, warmup=2)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -161,11 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                 requires_grad=False)
     result: dict[str, Any] = {"version": args.version, "device": str(device), "dtype": args.dtype,
                               "context": args.context, "rows": [], "sampling_ms": {}, "bare_ms": {}, "errors": {}}
-
-    def save() -> None:
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as out:
-                json.dump(result, out, indent=1)
+    save = Results(result, args.json).save
 
     rows: list[dict[str, Any]] = result["rows"]
     for mode in modes:
@@ -200,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result["errors"][f"sampling {n}"] = f"{type(exc).__name__}: {exc}"
         save()
     print(f"CosyVoice {args.version} LM, {'tiny' if args.smoke else 'Qwen2-0.5B'} random weights, "
-          f"{args.dtype}, {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"{args.dtype}, {device} ({device_name(device)}), "
           f"{args.context} cached positions")
     header = ("| batch | " + " | ".join(f"{m} step ms" for m in modes)
               + " | forward alone ms | step / alone | RAS sampling ms (eager) | best tokens/s |")

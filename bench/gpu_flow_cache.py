@@ -39,17 +39,15 @@ CPU smoke run (tiny DiT, static path; tests/unit/bench/test_gpu_scripts.py runs 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bench.gpu_common import DTYPES, Results, device_name, median_ms
 from engine.backends.cosyvoice.buckets import bucket_of
 from engine.backends.cosyvoice.flow_runtime.estimator_graphs import GraphedEstimator
 from engine.backends.cosyvoice.flow_runtime.estimator_onnx import use_estimator
@@ -61,7 +59,6 @@ from engine.backends.cosyvoice.t2w.streams import FlowPrompt
 from engine.backends.cosyvoice.t2w.vocoder import v3_step
 from engine.backends.cosyvoice.t2w.vocoder_graphs import VocoderGraphs, steady_shapes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REAL = {"dim": 1024, "depth": 22, "heads": 16, "dim_head": 64, "pre": 1024, "hift": 512}
 TINY = {"dim": 64, "depth": 2, "heads": 4, "dim_head": 16, "pre": 64, "hift": 32}
 H200_GIB, MODELS_GIB = 139.0, 10.0  # an H200's memory; what the models, graphs and activations take beside
@@ -80,23 +77,6 @@ def random_flow(size: dict[str, int], device: torch.device, dtype: torch.dtype) 
     with torch.device(device):
         flow = FlowModel(3, section)
     return flow.to(device, dtype).eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(run: Callable[[], Any], device: torch.device, steps: int, warmup: int) -> float:
-    times = []
-    for i in range(warmup + steps):
-        sync(device)
-        start = time.perf_counter()
-        run()
-        sync(device)
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def recompute_ms(flow: FlowModel, n: int, args: argparse.Namespace, device: torch.device) -> float:
@@ -262,25 +242,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size, device, dtype = REAL, torch.device(args.device or "cuda"), DTYPES[args.dtype]
     streams = [int(n) for n in args.streams.split(",")]
     flow = random_flow(size, device, dtype)
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "dtype": str(dtype), "size": size, "prompt_tokens": args.prompt_tokens,
-                              "history_tokens": args.history_tokens, "rows": [], "attention": [], "errors": []}
-
-    def save() -> None:
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
-
-    def part(name: str, fn: Callable[[], Any]) -> Any:
-        if time.perf_counter() - started > args.budget_s:
-            result["errors"].append(f"{name}: skipped, past the {args.budget_s:.0f} s budget")
-            return None
-        try:
-            return fn()
-        except Exception as exc:  # noqa: BLE001 (reported; the other cases still run)
-            result["errors"].append(f"{name}: {type(exc).__name__}: {exc}"[:600])
-            return None
-        finally:
-            save()
+    result: dict[str, Any] = {"device": device_name(device), "dtype": str(dtype), "size": size,
+                              "prompt_tokens": args.prompt_tokens, "history_tokens": args.history_tokens,
+                              "rows": [], "attention": [], "errors": []}
+    results = Results(result, args.json, args.budget_s, started)
+    part = results.part
 
     # what this build runs first (the budget may end the run): the cache is freed before the rest
     cached_ticks(flow, streams, args, device, result, part)
@@ -295,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for key in ("recompute", "cached"):
             ms = row[f"{key}_ms"]
             row[f"{key}_audio_s_per_s"] = row["streams"] * 1000.0 / ms if ms else None
-    save()
+    results.save()
     print_table(result)
     return result
 

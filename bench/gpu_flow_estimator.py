@@ -39,8 +39,6 @@ static path for CUDA graphs; tests/unit/engine/cosyvoice/test_estimator_onnx.py 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bench.gpu_common import DTYPES, Results, device_name, median_ms, sync
 from engine.backends.cosyvoice.flow_runtime.estimator_graphs import GraphedEstimator
 from engine.backends.cosyvoice.flow_runtime.estimator_onnx import (
     OnnxEstimator,
@@ -69,7 +68,6 @@ from engine.backends.cosyvoice.flow_runtime.estimator_trt import (
 )
 from engine.backends.cosyvoice.models.flow_dit import DiTEstimator
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 REAL_DIT = {"dim": 1024, "depth": 22, "heads": 16, "dim_head": 64}
 TINY_DIT = {"dim": 64, "depth": 2, "heads": 4, "dim_head": 16}
 ANCHOR_MS = {1: 7.2, 128: 62.0}  # docs/benchmarks.md, "Anchors": H200, eager, 200 frames
@@ -80,24 +78,6 @@ def random_dit(size: dict[str, int], device: torch.device, dtype: torch.dtype) -
     dit = DiTEstimator(size["dim"], size["depth"], size["heads"], size["dim_head"], ff_mult=2, mel_dim=80,
                        mu_dim=80, spk_dim=80, static_chunk_size=50)
     return dit.to(device, dtype).eval()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_passes(run: Callable[[], torch.Tensor], device: torch.device, steps: int, warmup: int) -> float:
-    """Median ms of one pass."""
-    times = []
-    for i in range(warmup + steps):
-        sync(device)
-        start = time.perf_counter()
-        run()
-        sync(device)
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
 
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -243,14 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
     dit = random_dit(args.size, device, dtype)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result: dict[str, Any] = {"device": gpu, "dtype": args.dtype, "frames": args.frames, "streaming": args.streaming,
+    result: dict[str, Any] = {"device": device_name(device), "dtype": args.dtype, "frames": args.frames, "streaming": args.streaming,
                               "size": args.size, "trt_precision": args.trt_precision, "rows": [], "errors": {},
                               "concurrency": []}
-
-    def save() -> None:
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    save = Results(result, args.json).save
 
     with tempfile.TemporaryDirectory() as tmp:
         makers = {m: cache(make) for m, make in build_modes(args, dit, device, 2 * max(batches), Path(tmp)).items()}
@@ -280,7 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 estimator.capture(bucket, inputs[n][0])
                     with torch.inference_mode():
                         out = estimator(*inputs[n], args.streaming)
-                        ms = time_passes(partial(estimator, *inputs[n], args.streaming), device,
+                        ms = median_ms(partial(estimator, *inputs[n], args.streaming), device,
                                          args.steps, args.warmup)
                     result["rows"].append({"mode": mode, "streams": n, "rows": 2 * n, "ms": ms,
                                            "rel_rms_vs_eager": rel_rms(out, eager_out(n))})

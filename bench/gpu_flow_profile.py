@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from collections import Counter
@@ -54,15 +53,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gpu_flow_estimator import (
-    DTYPES,
-    REAL_DIT,
-    TINY_DIT,
-    random_dit,
-    rel_rms,
-    sync,
-    time_passes,
-)
+from bench.gpu_common import DTYPES, Results, device_name, median_ms, sync
+from bench.gpu_flow_estimator import REAL_DIT, TINY_DIT, random_dit, rel_rms
 from engine.backends.cosyvoice.flow_runtime.estimator_onnx import example_inputs
 from engine.backends.cosyvoice.models.flow_unet import chunk_attention_mask
 
@@ -165,7 +157,7 @@ def attention_forms(rows: int, frames: int, heads: int, dim_head: int, dtype: to
         got = forms["per_row_bool_mask"]()
         if not torch.allclose(got.float(), want.float(), atol=1e-2):
             raise AssertionError("expected the shared mask to give the per-row mask's output")
-        return {name: round(time_passes(fn, device, steps, warmup), 4) for name, fn in forms.items()}
+        return {name: round(median_ms(fn, device, steps, warmup), 4) for name, fn in forms.items()}
 
 
 def anchor_estimator(path: str, like: torch.nn.Module, size: dict[str, int], device: torch.device,
@@ -207,7 +199,7 @@ def attention_backends(rows: int, frames: int, heads: int, dim_head: int, dtype:
     for index, (name, backend) in enumerate(names.items()):
         steady_inputs = inputs(frames)
         with sdpa_kernel([backend]), torch.inference_mode():
-            steady = time_passes(partial(attend, *steady_inputs), device, steps, warmup)
+            steady = median_ms(partial(attend, *steady_inputs), device, steps, warmup)
             firsts = []
             for extra in range(3):  # lengths no backend has seen: frames + 1 + 3 * extra + index
                 fresh = inputs(frames + 1 + 3 * extra + index)
@@ -244,27 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size, device = REAL_DIT, torch.device(args.device or "cuda")
         dtype, cases = DTYPES[args.dtype], parse_cases(args.cases)
         args.compile = args.compile is not False
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "dtype": str(dtype), "size": size,
-                              "cases": [], "errors": []}
-
-    def save() -> None:
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1))
-
-    def part(name: str, fn: Callable[[], Any]) -> Any:
-        if time.perf_counter() - started > args.budget_s:
-            result["errors"].append(f"{name}: skipped, past the {args.budget_s:.0f} s budget")
-            print(f"{name}: skipped (budget)", flush=True)
-            return None
-        try:
-            out = fn()
-        except Exception as exc:  # noqa: BLE001 (reported; the other parts still run)
-            result["errors"].append(f"{name}: {type(exc).__name__}: {exc}"[:600])
-            print(f"{name}: FAILED {type(exc).__name__}: {exc}"[:600], flush=True)
-            return None
-        print(f"{name}: {json.dumps(out)[:1500]}", flush=True)
-        return out
+    result: dict[str, Any] = {"device": device_name(device), "torch": torch.__version__, "dtype": str(dtype),
+                              "size": size, "cases": [], "errors": []}
+    results = Results(result, args.json, args.budget_s, started, echo=True)
+    save, part = results.save, results.part
 
     dit = random_dit(size, device, dtype)
     anchor = anchor_estimator(args.anchor_dit, dit, size, device, dtype) if args.anchor_dit else None
@@ -283,13 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run, label = runner(streams, frames), f"{streams}x{frames}"
         case: dict[str, Any] = {"streams": streams, "rows": 2 * streams, "frames": frames}
         result["cases"].append(case)
-        case["eager_ms"] = part(f"{label} eager", lambda: round(time_passes(run, device, args.steps,
+        case["eager_ms"] = part(f"{label} eager", lambda: round(median_ms(run, device, args.steps,
                                                                             args.warmup), 3))
         case["ops"] = part(f"{label} ops", lambda: ops_per_pass(run))
         save()
         if anchor is not None:
             def anchored() -> dict[str, Any]:
-                ms = time_passes(lambda: run(anchor), device, args.steps, args.warmup)
+                ms = median_ms(lambda: run(anchor), device, args.steps, args.warmup)
                 return {"ms": round(ms, 3), "rel_rms": rel_rms(run(), run(anchor)),
                         "ops": ops_per_pass(lambda: run(anchor))["total"]}
             case["anchor"] = part(f"{label} anchor", anchored)
@@ -311,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         got = run(model)
         sync(device)
         seconds = time.perf_counter() - start
-        ms = time_passes(lambda: run(model), device, args.steps, args.warmup)
+        ms = median_ms(lambda: run(model), device, args.steps, args.warmup)
         return {"streams": streams, "frames": frames, "first_call_s": round(seconds, 1), "ms": round(ms, 3),
                 "rel_rms": rel_rms(got, want)}
 

@@ -169,11 +169,8 @@ class SpeechCleaner:
         sub = SpeechCleaner(is_inline_only=True)
         sub._prev_raw = self._prev_raw
         text = sub.feed(raw) + sub._run(final=True)
-        for i, part in enumerate(text.split(" ")):
-            if i:
-                self._pending_space = 2
-            if part:
-                self._emit(part)
+        if text:
+            self._emit_text(text)
 
     def _gap(self, strength: int) -> None:
         self._pending_space = max(self._pending_space, strength)

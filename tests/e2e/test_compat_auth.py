@@ -17,6 +17,7 @@ import pytest
 import websockets
 
 from tests.support.server import ServerProcess, start_server
+from tests.support.vendor_sockets import deepgram_speak
 
 KEY = "compat-test-key-1234"
 
@@ -82,15 +83,7 @@ def test_cartesia_and_deepgram_refuse_a_missing_key_and_take_theirs(voxgate: Ser
     async def deepgram_speaks() -> bytes:
         url = f"ws://127.0.0.1:{voxgate.port}/v1/speak?model=joe&sample_rate=16000"
         async with websockets.connect(url, additional_headers={"Authorization": f"Token {KEY}"}) as ws:
-            await ws.send(json.dumps({"type": "Speak", "text": "Token accepted."}))
-            await ws.send(json.dumps({"type": "Flush"}))
-            audio = b""
-            while True:
-                frame = await asyncio.wait_for(ws.recv(), 60)
-                if isinstance(frame, bytes):
-                    audio += frame
-                elif json.loads(frame)["type"] == "Flushed":
-                    return audio
+            return await deepgram_speak(ws, "Token accepted.")
 
     async def cartesia_speaks() -> list[dict[str, Any]]:
         url = f"ws://127.0.0.1:{voxgate.port}/tts/websocket?api_key={KEY}&cartesia_version=2025-04-16"

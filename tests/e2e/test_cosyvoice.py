@@ -7,18 +7,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.types import RequestId, SynthesisRequest
-from gateway.audio.codecs import decode_opus_packets
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.support.cosyvoice_random_parts import write_reference_wav
+from tests.support.cosyvoice_steps import run
 from tests.support.cosyvoice_tiny import tiny_backend, tiny_options
 from tests.support.server import ServerProcess, start_server
-from tests.support.wsclient import Client, speak
+from tests.support.wsclient import Client, assert_lasts, one_turn, speak
 
 TEXT = "Hello world."
 MS_PER_TOKEN = 40.0  # 2 mel frames of 480 samples at 24 kHz
@@ -58,33 +57,15 @@ def expected_tokens(base: Path, text: str) -> int:
     backend = tiny_backend(base)  # the server's options: greedy tokens are the same
     assert isinstance(backend, CosyVoiceBackend)
     item = backend.prepare(SynthesisRequest(RequestId("expected"), text, "default", 0.0))
-    state = item.state
-    assert isinstance(state, CosyState)
-    for _ in range(2000):
-        (result,) = backend.step([item])
-        if result.is_finished:
-            backend.release(item)
-            return len(state.tokens)
-    raise AssertionError("the reference run did not finish")
+    tokens, _ = run(backend, [item], max_steps=2000)["expected"]
+    return len(tokens)
 
 
 def test_a_turn_comes_back_as_opus_of_40_ms_per_speech_token(
         server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
-    async def scenario() -> Client:
-        client = await Client.connect(server.ws_url)
-        await speak(client, "turn-1", TEXT)
-        await client.close()
-        return client
-
-    client = asyncio.run(asyncio.wait_for(scenario(), 120))
+    client = asyncio.run(asyncio.wait_for(one_turn(server.ws_url, "turn-1", TEXT), 120))
     num_tokens = expected_tokens(tmp_path_factory.getbasetemp(), TEXT)
-    want_ms = num_tokens * MS_PER_TOKEN
-    done = client.received.of("context.done", "turn-1")[0]
-    assert abs(done["audio_ms"] - want_ms) <= 40, (done["audio_ms"], want_ms)
-    packets = [p for frame in client.received.audio_of("turn-1") for p in frame["packets"]]
-    audio = decode_opus_packets(packets, 48000)
-    assert abs(len(audio) / 48 - want_ms) <= 40
-    assert float(np.sqrt(np.mean(audio**2))) > 1e-3  # not silence
+    assert_lasts(client.received, "turn-1", num_tokens * MS_PER_TOKEN)
     (segment,) = client.received.of("segment", "turn-1")
     assert segment["text"] == TEXT
 

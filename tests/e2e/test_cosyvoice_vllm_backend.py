@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,13 +25,12 @@ from engine.backends import create_backend
 from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.lm.driver import LMStart
 from engine.backends.cosyvoice.lm.driver_vllm import VllmLMDriver
-from engine.types import RequestId, SynthesisRequest
-from gateway.audio.codecs import decode_opus_packets
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.support.cosyvoice_random_checkpoint import QWEN2_TINY, write_random_model_dir
+from tests.support.cosyvoice_steps import Requests, run
 from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav
 from tests.support.server import ServerProcess, start_server
-from tests.support.wsclient import Client, speak
+from tests.support.wsclient import assert_lasts, one_turn
 
 QWEN_HEAD_64 = {**QWEN2_TINY, "hidden_size": 128, "intermediate_size": 256,
                 "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -42,7 +40,7 @@ SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz: 40 ms
 MS_PER_TOKEN = 40.0
 MAX_STEPS = 20_000  # a vLLM step may bring no token: it waits a few ms at most
 
-_ids = iter(range(1_000_000))
+prepare = Requests("req")
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +82,6 @@ def driver(backend: CosyVoiceBackend) -> VllmLMDriver:
     return lm
 
 
-def prepare(backend: CosyVoiceBackend, text: str) -> BackendRequest:
-    return backend.prepare(SynthesisRequest(RequestId(f"req-{next(_ids)}"), text, "default", 0.0))
-
-
 def state_of(item: BackendRequest) -> CosyState:
     assert isinstance(item.state, CosyState)
     return item.state
@@ -95,21 +89,8 @@ def state_of(item: BackendRequest) -> CosyState:
 
 def speak_all(backend: CosyVoiceBackend, items: list[BackendRequest]) -> list[tuple[list[int], int]]:
     """Step the items as one batch until each finished: (speech tokens, audio samples) each."""
-    states = [state_of(item) for item in items]
-    samples = [0] * len(items)
-    live = list(range(len(items)))
-    for _ in range(MAX_STEPS):
-        if not live:
-            break
-        results = backend.step([items[i] for i in live])
-        for i, result in zip(list(live), results, strict=True):
-            assert result.error is None, result.error
-            samples[i] += len(result.pcm)
-            if result.is_finished:
-                live.remove(i)
-                backend.release(items[i])
-    assert not live, "the streams did not finish"
-    return [(list(s.tokens), n) for s, n in zip(states, samples, strict=True)]
+    spoken = run(backend, items, max_steps=MAX_STEPS)
+    return [(spoken[item.request_id][0], len(spoken[item.request_id][1])) for item in items]
 
 
 @pytest.fixture(scope="module")
@@ -189,19 +170,6 @@ def server(options: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
 def test_a_websocket_turn_speaks_through_vllm_as_opus_of_40_ms_per_speech_token(
         server: ServerProcess, torch_speech: dict[str, tuple[list[int], int]]) -> None:
     text = TEXTS[1]
-
-    async def scenario() -> Client:
-        client = await Client.connect(server.ws_url)
-        await speak(client, "turn-1", text)
-        await client.close()
-        return client
-
-    client = asyncio.run(asyncio.wait_for(scenario(), 120))
-    want_ms = len(torch_speech[text][0]) * MS_PER_TOKEN
-    done = client.received.of("context.done", "turn-1")[0]
-    assert abs(done["audio_ms"] - want_ms) <= 40, (done["audio_ms"], want_ms)
-    packets = [p for frame in client.received.audio_of("turn-1") for p in frame["packets"]]
-    audio = decode_opus_packets(packets, 48000)
-    assert abs(len(audio) / 48 - want_ms) <= 40
-    assert float(np.sqrt(np.mean(audio**2))) > 1e-3  # not silence
+    client = asyncio.run(asyncio.wait_for(one_turn(server.ws_url, "turn-1", text), 120))
+    assert_lasts(client.received, "turn-1", len(torch_speech[text][0]) * MS_PER_TOKEN)
     assert "LM on vLLM" in server.log()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 import uuid
@@ -176,6 +177,28 @@ def answer(sock: socket.socket, timeout: float = 30.0) -> tuple[int, dict[str, A
     return int(head.split()[1]), json.loads(body), came
 
 
+def trickled_answer(sock: socket.socket, data: bytes, until: float = math.inf
+                    ) -> tuple[int, dict[str, Any], float]:
+    """Send `data` one byte every 0.5 s until it runs out, the server answers or closes, or the
+    monotonic clock passes `until`; then `answer`. The trickle is the subject: no read waits long,
+    but the whole body is too slow."""
+    sock.setblocking(False)
+    for byte in data:
+        if time.monotonic() >= until:
+            break
+        try:
+            sock.send(bytes([byte]))
+            if sock.recv(1, socket.MSG_PEEK):
+                break
+        except BlockingIOError:
+            pass
+        except OSError:
+            break  # the server answered and closed
+        time.sleep(0.5)
+    sock.setblocking(True)
+    return answer(sock)
+
+
 def register(server: ServerProcess, key: str, voice_id: str) -> httpx.Response:
     return httpx.post(server.url + "/v1/voices", headers={"Authorization": f"Bearer {key}"}, timeout=60,
                       data={"id": voice_id, "text": "Hello, this is me."},
@@ -208,22 +231,8 @@ def test_an_upload_trickled_in_is_cut_off_by_its_total_deadline(bodies: ServerPr
         started = time.monotonic()
         part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode()
         sock.sendall(part)
-        sock.setblocking(False)
-        # The trickle is the subject: one byte every 0.5 s, no read waits long, but the whole
-        # body is too slow; the loop ends when the server answers, within the deadline + 10 s.
-        while time.monotonic() - started < BODY_TIMEOUT_S + 10:
-            try:
-                sock.send(b"x")
-            except OSError:
-                break  # the server answered and closed
-            try:
-                if sock.recv(1, socket.MSG_PEEK):
-                    break
-            except BlockingIOError:
-                pass
-            time.sleep(0.5)
-        sock.setblocking(True)
-        status, body, came = answer(sock)
+        # ends when the server answers, within the deadline + 10 s
+        status, body, came = trickled_answer(sock, b"x" * 200_000, until=started + BODY_TIMEOUT_S + 10)
     finally:
         sock.close()
     assert (status, body["code"]) == (408, "upload_timeout")
@@ -238,21 +247,7 @@ def test_a_speech_body_trickled_in_is_cut_off_by_its_total_deadline(bodies: Serv
                       f"Authorization: Bearer {KEY_A}\r\nContent-Type: application/json\r\n"
                       f"Content-Length: {len(body)}\r\n\r\n").encode())
         started = time.monotonic()
-        sock.setblocking(False)
-        # The trickle is the subject: one byte every 0.5 s, each read is quick, the body never
-        # ends in time; the loop ends when the server answers (after BODY_TIMEOUT_S).
-        for byte in body:
-            try:
-                sock.send(bytes([byte]))
-                if sock.recv(1, socket.MSG_PEEK):
-                    break
-            except BlockingIOError:
-                pass
-            except OSError:
-                break
-            time.sleep(0.5)
-        sock.setblocking(True)
-        status, answer_body, came = answer(sock)
+        status, answer_body, came = trickled_answer(sock, body)  # answered after BODY_TIMEOUT_S
     finally:
         sock.close()
     assert (status, answer_body["code"]) == (408, "body_timeout")

@@ -22,6 +22,7 @@ import pytest
 import websockets
 
 from tests.support.server import ServerProcess, start_server
+from tests.support.vendor_sockets import deepgram_speak
 
 KEY = "sk-inputs-key-0123456789"
 TOKENS_KEY = "sk-inputs-tokens-0123456789"  # spends its session tokens: no other test uses it
@@ -133,15 +134,7 @@ def test_deepgram_takes_the_key_as_a_websocket_subprotocol_and_answers_token(vox
     async def scenario() -> tuple[str | None, bytes]:
         async with websockets.connect(url(voxgate, "/v1/speak?model=joe&sample_rate=16000"),
                                       subprotocols=["token", KEY]) as ws:  # type: ignore[list-item]
-            await ws.send(json.dumps({"type": "Speak", "text": "The subprotocol carried the key."}))
-            await ws.send(json.dumps({"type": "Flush"}))
-            audio = b""
-            while True:
-                frame = await asyncio.wait_for(ws.recv(), 60)
-                if isinstance(frame, bytes):
-                    audio += frame
-                elif json.loads(frame)["type"] == "Flushed":
-                    return ws.subprotocol, audio
+            return ws.subprotocol, await deepgram_speak(ws, "The subprotocol carried the key.")
 
     subprotocol, audio = run(scenario())
     assert subprotocol == "token" and len(audio) > 16000

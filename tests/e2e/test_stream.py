@@ -10,7 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from gateway.audio.codecs import decode_opus_packets, decode_pcm16
+from gateway.audio.codecs import decode_pcm16
 from tests.support.server import ServerProcess
 from tests.support.wsclient import Client, speak
 
@@ -32,12 +32,6 @@ def reference_duration_s(text: str) -> float:
     return sum(len(c.audio_float_array) for c in chunks) / voice.config.sample_rate
 
 
-def opus_audio(client: Client, context_id: str) -> np.ndarray:
-    frames = client.received.audio_of(context_id)
-    packets = [p for frame in frames for p in frame["packets"]]
-    return decode_opus_packets(packets, 48000)
-
-
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(asyncio.wait_for(coro, 120))
 
@@ -50,7 +44,7 @@ def test_one_word_deltas_come_back_as_opus_speech_of_the_right_length(server: Se
         return client
 
     client = run(scenario())
-    audio = opus_audio(client, "turn-1")
+    audio = client.received.opus_of("turn-1")
     duration = len(audio) / 48000
     reference = reference_duration_s(ANSWER)
     assert abs(duration - reference) / reference < 0.10, (duration, reference)
@@ -100,7 +94,7 @@ def test_cancel_mid_answer_stops_audio_and_the_next_context_speaks(server: Serve
     assert heard == LONG_ANSWER.split()
     closed = client.received.of("error")
     assert any(e["code"] == "context_closed" and e["context_id"] == "long" for e in closed)
-    assert len(opus_audio(client, "next")) / 48000 > 0.5
+    assert len(client.received.opus_of("next")) / 48000 > 0.5
 
 
 def test_two_sockets_at_once_both_get_their_audio(server: ServerProcess) -> None:
@@ -114,7 +108,7 @@ def test_two_sockets_at_once_both_get_their_audio(server: ServerProcess) -> None
         return list(await asyncio.gather(one("a"), one("b")))
 
     for client, name in zip(run(scenario()), ("a", "b")):
-        assert len(opus_audio(client, name)) / 48000 > 1.5
+        assert len(client.received.opus_of(name)) / 48000 > 1.5
         assert client.received.audio_of("b" if name == "a" else "a") == []
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, Route, sync_playwright
 
 from tests.support.server import ServerProcess
+from tests.support.wav import write_pcm16_wav
 
 pytestmark = pytest.mark.browser
 
@@ -44,12 +44,7 @@ def speech_like_wav(path: Path, seconds: float = 30.0, rate: int = 48000) -> Pat
     t = np.arange(round(seconds * rate)) / rate
     tone = np.sin(2 * np.pi * (180 + 60 * np.sin(2 * np.pi * 3 * t)) * t)
     envelope = (np.sin(2 * np.pi * 2.5 * t) > -0.3).astype(np.float64)
-    pcm = (0.5 * tone * envelope * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(pcm.tobytes())
+    write_pcm16_wav(path, (0.5 * tone * envelope * 32767).astype("<i2"), rate)
     return path
 
 

@@ -15,6 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from engine.backends.cosyvoice.model_dir import ModelDir, load_model_dir
+
+#: What upstream itself meets against the fixture files (fixture README).
+ATOL = 1e-4
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread() -> Iterator[None]:
@@ -91,6 +96,13 @@ FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "cosyvo
 def fixture_dir(version: int) -> Path:
     """The upstream-made tiny model directory of a version, under `FIXTURES`."""
     return FIXTURES / f"cosyvoice{version}"
+
+
+def load_fixture(version: int) -> tuple[ModelDir, dict[str, Any]]:
+    """The fixture model directory of a version, loaded, and what upstream computed from it
+    (reference.pt: the inputs and every stage's outputs)."""
+    model_dir = load_model_dir(fixture_dir(version))
+    return model_dir, torch.load(model_dir.path / "reference.pt", weights_only=True)
 
 
 def copy_model_dir(version: int, dest: Path) -> Path:

@@ -32,6 +32,7 @@ from engine.backends.cosyvoice.frontend.tokens import (
     added_token_id,
 )
 from engine.backends.cosyvoice.model_dir import QWEN_DIR, ModelDir
+from tests.support.wav import write_pcm16_wav
 
 SIZES = ("tiny", "real")
 
@@ -277,12 +278,5 @@ def voiced_signal(seconds: float, rate: int, f0: float = 140.0) -> np.ndarray:
 
 def write_reference_wav(path: Path, seconds: float = 1.6, rate: int = 16000) -> Path:
     """`voiced_signal` as a 16-bit mono WAV: a default voice to clone for random model directories."""
-    import wave
-
-    pcm = np.clip(voiced_signal(seconds, rate) * 32767, -32768, 32767).astype("<i2")
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(pcm.tobytes())
+    write_pcm16_wav(path, np.clip(voiced_signal(seconds, rate) * 32767, -32768, 32767).astype("<i2"), rate)
     return path

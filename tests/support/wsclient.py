@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 import websockets
+
+from gateway.audio.codecs import decode_opus_packets
 
 
 @dataclass
@@ -22,6 +25,10 @@ class Received:
 
     def audio_of(self, context_id: str) -> list[dict[str, Any]]:
         return [a for a in self.audio if a["context_id"] == context_id]
+
+    def opus_of(self, context_id: str) -> np.ndarray:
+        """The context's Opus packets decoded: float PCM at 48 kHz."""
+        return decode_opus_packets([p for frame in self.audio_of(context_id) for p in frame["packets"]], 48000)
 
 
 class Client:
@@ -86,3 +93,21 @@ async def speak(client: Client, context_id: str, text: str, *, words: bool = Tru
         await client.send({"type": "text", "context_id": context_id, "text": text})
     await client.send({"type": "flush", "context_id": context_id})
     return await client.until("context.done", context_id)
+
+
+async def one_turn(url: str, context_id: str, text: str) -> Client:
+    """Connect, speak `text` as one turn, close: the client holds what came back."""
+    client = await Client.connect(url)
+    await speak(client, context_id, text)
+    await client.close()
+    return client
+
+
+def assert_lasts(received: Received, context_id: str, want_ms: float) -> None:
+    """The context's audio lasts `want_ms`, to one 40 ms frame, by its context.done and by its
+    decoded Opus, and is not silence."""
+    done = received.of("context.done", context_id)[0]
+    assert abs(done["audio_ms"] - want_ms) <= 40, (done["audio_ms"], want_ms)
+    audio = received.opus_of(context_id)
+    assert abs(len(audio) / 48 - want_ms) <= 40
+    assert float(np.sqrt(np.mean(audio**2))) > 1e-3  # not silence

@@ -51,14 +51,14 @@ def test_lm_benchmark_reports_a_failing_case_and_measures_the_rest(
 
 def test_flow_benchmark_reports_a_failing_batch_and_measures_the_rest(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    real = gpu_flow_estimator.time_passes
+    real = gpu_flow_estimator.median_ms
 
     def flaky(run: Any, *args: Any) -> float:
         if run.args[0].shape[0] == 4:  # 2 streams: 4 CFG rows
             raise RuntimeError("CUDA error: out of memory")
         return real(run, *args)
 
-    monkeypatch.setattr(gpu_flow_estimator, "time_passes", flaky)
+    monkeypatch.setattr(gpu_flow_estimator, "median_ms", flaky)
     result = gpu_flow_estimator.main(["--smoke", "--json", str(tmp_path / "flow.json")])
     assert set(result["errors"]) == {"eager 2", "static 2", "onnxruntime 2"}
     assert [(r["mode"], r["streams"]) for r in result["rows"]] == [

@@ -8,7 +8,6 @@ import json
 import math
 import random
 import threading
-import wave
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -33,6 +32,7 @@ from loadtest.metrics import (
     summarize,
 )
 from loadtest.runner import sweep_levels
+from tests.support.wav import write_pcm16_wav
 
 # --- percentiles -------------------------------------------------------------
 
@@ -223,11 +223,7 @@ def test_the_stream_url_comes_from_an_http_base_with_the_session_options() -> No
 
 def _wav(seconds: float, rate: int = 22050) -> bytes:
     buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(b"\0\0" * int(rate * seconds))
+    write_pcm16_wav(buf, np.zeros(int(rate * seconds), dtype="<i2"), rate)
     return buf.getvalue()
 
 

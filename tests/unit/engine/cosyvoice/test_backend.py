@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import onnxruntime
 import pytest
 
-from engine.backend import BackendRequest
 from engine.backends import create_backend
-from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.frontend.frontend import ByteTokenizer, load_tokenizer
 from engine.backends.cosyvoice.frontend.voice_prompts import from_bytes
@@ -25,26 +23,13 @@ from tests.support.cosyvoice_parity import (
     fixture_dir,
     one_torch_thread,  # noqa: F401 (autouse)
 )
-from tests.support.cosyvoice_tiny import (
-    REFERENCE_TEXT,
-    reference_wav,
-    tiny_backend,
-    tiny_model_dir,
-    voiced,
-)
+from tests.support.cosyvoice_steps import Requests, make_backend, run
+from tests.support.cosyvoice_tiny import tiny_backend, tiny_model_dir, voiced
 
 SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz: 40 ms
 TEXTS = ("Hi.", "Hello world.", "OK!")
 
-
-def make_backend(base: Path, version: int = 3, **options: object) -> CosyVoiceBackend:
-    options = {"tokenizer": "bytes", "sampling": "greedy", "max_batch_size": 4, "num_threads": 1,
-               "default_voice_audio": str(reference_wav(base)), "default_voice_text": REFERENCE_TEXT,
-               **options}
-    backend = create_backend("cosyvoice", model_dir=str(tiny_model_dir(base, version)), **options)
-    assert isinstance(backend, CosyVoiceBackend)
-    backend.load()
-    return backend
+prepare = Requests("req")
 
 
 @pytest.fixture(scope="module")
@@ -52,36 +37,6 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> CosyVoiceBackend:
     shared = tiny_backend(tmp_path_factory.getbasetemp())
     assert isinstance(shared, CosyVoiceBackend)
     return shared
-
-
-_ids = iter(range(1_000_000))
-
-
-def prepare(backend: CosyVoiceBackend, text: str, deadline: float = 0.0, **kwargs: object) -> BackendRequest:
-    request = SynthesisRequest(RequestId(f"req-{next(_ids)}"), text, "default", deadline, **kwargs)  # type: ignore[arg-type]
-    return backend.prepare(request)
-
-
-def run(backend: CosyVoiceBackend, items: list[BackendRequest],
-        max_steps: int = 2000) -> dict[str, tuple[list[int], np.ndarray]]:
-    """Step all items together until each finishes; (speech tokens, PCM) per request id."""
-    pcm: dict[str, list[np.ndarray]] = {item.request_id: [] for item in items}
-    out: dict[str, tuple[list[int], np.ndarray]] = {}
-    live = list(items)
-    for _ in range(max_steps):
-        if not live:
-            return out
-        results = backend.step(live)
-        for item, result in zip(list(live), results, strict=True):
-            assert result.error is None, result.error
-            pcm[item.request_id].append(result.pcm)
-            if result.is_finished:
-                state = item.state
-                assert isinstance(state, CosyState)
-                out[item.request_id] = (list(state.tokens), np.concatenate(pcm[item.request_id]))
-                backend.release(item)
-                live.remove(item)
-    raise AssertionError(f"{len(live)} requests did not finish in {max_steps} steps")
 
 
 def single_runs(backend: CosyVoiceBackend, texts: tuple[str, ...]) -> list[tuple[list[int], np.ndarray]]:

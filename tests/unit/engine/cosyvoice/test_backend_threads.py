@@ -12,7 +12,9 @@ import pytest
 
 from engine.backends.cosyvoice.backend import CosyState
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
-from tests.support.cosyvoice_steps import make_backend, prepare, run
+from tests.support.cosyvoice_steps import Requests, make_backend, run
+
+prepare = Requests("fix")
 
 
 def test_flow_on_its_own_thread_speaks_what_the_serial_path_speaks(

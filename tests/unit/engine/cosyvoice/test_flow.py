@@ -15,19 +15,18 @@ from engine.backends.cosyvoice.models.mel import MelConfig, MelExtractor, slaney
 from engine.backends.cosyvoice.t2w.streams import FlowPrompt
 from engine.errors import ModelLoadError
 from tests.support.cosyvoice_parity import (
+    ATOL,
     assert_close_report,
     copy_model_dir,
     fixture_dir,
+    load_fixture,
     one_torch_thread,  # noqa: F401 (autouse)
 )
-
-ATOL = 1e-4  # what upstream itself meets against these files (fixture README)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def loaded(request: pytest.FixtureRequest) -> tuple[FlowModel, dict[str, Any]]:
-    model_dir = load_model_dir(fixture_dir(request.param))
-    reference = torch.load(model_dir.path / "reference.pt", weights_only=True)
+    model_dir, reference = load_fixture(request.param)
     return build_flow(model_dir), reference
 
 

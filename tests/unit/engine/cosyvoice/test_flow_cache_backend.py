@@ -15,8 +15,10 @@ from engine.errors import EngineBusyError
 from engine.scheduler import SchedulerConfig
 from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
-from tests.support.cosyvoice_steps import make_backend, prepare, run
+from tests.support.cosyvoice_steps import Requests, make_backend, run
 from tests.support.cosyvoice_tiny import REFERENCE_TEXT
+
+prepare = Requests("fc")
 
 
 def cached_of(backend: CosyVoiceBackend) -> CachedFlow:
@@ -94,7 +96,10 @@ def test_a_contexts_segments_share_one_flow_stream(tmp_path_factory: pytest.Temp
         counts: list[int] = []
         cache = cached_of(backend).cache
         first, second = prepare(backend, "Hello world.", "turn"), prepare(backend, "How are you?", "turn", 1.0)
-        spoken = run(backend, [first, second], after_step=lambda: counts.append(cache.num_streams))
+        def count_streams() -> None:  # called within this iteration: its `cache` and `counts`
+            counts.append(cache.num_streams)  # noqa: B023
+
+        spoken = run(backend, [first, second], after_step=count_streams)
         assert all(len(pcm) == len(tokens) * 960 > 0 for tokens, pcm in spoken.values())
         held[mode] = (max(counts), cached_of(backend).cache.num_streams)
         backend.end_context("turn")

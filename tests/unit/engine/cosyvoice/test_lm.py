@@ -19,23 +19,20 @@ from engine.backends.cosyvoice.lm.sampling import (
     nucleus_candidates,
     ras,
 )
-from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.speech_lm import END_OF_PROMPT_ID, SpeechLM
 from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
 from tests.support.cosyvoice_parity import (
+    ATOL,
     assert_close_report,
     assert_equal_report,
-    fixture_dir,
+    load_fixture,
     one_torch_thread,  # noqa: F401 (autouse)
 )
-
-ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def loaded(request: pytest.FixtureRequest) -> tuple[SpeechLM, dict[str, Any], RasConfig]:
-    model_dir = load_model_dir(fixture_dir(request.param))
-    reference = torch.load(model_dir.path / "reference.pt", weights_only=True)
+    model_dir, reference = load_fixture(request.param)
     ras_config = RasConfig.from_hparams(model_dir.hparams["llm"]["sampling"])
     return load_speech_lm(model_dir), reference, ras_config
 

@@ -15,7 +15,6 @@ from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
 from engine.backends.cosyvoice.frontend.frontend import LMInput
 from engine.backends.cosyvoice.lm.driver import LMStart, TorchLMDriver
 from engine.backends.cosyvoice.lm.runner import SpeechLMRunner
-from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.qwen2 import CacheView, SlotKVCache
 from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
@@ -23,11 +22,11 @@ from engine.engine import Engine, EngineConfig
 from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_parity import (
     assert_close_report,
-    fixture_dir,
+    load_fixture,
     one_torch_thread,  # noqa: F401 (autouse)
 )
+from tests.support.cosyvoice_steps import Requests, run
 from tests.support.cosyvoice_steps import make_backend as make_tiny_backend
-from tests.support.cosyvoice_steps import prepare, run
 from tests.support.wait import wait_until
 
 # -- the runner: a continuation is the sequence a single prefill of it would be --------------------
@@ -35,8 +34,8 @@ from tests.support.wait import wait_until
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def loaded(request: pytest.FixtureRequest) -> tuple[SpeechLM, dict[str, Any]]:
-    model_dir = load_model_dir(fixture_dir(request.param))
-    return load_speech_lm(model_dir), torch.load(model_dir.path / "reference.pt", weights_only=True)
+    model_dir, reference = load_fixture(request.param)
+    return load_speech_lm(model_dir), reference
 
 
 def whole_sequence_greedy(lm: SpeechLM, embeds: torch.Tensor, steps: int, min_len: int
@@ -123,6 +122,9 @@ def test_the_driver_parks_a_kept_stream_and_falls_back_to_a_fresh_prefill_withou
 
 
 # -- the backend: contexts through the Backend interface ---------------------------------------------
+
+prepare = Requests("seg")
+
 
 def make_backend(base: Path, load: bool = True, **options: object) -> CosyVoiceBackend:
     return make_tiny_backend(base, load=load, **{"max_batch_size": 2, **options})

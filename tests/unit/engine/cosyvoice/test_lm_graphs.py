@@ -15,20 +15,19 @@ from engine.backends.cosyvoice.lm.runner import (
     PrefillRequest,
     SpeechLMRunner,
 )
-from engine.backends.cosyvoice.model_dir import load_model_dir
 from engine.backends.cosyvoice.models.speech_lm import SpeechLM
 from engine.backends.cosyvoice.models.speech_lm_load import load_speech_lm
 from tests.support.cosyvoice_parity import (
     assert_close_report,
-    fixture_dir,
+    load_fixture,
     one_torch_thread,  # noqa: F401 (autouse)
 )
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def loaded(request: pytest.FixtureRequest) -> tuple[SpeechLM, dict[str, Any]]:
-    model_dir = load_model_dir(fixture_dir(request.param))
-    return load_speech_lm(model_dir), torch.load(model_dir.path / "reference.pt", weights_only=True)
+    model_dir, reference = load_fixture(request.param)
+    return load_speech_lm(model_dir), reference
 
 
 def prompts(ref: dict[str, Any]) -> list[tuple[list[int], list[int], list[int]]]:

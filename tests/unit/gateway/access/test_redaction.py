@@ -12,24 +12,20 @@ KEY = "sk-voxgate-0123456789"
 @pytest.mark.parametrize("query", [
     "api_key={k}", "token={k}", "key={k}", "access_token={k}", "voice=joe&api_key={k}&codec=opus",
     "API_KEY={k}", "x-api-key={k}", "client_secret={k}",
+    # a percent-encoded name is judged as the app decodes it
+    "api%5Fkey={k}", "%74oken={k}", "%61pi_key={k}", "xi%5Fapi%5Fkey={k}", "voice=joe&%74oken={k}&x=1",
+    "api%255Fkey={k}", "access%5ftoken={k}", "api+key={k}",
 ])
 def test_key_like_query_values_are_redacted_and_the_rest_is_kept(query: str) -> None:
     line = '127.0.0.1:5 - "GET /v1/stream?' + query.format(k=KEY) + ' HTTP/1.1" 101'
     redacted = redact(line)
-    assert KEY not in redacted and "[redacted]" in redacted
-    assert redacted.startswith('127.0.0.1:5 - "GET /v1/stream?') and redacted.endswith(' HTTP/1.1" 101')
-    assert redact("/v1/stream?voice=joe&codec=opus") == "/v1/stream?voice=joe&codec=opus"
-
-
-@pytest.mark.parametrize("query", [
-    "api%5Fkey={k}", "%74oken={k}", "%61pi_key={k}", "xi%5Fapi%5Fkey={k}", "voice=joe&%74oken={k}&x=1",
-    "api%255Fkey={k}", "access%5ftoken={k}", "api+key={k}",
-])
-def test_a_percent_encoded_parameter_name_is_judged_as_the_app_decodes_it(query: str) -> None:
-    line = '127.0.0.1:5 - "GET /v1/stream?' + query.format(k=KEY) + ' HTTP/1.1" 101'
-    redacted = redact(line)
     assert KEY not in redacted and "=[redacted]" in redacted
+    assert redacted.startswith('127.0.0.1:5 - "GET /v1/stream?') and redacted.endswith(' HTTP/1.1" 101')
     assert query.split("=")[0] in redacted  # the name is kept as the client wrote it
+
+
+def test_a_query_without_a_key_like_name_is_kept_whole() -> None:
+    assert redact("/v1/stream?voice=joe&codec=opus") == "/v1/stream?voice=joe&codec=opus"
 
 
 @pytest.mark.parametrize("line", [
