@@ -519,8 +519,13 @@ def _other_language(requested: str | None, spoken: str) -> bool:
 
 
 def _features_version(config: CosyVoiceBackendConfig) -> str:
-    """Names what voice features depend on: the frontend models' files, the tokenizer and
-    text normalization (the transcript's ids)."""
+    """Names what voice features depend on: the frontend models' bytes, the tokenizer and text
+    normalization (the transcript's ids).
+
+    The files are hashed whole, not named by their size: a re-exported or fine-tuned
+    speaker or speech-token model of the same size makes different features, and stored
+    voices must then be recomputed (docs/voices.md). Hashing reads them once per start,
+    about a second for the largest (a speech tokenizer of a few hundred MB)."""
     root = config.model_dir
     digest = hashlib.sha256(f"{config.tokenizer}:{resolve_text_frontend(config.text_frontend)}".encode())
     if root is not None:
@@ -529,5 +534,8 @@ def _features_version(config: CosyVoiceBackendConfig) -> str:
                      "CosyVoice-BlankEN/tokenizer.json"):
             path = root / name
             if path.is_file():
-                digest.update(f"{name}:{path.stat().st_size}".encode())
+                digest.update(f"{name}:".encode())
+                with path.open("rb") as file:
+                    while block := file.read(1 << 20):
+                        digest.update(block)
     return f"cosyvoice-{digest.hexdigest()[:16]}"
