@@ -39,9 +39,10 @@ STREAMS=${STREAMS:-1,8,32,64,128,256}
 LEVELS=${LEVELS:-1,8,32,64,128}
 # The gateway: 15 s of turns per level and 8 s for the last ones to end (five levels and the
 # load fit its share); LM positions 1,024 (the answers are short: half the LM graphs to capture);
-# a context's segments continue one LM sequence. Until the engine's admission is sized by the
-# backend's capacity, a limit above the top level, so a level measures the engine rather than a
-# CPU-sized admission count. The build before has no lm_context option (ANCHOR_GATEWAY_ARGS).
+# a context's segments continue one LM sequence. --max-contexts above the top level replaces the
+# step-cost estimate (its 16-context floor is sized for a CPU); this build still never admits
+# more than the flow cache holds (Backend.context_capacity), the build before has no such bound.
+# The build before has no lm_context option (ANCHOR_GATEWAY_ARGS).
 GATEWAY_ARGS=${GATEWAY_ARGS:---duration 15 --drain 8 --engine-option=max_len=1024 \
 --engine-option=lm_context=continue --server-arg=--max-contexts=256}
 ANCHOR_GATEWAY_ARGS=${ANCHOR_GATEWAY_ARGS:---duration 15 --drain 8 --engine-option=max_len=1024 \
