@@ -24,7 +24,7 @@ from gateway.access.guard import AccessGuard
 from gateway.access.redaction import install_log_redaction
 from gateway.access.tokens import SessionTokens, create_session_token
 from gateway.compat import compat_routes
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, load_config
 from gateway.http.speech import speech_endpoint
 from gateway.metrics import Metrics
 from gateway.state import AppState
@@ -130,7 +130,7 @@ async def metrics(request: Request) -> Response:
 
 def create_app(config: GatewayConfig | None = None, engine: EngineClient | None = None) -> Starlette:
     """The voxgate app. `engine` may be given (tests inject a scripted backend; Ray Serve a remote one)."""
-    config = config or GatewayConfig.from_env()
+    config = config or load_config()
     engine = engine or build_engine(config)
     state = AppState(config, engine, Metrics(engine),
                      session_tokens=SessionTokens(ttl_s=config.session_token_ttl_s))

@@ -14,10 +14,9 @@ from typing import Any
 
 import uvicorn
 
-from gateway.access.keys import AuthConfig, load_keys
 from gateway.access.origins import check_exposure
 from gateway.access.redaction import install_log_redaction
-from gateway.config import GatewayConfig
+from gateway.config import load_config
 from gateway.http.timeouts import uvicorn_limits
 from gateway.text.routing import parse_voice_for
 
@@ -124,6 +123,19 @@ def _shorthand_options(args: argparse.Namespace) -> list[str]:
     return items
 
 
+def _serve_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`voxgate serve`'s flags as `load_config` options (None: not given, the environment's)."""
+    return {"host": args.host, "port": args.port, "engine": args.engine, "voice": args.voice,
+            "voice_for": parse_voice_for(args.voice_for) or None,
+            "max_batch_size": args.max_batch_size, "max_contexts": args.max_contexts,
+            "data_dir": args.data_dir, "scheduler_policy": args.scheduler,
+            "max_sessions": args.max_sessions, "shutdown_grace_s": args.shutdown_grace,
+            "engine_options": _engine_options(_shorthand_options(args)),
+            "voice_assets": args.voice_assets, "api_keys_file": args.api_keys_file,
+            "admin_keys_file": args.admin_keys_file, "allowed_origins": args.allowed_origins,
+            "no_auth": args.no_auth}
+
+
 #: seconds between returns of freed heap memory to the system (`tune_malloc`)
 MALLOC_TRIM_PERIOD_S = 5.0
 
@@ -178,21 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "fast"))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    port = args.port if args.port is not None else (int(os.environ["PORT"]) if "PORT" in os.environ else None)
     try:
-        origins = args.allowed_origins or os.environ.get("VOXGATE_ALLOWED_ORIGINS", "")
-        auth = AuthConfig(api_keys=load_keys(keys_file=args.api_keys_file),
-                          admin_keys=load_keys(keys_file=args.admin_keys_file, variable="VOXGATE_ADMIN_KEYS"),
-                          allowed_origins=tuple(o.strip() for o in origins.split(",") if o.strip()),
-                          allow_no_auth=args.no_auth)
-        config = GatewayConfig.from_env(host=args.host, port=port, engine=args.engine, voice=args.voice,
-                                        voice_for=parse_voice_for(args.voice_for) or None,
-                                        max_batch_size=args.max_batch_size,
-                                        max_contexts=args.max_contexts, data_dir=args.data_dir,
-                                        scheduler_policy=args.scheduler, auth=auth,
-                                        max_sessions=args.max_sessions,
-                                        shutdown_grace_s=args.shutdown_grace,
-                                        engine_options=_engine_options(_shorthand_options(args)))
+        config = load_config(_serve_options(args))
         log.info(check_exposure(config.host, config.auth))
         from gateway.app import create_app
 

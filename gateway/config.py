@@ -1,21 +1,32 @@
-"""Gateway configuration: one dataclass, filled from CLI flags and VOXGATE_* variables."""
+"""Gateway configuration: one dataclass, filled from CLI flags and VOXGATE_* variables.
+
+`load_config` is the one way to build it from options and the environment:
+`voxgate serve`, every Ray Serve replica and `create_app()` without a config
+all call it, so none of them can miss a part of the configuration (keys
+included: docs/operations.md, "Auth", and "Keys on Ray Serve").
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.options import config_from_options
-from gateway.access.keys import AuthConfig
+from gateway.access.keys import AuthConfig, load_keys
 from gateway.access.origins import is_loopback
 from gateway.stream.options import Limits
 from gateway.text.routing import merge_voice_for, normalize_voice_for, parse_voice_for
 
-#: fields with a structure of their own, set by the CLI (or, for limits, field by field;
-#: voice_for from VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER)
+#: fields with a structure of their own, never read whole from one variable (limits field by
+#: field, auth from AUTH_OPTIONS and its variables, voice_for from VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER)
 _STRUCTURED = ("limits", "auth", "engine_options", "voice_for")
+
+#: the options `auth` is built from, named as `voxgate serve` names its flags; their variables:
+#: VOXGATE_API_KEYS(_FILE), VOXGATE_ADMIN_KEYS(_FILE), VOXGATE_ALLOWED_ORIGINS (no_auth has none)
+AUTH_OPTIONS = ("api_keys_file", "admin_keys_file", "allowed_origins", "no_auth")
 
 
 def _default_data_dir() -> Path:
@@ -90,20 +101,45 @@ class GatewayConfig:
             return self.max_engine_share
         return 0.5 if self.auth.is_enabled or not is_loopback(self.host) else 1.0
 
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> GatewayConfig:
-        """VOXGATE_<FIELD> variables (e.g. VOXGATE_PORT=9000), VOXGATE_LIMIT_<FIELD> for
-        `limits`, then explicit overrides (None: not given).
 
-        Strings convert as backend options do (engine/options.py): one conversion,
-        one "expected X, got Y" message for a bad value.
-        """
-        env = dict(os.environ if environ is None else environ)
-        voice_for = env.get("VOXGATE_VOICE_FOR", "")
-        for name in _STRUCTURED:  # never read whole from one variable
-            env.pop("VOXGATE_" + name.upper(), None)
-        limits = config_from_options(Limits, "limit", {}, env_prefix="VOXGATE_LIMIT_", environ=env)
-        options = {"limits": limits, **{k: v for k, v in overrides.items() if v is not None}}
-        if "voice_for" not in options and voice_for.strip():
-            options["voice_for"] = parse_voice_for(p for p in voice_for.split(",") if p.strip())
-        return config_from_options(cls, "gateway", options, env_prefix="VOXGATE_", environ=env)
+def load_config(options: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The gateway's whole configuration from `options` over the environment.
+
+    `options` are GatewayConfig fields (None: not given) and AUTH_OPTIONS, as
+    `voxgate serve` passes its flags and a Ray Serve app its `gateway` args. The
+    environment gives VOXGATE_<FIELD> (e.g. VOXGATE_PORT=9000; $PORT too),
+    VOXGATE_LIMIT_<FIELD> for `limits`, VOXGATE_VOICE_FOR, and the keys: options
+    win. Strings convert as backend options do (engine/options.py): one
+    conversion, one "expected X, got Y" message for a bad value. Raises
+    ValueError for a bad value, OSError for a keys file that cannot be read.
+    """
+    env = dict(os.environ if environ is None else environ)
+    given = {k: v for k, v in (options or {}).items() if v is not None}
+    if "auth" in given:
+        raise ValueError(f"auth is built from {', '.join(AUTH_OPTIONS)}, not given whole")
+    auth = _load_auth({k: given.pop(k) for k in AUTH_OPTIONS if k in given}, env)
+    voice_for = env.get("VOXGATE_VOICE_FOR", "")
+    if "port" not in given and env.get("PORT", "").strip():  # platforms that set $PORT (Procfile)
+        given["port"] = env["PORT"]
+    for name in _STRUCTURED:  # never read whole from one variable
+        env.pop("VOXGATE_" + name.upper(), None)
+    limits = config_from_options(Limits, "limit", {}, env_prefix="VOXGATE_LIMIT_", environ=env)
+    fields_given = {"limits": limits, "auth": auth, **given}
+    if "voice_for" not in fields_given and voice_for.strip():
+        fields_given["voice_for"] = parse_voice_for(p for p in voice_for.split(",") if p.strip())
+    return config_from_options(GatewayConfig, "gateway", fields_given, env_prefix="VOXGATE_", environ=env)
+
+
+def _load_auth(options: dict[str, Any], env: Mapping[str, str]) -> AuthConfig:
+    no_auth = options.get("no_auth", False)
+    if not isinstance(no_auth, bool):
+        raise TypeError(f"no_auth must be true or false, got {no_auth!r}")
+    origins = options.get("allowed_origins") or env.get("VOXGATE_ALLOWED_ORIGINS", "")
+    if isinstance(origins, str):
+        origins = origins.split(",")
+    return AuthConfig(api_keys=load_keys(env, options.get("api_keys_file")),
+                      admin_keys=load_keys(env, options.get("admin_keys_file"),
+                                           variable="VOXGATE_ADMIN_KEYS"),
+                      allowed_origins=tuple(o.strip() for o in origins if o.strip()),
+                      allow_no_auth=no_auth)

@@ -30,6 +30,7 @@ from gateway.ray_serve.drain import drain_grace_s
 from gateway.ray_serve.drain import install as install_drain
 from gateway.ray_serve.engine_replica import EngineReplica, replica_id
 from gateway.ray_serve.remote import RemoteEngine
+from gateway.ray_serve.replica_config import proxy_address, replica_config
 from gateway.ray_serve.routing import PinnedRouter
 
 if TYPE_CHECKING:
@@ -63,7 +64,9 @@ class RayServeConfig:
     engine_cpus: float = 1.0
     engine_gpus: float = 0.0  # 1 for cosyvoice on a GPU node
     shutdown_grace_s: float = 120.0  # a replica going away lets its turns finish
-    gateway: dict[str, Any] = field(default_factory=dict)  # GatewayConfig fields for both tiers
+    #: `load_config` options for both tiers: GatewayConfig fields and the auth options (keys files,
+    #: origins, no_auth); keys themselves come from each replica's environment (replica_config.py)
+    gateway: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.gateway_replicas != "auto" and (not isinstance(self.gateway_replicas, int)
@@ -114,7 +117,9 @@ class GatewayReplica:
     async def __init__(self, engine: DeploymentHandle[Any],  # type: ignore[misc]  # Serve awaits it
                        gateway: dict[str, Any], shutdown_grace_s: float = 120.0) -> None:
         self.engine_handle = engine
-        self.overrides = gateway
+        self.options = gateway
+        # The host clients reach is the proxy's: it decides whether keys are required.
+        self.proxy_host, self.proxy_port = await proxy_address()
         self.state: AppState | None = None  # the app's, once Serve has built it
         self.grace_s = drain_grace_s(shutdown_grace_s)
         # The loop the app's sockets run on: Serve stops the replica from another one.
@@ -122,9 +127,9 @@ class GatewayReplica:
 
     def __serve_build_asgi_app__(self) -> Any:
         from gateway.app import create_app
-        from gateway.config import GatewayConfig
 
-        config = GatewayConfig.from_env(**self.overrides)
+        # voxgate serve's configuration, keys included; refuses an exposed proxy without keys
+        config = replica_config(self.options, self.proxy_host, self.proxy_port)
         app = create_app(config, engine=RemoteEngine(self.engine_handle))
         self.state = app.state.voxgate
         return _ReplicaHeader(app, replica_id())

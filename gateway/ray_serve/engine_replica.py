@@ -27,7 +27,7 @@ import numpy as np
 from engine.engine import Engine
 from engine.errors import EngineBusyError, VoxgateError
 from gateway.app import build_engine
-from gateway.config import GatewayConfig
+from gateway.config import AUTH_OPTIONS, load_config
 from gateway.ray_serve import wire
 
 log = logging.getLogger("voxgate.engine")
@@ -47,7 +47,8 @@ class EngineReplica:
     """The Serve deployment class of the engine tier (wrapped in `app.build_app`)."""
 
     async def __init__(self, overrides: dict[str, Any]) -> None:  # type: ignore[misc]  # Serve awaits it
-        self.config = GatewayConfig.from_env(**overrides)
+        # the engine serves no client: the gateway-only auth options are not its to read
+        self.config = load_config({k: v for k, v in overrides.items() if k not in AUTH_OPTIONS})
         self.engine: Engine = build_engine(self.config)
         self.replica = replica_id()
         self._owners: dict[str, str] = {}  # context key -> gateway id

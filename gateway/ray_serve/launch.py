@@ -6,8 +6,12 @@ import argparse
 import logging
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from gateway.access.origins import check_exposure
+from gateway.config import load_config
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -34,8 +38,28 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--max-batch-size", type=int, help="most segments per engine step")
     parser.add_argument("--sessions-per-gateway", type=int, default=200,
                         help="sockets one gateway replica holds (Serve's max_ongoing_requests)")
+    parser.add_argument("--api-keys-file", help="file of API keys, one per line (also VOXGATE_API_KEYS); "
+                        "every gateway replica reads it, so a path on every node (docs/operations.md)")
+    parser.add_argument("--admin-keys-file", help="file of admin keys, one per line (also "
+                        "VOXGATE_ADMIN_KEYS); a path on every node, like --api-keys-file")
+    parser.add_argument("--allowed-origins", help="comma-separated browser origins allowed on the "
+                        "socket (VOXGATE_ALLOWED_ORIGINS)")
     parser.add_argument("--no-auth", action="store_true",
                         help="allow a non-loopback --host without API keys")
+
+
+def _gateway_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as the replicas' `load_config` options. Paths are made absolute (a replica's
+    working directory is Ray's); key values stay out: they are in no Ray argument (app.py)."""
+    options: dict[str, Any] = {}
+    for name in ("engine", "data_dir", "max_batch_size", "api_keys_file", "admin_keys_file",
+                 "allowed_origins"):
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = str(Path(value).absolute()) if name.endswith(("_dir", "_file")) else value
+    if args.no_auth:
+        options["no_auth"] = True
+    return options
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,11 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"voxgate ray-serve needs Ray Serve: pip install 'voxgate[ray]' ({exc})")
         return 2
-    gateway: dict[str, Any] = {}
-    for name in ("engine", "data_dir", "max_batch_size"):
-        value = getattr(args, name)
-        if value is not None:
-            gateway[name] = str(value) if name == "data_dir" else value
+    gateway = _gateway_options(args)
     replicas: int | str = args.gateway_replicas
     try:
         replicas = "auto" if args.gateway_replicas == "auto" else int(args.gateway_replicas)
@@ -62,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"voxgate: bad configuration: {exc}")
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.no_auth:
-        print("voxgate: a non-loopback --host needs API keys (VOXGATE_API_KEYS) or --no-auth")
+    try:  # what `voxgate serve` would refuse, refused before Ray starts; each replica checks again
+        config = load_config({**gateway, "host": args.host, "port": args.port})
+        log.info(check_exposure(config.host, config.auth))
+    except (TypeError, ValueError, OSError) as exc:
+        print(f"voxgate: bad configuration: {exc}")
         return 2
     ray.init(address=args.address)
     # A signal during the deploy stops Serve once it is up (the proxy may already answer);
@@ -79,11 +102,16 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     # request_timeout_s stays unset: a socket lives as long as its conversation.
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app({"gateway_replicas": replicas, "engine_replicas": args.engine_replicas,
-                         "engine_gpus": args.engine_gpus, "gateway_cpus": args.gateway_cpus,
-                         "engine_cpus": args.engine_cpus,
-                         "sessions_per_gateway": args.sessions_per_gateway, "gateway": gateway}),
-              name="voxgate", route_prefix="/")
+    try:
+        serve.run(build_app({"gateway_replicas": replicas, "engine_replicas": args.engine_replicas,
+                             "engine_gpus": args.engine_gpus, "gateway_cpus": args.gateway_cpus,
+                             "engine_cpus": args.engine_cpus,
+                             "sessions_per_gateway": args.sessions_per_gateway, "gateway": gateway}),
+                  name="voxgate", route_prefix="/")
+    except RuntimeError as exc:  # a replica refused to start (no keys where it runs, a bad option)
+        print(f"voxgate: the deploy failed: {exc}")
+        serve.shutdown()  # type: ignore[no-untyped-call, unused-ignore]  # typed where Ray is installed
+        return 2
     log.info("voxgate on Ray Serve: http://%s:%d (gateway %s, engine %d)", args.host, args.port,
              replicas, args.engine_replicas)
     stop.wait()

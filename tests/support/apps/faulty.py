@@ -12,7 +12,7 @@ from engine.backends.piper.backend import PiperBackend
 from engine.backends.piper.config import PiperBackendConfig
 from engine.engine import Engine, EngineConfig
 from gateway.app import create_app as create_voxgate_app
-from gateway.config import GatewayConfig
+from gateway.config import load_config
 
 
 class FaultyPiper(PiperBackend):
@@ -23,5 +23,5 @@ class FaultyPiper(PiperBackend):
 
 
 def create_app():  # type: ignore[no-untyped-def]
-    config = GatewayConfig.from_env()
+    config = load_config()
     return create_voxgate_app(config, engine=Engine(FaultyPiper(PiperBackendConfig()), EngineConfig()))
