@@ -8,6 +8,12 @@ voice that speaks for it; cosyvoice: its prompt features) is the backend's
 own; the table only keeps the two dictionaries consistent and answers the
 errors the `Backend` voice methods document. Like those methods it runs on
 the engine's worker thread and takes no lock.
+
+`add` over a retired id replaces the voice for everyone still holding it, on
+either backend. The gateway relies on that being its owner's own new voice: it
+registers a deleted voice's id again only for the tenant that owned it
+(gateway/voices/service.py, `_check_free`; docs/voices.md, "Deleting a voice in
+use"), so no holder hears another tenant's voice under an id it chose.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ class VoiceTable(Generic[V]):
         self._retired: dict[str, V] = {}
 
     def add(self, voice_id: str, voice: V) -> None:
-        """List `voice` under `voice_id`, replacing a listed or retired voice of that id."""
+        """List `voice` under `voice_id`, replacing a listed or retired voice of that id (its
+        holders speak with the new one: the same owner's, see the module doc)."""
         self._retired.pop(voice_id, None)
         self._listed[voice_id] = voice
 

@@ -2,7 +2,8 @@
 
 This module owns what a row of `voices.sqlite3` is: the two tables (`voices`, the
 source of truth, and `voice_features`, derived data), the schema version kept in
-`PRAGMA user_version` and the migrations up to it (version 2 added `owner`), the
+`PRAGMA user_version` and the migrations up to it (version 2 added `owner`,
+version 3 `retired_ids`), the
 `VoiceRecord` and `StoredFeatures` a row reads as, the typed SHA-256 that every
 row carries over its other columns, and the registry's errors. `registry.py`
 reads and writes these rows (`VoiceStore`) and puts them behind an async face
@@ -23,7 +24,7 @@ from typing import Any
 
 from engine.errors import VoxgateError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE voices (
@@ -51,6 +52,14 @@ CREATE TABLE voice_features (
     PRIMARY KEY (voice_id, backend, version)
 );
 """
+#: a deleted voice's id, kept for its owner: sockets anywhere may still hold the voice, so the id
+#: never passes to another tenant (docs/voices.md, "Deleting a voice in use")
+RETIRED_IDS_TABLE = """
+CREATE TABLE retired_ids (
+    voice_id   TEXT PRIMARY KEY,
+    owner      TEXT NOT NULL,
+    retired_at REAL NOT NULL
+)"""
 
 
 class RegistryError(VoxgateError):
@@ -172,9 +181,11 @@ def migrate(db: sqlite3.Connection, path: Path) -> None:
         # Read again under the write lock: replicas sharing the file may start together.
         version = int(db.execute("PRAGMA user_version").fetchone()[0])
         if version == 0:
-            for statement in SCHEMA.split(";"):
+            for statement in (SCHEMA + RETIRED_IDS_TABLE).split(";"):
                 if statement.strip():
                     db.execute(statement)
         if version == 1:  # tenancy: who registered each voice ("" for those before it)
             db.execute("ALTER TABLE voices ADD COLUMN owner TEXT NOT NULL DEFAULT ''")
+        if version in (1, 2):  # ids of deleted voices, kept for their owners
+            db.execute(RETIRED_IDS_TABLE.replace("CREATE TABLE", "CREATE TABLE IF NOT EXISTS"))
         db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")

@@ -11,7 +11,10 @@ run under one asyncio lock, so registrations and deletes never interleave.
 Deleting a voice retires it at once: unlisted, new sessions and requests get
 `unknown_voice`, but whoever holds it in the catalog (a socket's voice, an
 open context's, an HTTP request's) keeps speaking with it. When the last
-holder lets go, the catalog calls back and the voice leaves the engine.
+holder lets go, the catalog calls back and the voice leaves the engine. Its id
+stays its owner's for good (the store's `retired_ids`): only that tenant may
+register it again, so a socket still holding it never speaks another tenant's
+voice, whichever replica holds it and whichever registers.
 
 Tenancy: each registered voice has an owner, the tenant (a hash of the API
 key) that registered it, or "" for the operator's (assets, and uploads from
@@ -226,9 +229,10 @@ class VoiceService(ReplicaSync):
                                    f"the {engine.backend_name} engine cannot register voices")
         check_fields(upload, self.config.limits, needs_transcript=engine.needs_transcript)
         voice_id = upload.voice_id or "voice-" + uuid.uuid4().hex[:10]
-        self._check_free(voice_id, replace_existing)
         base_voice = self._base_voice(upload.base_voice)
+        # The body first: a 409 for an id costs a whole, valid reference, not one byte.
         reference = await asyncio.to_thread(decode_reference, upload.audio, self.config.limits)
+        await self._check_free(voice_id, owner, replace_existing)
         features = await self._features(reference, upload.transcript)
         record = VoiceRecord(
             voice_id=voice_id, name=upload.name or voice_id, language=upload.language,
@@ -238,7 +242,7 @@ class VoiceService(ReplicaSync):
             source_digest=source_digest(upload.audio, upload.transcript), owner=owner)
         quota = self.config.quota if source == "upload" else None  # the operator's assets: none
         async with self._lock:
-            self._check_free(voice_id, replace_existing)
+            await self._check_free(voice_id, owner, replace_existing)  # before the engine hears of it
             try:
                 info = await self._add_to_engine(record, features)
             except (VoxgateError, ValueError) as exc:
@@ -265,13 +269,20 @@ class VoiceService(ReplicaSync):
                  "no features" if features is None else f"{len(features)} feature bytes")
         return self.describe_registered(info, self.registered[voice_id])
 
-    def _check_free(self, voice_id: str, replace_existing: bool) -> None:
+    async def _check_free(self, voice_id: str, owner: str, replace_existing: bool) -> None:
+        """Refuse a built-in name, an id registered here, and an id the store gives another owner.
+
+        A deleted voice's id stays its owner's (store.py, `retired_ids`): sockets on any
+        replica may still hold the voice, and adding another tenant's voice under that id
+        would replace it under them, in the engine shared by every backend (engine/voice_table.py).
+        """
         if is_reserved(voice_id, self.installed):
             raise VoiceUploadError(409, "reserved_voice_id", f"{voice_id!r} is a built-in voice name "
                                    "(an installed voice, an OpenAI voice name or a piper model name); "
                                    "choose another id")
-        if not replace_existing and (voice_id in self.registered or voice_id in self.unavailable):
-            # ids are one namespace: this says the id is taken, never whose it is
+        is_taken = not replace_existing and (voice_id in self.registered or voice_id in self.unavailable)
+        if is_taken or await self.registry.claimant(voice_id) not in (None, owner):
+            # ids are one namespace: this says the id is taken, never whose it is, or since when
             raise VoiceUploadError(409, "voice_exists", f"voice id {voice_id!r} is taken; choose "
                                    "another id (or, to replace a voice of yours, delete it first)")
 

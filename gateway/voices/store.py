@@ -6,7 +6,7 @@ and writes its rows (quotas, the disk reserve, deletes on a full disk), and
 `VoiceRecord`, the checksums and the errors - lives in `registry_schema.py`;
 its names stay importable from here.
 
-One database file (`<data_dir>/voices.sqlite3`) holds two tables:
+One database file (`<data_dir>/voices.sqlite3`) holds three tables:
 
 - `voices`: one row per registered voice: its metadata, the reference audio
   exactly as uploaded, and its transcript. This is the source of truth.
@@ -14,6 +14,11 @@ One database file (`<data_dir>/voices.sqlite3`) holds two tables:
   keyed by (voice, backend, features version). They are derived data: stored
   so that a restart recomputes nothing, recomputed from the audio when the
   backend or its model changes.
+- `retired_ids`: each deleted voice's id and owner. Sockets on any replica may
+  still speak with a deleted voice, so its id stays its owner's: `insert`
+  refuses it to anyone else (`VoiceExistsError`, as for a registered id) in
+  the same transaction that writes, which every replica sharing the file
+  obeys. The owner registering it again takes it back.
 
 Every row carries a SHA-256 over all its other columns (blobs included), so a
 corrupt or tampered record is detected on read and reported, never served.
@@ -139,6 +144,10 @@ class VoiceStore:
         with transaction(self._db):
             if replace_existing:
                 self._db.execute("DELETE FROM voices WHERE voice_id = ?", (record.voice_id,))
+            retired = self._retired_owner(record.voice_id)
+            if retired is not None and retired != record.owner:
+                raise VoiceExistsError(f"voice {record.voice_id!r} is registered already")
+            self._db.execute("DELETE FROM retired_ids WHERE voice_id = ?", (record.voice_id,))
             if quota is not None:
                 self._check_quota(record, quota)
             try:
@@ -195,8 +204,17 @@ class VoiceStore:
         """{voice_id: stored checksum}: what changed since the last look, without the audio."""
         return {str(r[0]): str(r[1]) for r in self._db.execute("SELECT voice_id, checksum FROM voices")}
 
+    def claimant(self, voice_id: str) -> str | None:
+        """Whose the id is: the owner of its voice or of its retired id; None when it is free."""
+        row = self._db.execute("SELECT owner FROM voices WHERE voice_id = ?", (voice_id,)).fetchone()
+        return str(row[0]) if row is not None else self._retired_owner(voice_id)
+
+    def _retired_owner(self, voice_id: str) -> str | None:
+        row = self._db.execute("SELECT owner FROM retired_ids WHERE voice_id = ?", (voice_id,)).fetchone()
+        return None if row is None else str(row[0])
+
     def delete(self, voice_id: str) -> bool:
-        """Remove a voice and its features; False when there was none.
+        """Remove a voice and its features, keeping its id for its owner; False when there was none.
 
         On a full disk the reserve file is given up and the delete tried again, so
         that freeing space through the API always works.
@@ -213,8 +231,13 @@ class VoiceStore:
 
     def _delete(self, voice_id: str) -> bool:
         with transaction(self._db):
-            cursor = self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
-        return cursor.rowcount > 0
+            row = self._db.execute("SELECT owner FROM voices WHERE voice_id = ?", (voice_id,)).fetchone()
+            if row is None:
+                return False
+            self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
+            self._db.execute("INSERT OR REPLACE INTO retired_ids (voice_id, owner, retired_at) "
+                             "VALUES (?,?,?)", (voice_id, str(row[0]), time.time()))
+        return True
 
     @staticmethod
     def _record(row: tuple[Any, ...]) -> VoiceRecord:
@@ -322,6 +345,9 @@ class VoiceRegistry:
 
     async def delete(self, voice_id: str) -> bool:
         return await self._call(self.store.delete, voice_id)
+
+    async def claimant(self, voice_id: str) -> str | None:
+        return await self._call(self.store.claimant, voice_id)
 
     async def get_features(self, voice_id: str, backend: str, version: str) -> StoredFeatures | None:
         return await self._call(self.store.get_features, voice_id, backend, version)

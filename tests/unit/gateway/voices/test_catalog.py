@@ -23,7 +23,7 @@ from gateway.stream.options import SessionOptions
 from gateway.stream.session import Session
 from gateway.voices.catalog import VoiceCatalog
 from gateway.voices.service import VoiceConfig, VoiceService
-from gateway.voices.upload import VoiceUpload
+from gateway.voices.upload import VoiceUpload, VoiceUploadError
 from tests.e2e.test_voices import make_wav
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.wait import async_wait_until
@@ -213,6 +213,37 @@ def test_a_voice_registered_again_while_held_is_not_removed_by_the_old_holder(tm
     assert "ada" in service.catalog.listed
 
 
+def test_a_socket_holding_a_deleted_voice_never_gets_another_tenants_voice_under_its_id(
+        tmp_path: Path) -> None:
+    from gateway.access.keys import Principal
+
+    alice, bob = Principal("a" * 32), Principal("b" * 32)
+
+    async def body(backend: RegisteringBackend, engine: Engine, service: VoiceService) -> None:
+        def upload(name: str) -> VoiceUpload:
+            return VoiceUpload(audio=make_wav(2.0, rate=16000), transcript="Hi.", voice_id="x", name=name)
+
+        await service.register(upload("Alice's"), owner=alice.tenant)
+        session = Session("s", catalog=service.catalog.view(alice), sample_rate=engine.sample_rate,
+                          options=SessionOptions(voice="x"))
+        await service.delete("x", alice)
+        assert service.catalog.is_retired("x")  # the socket still speaks with it
+        for owner in (bob.tenant, ""):  # another tenant, or the operator (an --voice-for id alike)
+            with pytest.raises(VoiceUploadError) as taken:
+                await service.register(upload("Other"), owner=owner)
+            assert (taken.value.status, taken.value.code) == (409, "voice_exists")
+        # no add reached the engine: Alice's voice stays retired there, under her socket
+        assert "x" in backend.retired and "x" not in backend.registered
+        session.disconnect()
+        await async_wait_until(lambda: backend.removed == ["x"], timeout=5.0)
+        with pytest.raises(VoiceUploadError, match="is taken"):  # nobody holds it: still Alice's
+            await service.register(upload("Bob's"), owner=bob.tenant)
+        await service.register(upload("Alice's again"), owner=alice.tenant)
+        assert backend.registered["x"] == "Alice's again"
+
+    run_with_service(tmp_path, body)
+
+
 def test_a_tenant_chooses_its_own_voices_and_the_shared_ones_and_an_admin_all() -> None:
     from gateway.access.keys import OPERATOR, Principal
 
@@ -243,7 +274,9 @@ def test_a_view_holds_in_the_shared_catalog_and_can_be_rekeyed() -> None:
     assert catalog.num_holders("alice-1") == 0
 
 
-def test_a_voice_deleted_and_registered_again_by_another_tenant_changes_hands() -> None:
+def test_the_catalog_lists_an_id_for_the_owner_of_its_last_registration() -> None:
+    # Bookkeeping only: the service registers a deleted id again for its owner alone
+    # (test_a_socket_holding_a_deleted_voice_never_gets_another_tenants_voice_under_its_id).
     from gateway.access.keys import Principal
 
     alice, bob = Principal("a" * 32), Principal("b" * 32)

@@ -116,6 +116,36 @@ def test_registering_an_id_twice_raises_voice_exists_and_keeps_the_first(tmp_pat
     assert stored is not None and stored.audio == b"other"
 
 
+def test_a_deleted_id_stays_its_owners_and_only_its_owner_takes_it_back(tmp_path: Path) -> None:
+    first, second = store_at(tmp_path), store_at(tmp_path)  # two replicas on one file
+    tenant = VoiceRecord("x", "X", "en", "Hi.", b"a", "wav", 16000, 2.0, owner="t1")
+    first.insert(tenant)
+    assert first.delete("x") is True and first.get("x") is None
+    assert second.claimant("x") == "t1"
+    for owner in ("t2", ""):  # another tenant, or the operator's assets
+        with pytest.raises(VoiceExistsError):
+            second.insert(VoiceRecord("x", "X", "en", "Hi.", b"b", "wav", 16000, 2.0, owner=owner))
+    second.insert(VoiceRecord("x", "X2", "en", "Hi.", b"c", "wav", 16000, 2.0, owner="t1"))
+    stored = first.get("x")
+    assert stored is not None and (stored.name, stored.owner) == ("X2", "t1")
+    with tamper(tmp_path) as db:  # taken back: a live voice again, no retired id left
+        assert db.execute("SELECT COUNT(*) FROM retired_ids").fetchone() == (0,)
+    assert first.claimant("free") is None
+
+
+def test_a_version_2_store_gains_retired_ids(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    store.insert(record("ada"))
+    store.close()
+    with tamper(tmp_path) as db:  # what version 2 wrote: no retired ids
+        db.execute("DROP TABLE retired_ids")
+        db.execute("PRAGMA user_version=2")
+    migrated = store_at(tmp_path)
+    assert migrated.schema_version == SCHEMA_VERSION == 3
+    assert migrated.get("ada") == record("ada")
+    assert migrated.delete("ada") and migrated.claimant("ada") == ""
+
+
 def test_a_file_that_is_not_a_database_is_reported_with_its_path(tmp_path: Path) -> None:
     (tmp_path / "voices.sqlite3").write_bytes(b"this is not sqlite at all" * 100)
     with pytest.raises(RegistryError, match="move it aside"):
@@ -318,7 +348,7 @@ def test_a_version_1_store_gains_owners_and_keeps_every_checksum(tmp_path: Path)
         db.execute("ALTER TABLE voices DROP COLUMN owner")
         db.execute("PRAGMA user_version=1")
     migrated = store_at(tmp_path)
-    assert migrated.schema_version == SCHEMA_VERSION == 2
+    assert migrated.schema_version == SCHEMA_VERSION == 3
     assert migrated.get("ada") == record("ada")  # intact under its old checksum, owner ""
     migrated.insert(VoiceRecord("bob", "Bob", "en", "Hi.", b"x", "wav", 16000, 2.0, owner="t1"))
     stored = migrated.get("bob")
