@@ -15,15 +15,25 @@ reference that the joined segments of a context equal (docs/protocol.md,
 "Rules the server keeps": text is never lost or duplicated). Rules, each with
 its reason, are in docs/segmenter.md.
 
-The module is a little past the ~400 lines the style asks for: it is one
-incremental scanner, and its readers of markdown constructs share the
-scanner's state (position, open markers, pending raw text), which a split by
-construct would have to pass between modules.
+The block syntax at line starts is read by `BlockReader` (blocks.py), the
+inline syntax here; both share this scanner's state.
+
+Work is linear in the text, however it is split (docs/segmenter.md, "Cost
+per delta"). Text that cannot be judged yet is held, and a hold is bounded:
+a line's block syntax by blocks.py's windows, a link and a code span by
+theirs (MAX_LINK_*, MAX_CODE_SPAN). While a hold waits, the cleaner
+remembers what it waits for (`_hold`: the characters that keep it
+undecided), so a delta of more of them is appended without reading the held
+text again. Runs of emphasis markers, and backtick runs too long for any code
+span, are read as they come and kept as a count, not as text. `num_examined`
+counts the characters read, for the tests that show it.
 """
 
 from __future__ import annotations
 
 import re
+
+from gateway.text.blocks import BlockReader
 
 BREAK = "\n"
 CODE_OPEN = "\x02"
@@ -33,7 +43,6 @@ MARKS = BREAK + CODE_OPEN + CODE_CLOSE
 MAX_CODE_SPAN = 200  # a backtick not closed within this many chars (or the line) is dropped
 MAX_LINK_TEXT = 300
 MAX_LINK_URL = 2000
-MAX_TABLE_LINE = 2000
 
 # Symbols read as nothing: pictographs, dingbats, arrows, box drawing, shapes,
 # private use. Removing one leaves a word gap ("done✅now" -> "done now").
@@ -56,14 +65,11 @@ _SILENT_RE = re.compile(f"[{_SILENT}\x02\x03\r]+")
 _SPACES_RE = re.compile(f"[{_SPACES}]+")
 _BACKTICKS = re.compile(r"`+")
 _BREAK_RE = re.compile(r"(.)\n(?=(.))", re.DOTALL)
-_INDENT = re.compile(r"[ \t]*")
-_HEADING = re.compile(r"#{1,6}(?=[ \t\n])[ \t]*")
-_BULLET = re.compile(r"[-*+\u2022][ \t]+")
-_ORDERED = re.compile(r"(?:\*\*|__)?\d{1,9}[.)](?:\*\*|__)?[ \t]+")
-_ORDERED_PREFIX = re.compile(r"(?:\*\*?|__?)?(?:\d{1,9}(?:[.)](?:\*\*?|__?)?)?)?")
-_RULE_CHARS = re.compile(r"([-*_=])(?:[ \t]*\1)*[ \t]*")
-_QUOTE = re.compile(r">[ \t]?")
-_TABLE_SEPARATOR = re.compile(r"\s*:?-+:?\s*")
+# What keeps a held construct undecided (see `_hold`), and runs read as they come.
+_RUN_OF = {c: re.compile(re.escape(c) + "*") for c in "`*_~"}
+_CODE_SPAN_TEXT = re.compile(r"[^`\n]*")
+_LINK_TEXT = re.compile(r"[^\[\]\n]*")
+_LINK_URL = re.compile(r"[^()\n\t ]*")
 
 # A gap left by a removed symbol is not spoken before these ("done✅." -> "done.").
 _CLOSING = set(".,!?;:)]}…'\"’”»%。，！？；：、）》」』】")
@@ -91,7 +97,7 @@ def strip_marks(text: str) -> str:
     return _BREAK_RE.sub(lambda m: m.group(1) + ("" if is_cjk(m.group(1)) and is_cjk(m.group(2)) else " "), text)
 
 
-class SpeechCleaner:
+class SpeechCleaner(BlockReader):
     """Incremental markdown-to-speech cleaner; output depends on the text only.
 
     `code_block_text` is what a fenced code block is read as; "" (the
@@ -102,6 +108,7 @@ class SpeechCleaner:
         self.code_block_text = code_block_text
         self._is_inline_only = is_inline_only
         self._raw = ""
+        self.num_examined = 0  # characters read, held text read again included (tests count it)
         self._reset_state()
 
     def _reset_state(self) -> None:
@@ -115,13 +122,31 @@ class SpeechCleaner:
         self._is_break_pending = False
         self._is_newline_pending = False
         self._out: list[str] = []
+        # What the held text waits for: a delta all of this pattern, keeping the held text
+        # within `_hold_limit` characters, cannot decide it (`_hold`).
+        self._waits_for: re.Pattern[str] | None = None
+        self._hold_limit = 0
+        self._delimiters: tuple[str, int, str] | None = None  # a run at the end: (char, count, before)
+        self._is_dropping_ticks = False  # a backtick run too long for any code span goes on
+        self._line_of: str | None = None  # a rule or fence line judged early: its char goes on
 
     @property
     def pending_raw(self) -> str:
         """Input held back until the text after it decides how it reads."""
-        return self._raw
+        held = self._delimiters
+        return (held[0] * held[1] if held else "") + self._raw
+
+    @property
+    def has_pending_text(self) -> bool:
+        """Whether held input holds more than blanks (without building `pending_raw`)."""
+        return self._delimiters is not None or bool(self._raw.strip())
 
     def feed(self, delta: str) -> str:
+        waits = self._waits_for
+        if waits is not None and len(self._raw) + len(delta) <= self._hold_limit and waits.fullmatch(delta):
+            self._raw += delta  # still undecided: the held text is not read again
+            self.num_examined += len(delta)
+            return ""
         self._raw += delta
         return self._run(final=False)
 
@@ -180,12 +205,24 @@ class SpeechCleaner:
 
     # -- the reading loop -----------------------------------------------------
 
+    def _hold(self, pos: int, at: int, waits: re.Pattern[str] | None, limit: int) -> int | None:
+        """Hold the text from `pos`: None, a reader's answer for "not decided yet". It stays
+        undecided while what follows matches `waits` and the text from `at` is at most `limit`
+        long, so `feed` need not read it again until then."""
+        self._waits_for = waits
+        self._hold_limit = at - pos + limit
+        return None
+
     def _run(self, final: bool) -> str:
         raw = self._raw
+        self.num_examined += len(raw)
+        self._waits_for = None
         pos = 0
         while pos < len(raw):
             if self._fence is not None:
                 step = self._read_fence_line(raw, pos, final)
+            elif self._line_of is not None:
+                step = self._read_line_rest(raw, pos)
             elif self._is_line_start:
                 step = self._read_line_start(raw, pos, final)
             else:
@@ -195,135 +232,21 @@ class SpeechCleaner:
             if step > pos:
                 self._prev_raw = raw[step - 1]
             pos = step
+        if final:  # the text ends here: a run still open is judged, a dropped one ends
+            self._end_delimiters(" ")
+            self._is_dropping_ticks = False
         self._raw = raw[pos:]
         out = "".join(self._out)
         self._out.clear()
         return out
 
-    def _read_fence_line(self, raw: str, pos: int, final: bool) -> int | None:
-        fence = self._fence
-        assert fence is not None
-        end = raw.find("\n", pos)
-        line = raw[pos:] if end < 0 else raw[pos:end]
-        if not self._is_fence_midline:
-            stripped = line.strip(" ")
-            is_close = (len(line) - len(line.lstrip(" ")) <= 3 and stripped.startswith(fence)
-                        and stripped.strip(fence[0]) == "")
-            if end < 0 and not final and (is_close or fence[0] * len(stripped) == stripped):
-                return None  # may still become the closing fence
-            if is_close:
-                self._fence = None
-                self._is_line_start = True
-                self._block_break()
-                return len(raw) if end < 0 else end + 1
-        if end < 0:
-            self._is_fence_midline = True
-            return len(raw)
-        self._is_fence_midline = False
-        return end + 1
-
-    def _read_line_start(self, raw: str, pos: int, final: bool) -> int | None:
-        """Block syntax at the start of a line: CommonMark's block structure, simplified."""
-        indent = _INDENT.match(raw, pos)
-        assert indent is not None
-        at = indent.end()
-        if at == len(raw):
-            return None if not final else len(raw)
-        char = raw[at]
-        rest_end = raw.find("\n", at)
-        line_complete = rest_end >= 0 or final
-        line = raw[at:] if rest_end < 0 else raw[at:rest_end]
-        if char == "\n":  # blank line
-            self._block_break()
-            self._is_newline_pending = self._is_heading_line = False
-            return at + 1
-        if char in "`~":
-            run = len(line) - len(line.lstrip(char))
-            if run == len(line) and not line_complete:
-                return None
-            if run >= 3 and not (char == "`" and "`" in line[run:]):
-                if not line_complete:
-                    return None
-                self._fence = char * run
-                self._block_break()
-                self._is_heading_line = False
-                if self.code_block_text:
-                    self._emit_text(self.code_block_text)
-                    self._block_break()
-                return len(raw) if rest_end < 0 else rest_end + 1
-        if char == "#":
-            if line.strip("#") == "" and len(line) <= 6 and not line_complete:
-                return None
-            heading = _HEADING.match(raw, at)
-            if heading:
-                self._start_block(heading_line=True, nested=True)
-                return heading.end()
-        if char in "-*_=":
-            rule = _RULE_CHARS.match(line)
-            if rule and rule.end() == len(line):
-                if not line_complete:
-                    return None
-                if line.count(char) >= 3:
-                    self._block_break()
-                    self._is_newline_pending = self._is_heading_line = False
-                    return len(raw) if rest_end < 0 else rest_end + 1
-        if char in "-*+\u2022":
-            if at + 1 == len(raw) and not final:
-                return None
-            bullet = _BULLET.match(raw, at)
-            if bullet:  # the item's text may open with another block marker
-                self._start_block(nested=True)
-                return bullet.end()
-        if char.isdigit() or char in "*_":
-            prefix = _ORDERED_PREFIX.match(line)
-            if prefix and prefix.end() == len(line) and not line_complete:
-                return None
-            ordered = _ORDERED.match(raw, at)
-            if ordered:
-                self._start_block(nested=True)
-                return ordered.end()
-        if char == ">":  # a quote: its text is read, its own blocks still count
-            quote = _QUOTE.match(raw, at)
-            assert quote is not None
-            self._block_break()
-            self._is_newline_pending = False
-            return quote.end()
-        if char == "|" and len(line) <= MAX_TABLE_LINE:
-            if not line_complete:
-                return None
-            self._read_table_row(line)
-            return len(raw) if rest_end < 0 else rest_end + 1
-        # A paragraph line: after a soft line break it continues the paragraph.
-        if self._is_newline_pending:
-            self._gap(2)
-        self._is_newline_pending = False
-        self._is_line_start = False
-        return at
-
-    def _start_block(self, heading_line: bool = False, nested: bool = False) -> None:
-        self._block_break()
-        self._is_newline_pending = False
-        self._is_line_start = nested
-        self._is_heading_line = self._is_heading_line or heading_line
-
-    def _read_table_row(self, line: str) -> None:
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        self._block_break()
-        self._is_newline_pending = self._is_heading_line = False
-        if all(_TABLE_SEPARATOR.fullmatch(c) for c in cells):
-            return
-        is_first = True
-        for cell in cells:
-            if not cell:
-                continue
-            if not is_first:
-                self._emit(",")
-                self._gap(2)
-            self._emit_fragment(cell)
-            is_first = False
-        self._block_break()
-
     def _read_inline(self, raw: str, pos: int, final: bool) -> int | None:
+        if self._delimiters is not None:  # a run read up to the end of the text before
+            if raw[pos] == self._delimiters[0]:
+                return self._read_delimiter_run(raw, pos, final)
+            self._end_delimiters(raw[pos])
+        if self._is_dropping_ticks and raw[pos] != "`":
+            self._is_dropping_ticks = False
         plain = _PLAIN.match(raw, pos)
         if plain:
             self._emit_text(plain.group())
@@ -357,35 +280,56 @@ class SpeechCleaner:
         assert silent is not None, f"expected a character class for {char!r}"
         return silent.end()
 
-    def _read_delimiter_run(self, raw: str, pos: int, final: bool) -> int | None:
-        """Emphasis and strike-through markers go; `2*3`, `a * b` and `snake_case` stay."""
+    def _read_delimiter_run(self, raw: str, pos: int, final: bool) -> int:
+        """Emphasis and strike-through markers go; `2*3`, `a * b` and `snake_case` stay.
+
+        The run is read as it comes: one that reaches the end of the text so far is kept
+        as (char, count, the character before it) until the character after it arrives.
+        """
         char = raw[pos]
-        end = pos
-        while end < len(raw) and raw[end] == char:
-            end += 1
+        run = _RUN_OF[char].match(raw, pos)
+        assert run is not None
+        end = run.end()
+        count, before = end - pos, self._prev_raw
+        if self._delimiters is not None:  # the same run, begun in the text before
+            count, before = count + self._delimiters[1], self._delimiters[2]
+            self._delimiters = None
         if end == len(raw) and not final:
-            return None
-        before = self._prev_raw
-        after = raw[end] if end < len(raw) else " "
+            self._delimiters = (char, count, before)
+            return end
+        self._judge_delimiters(char, count, before, raw[end] if end < len(raw) else " ")
+        return end
+
+    def _end_delimiters(self, after: str) -> None:
+        """Judge a run held at the end of the text before, now that `after` follows it."""
+        if self._delimiters is not None:
+            char, count, before = self._delimiters
+            self._delimiters = None
+            self._judge_delimiters(char, count, before, after)
+
+    def _judge_delimiters(self, char: str, count: int, before: str, after: str) -> None:
         if char == "*":
-            is_kept = end - pos == 1 and ((before.isspace() and after.isspace())
-                                          or (before.isdigit() and after.isdigit()))
+            is_kept = count == 1 and ((before.isspace() and after.isspace())
+                                      or (before.isdigit() and after.isdigit()))
         elif char == "_":
             is_kept = before.isalnum() and after.isalnum()
         else:
-            is_kept = end - pos == 1
+            is_kept = count == 1
         if is_kept:
-            self._emit(raw[pos:end])
-        return end
+            self._emit(char * count)
 
     def _read_code_span(self, raw: str, pos: int, final: bool) -> int | None:
         """CommonMark code spans (on one line); their text is spoken, marked unbreakable."""
         run = _BACKTICKS.match(raw, pos)
         assert run is not None
         start = run.end()
-        if start == len(raw) and not final:
-            return None
         size = start - pos
+        if self._is_dropping_ticks or size > MAX_CODE_SPAN:
+            # No closing run of its size fits in the window: dropped, also as it goes on.
+            self._is_dropping_ticks = start == len(raw) and not final
+            return start
+        if start == len(raw) and not final:
+            return self._hold(pos, pos, _RUN_OF["`"], MAX_CODE_SPAN)
         window_end = min(len(raw), start + MAX_CODE_SPAN)
         newline = raw.find("\n", start, window_end)
         search_end = window_end if newline < 0 else newline
@@ -399,7 +343,7 @@ class SpeechCleaner:
                     self._emit_text(CODE_OPEN + text + CODE_CLOSE)
                 return closing.end()
         if newline < 0 and window_end < start + MAX_CODE_SPAN and not final:
-            return None
+            return self._hold(pos, start, _CODE_SPAN_TEXT, MAX_CODE_SPAN - 1)
         return start  # an unmatched run of backticks is dropped
 
     def _read_link(self, raw: str, pos: int, final: bool) -> int | None:
@@ -415,7 +359,8 @@ class SpeechCleaner:
         while close < len(raw) and close - bracket <= MAX_LINK_TEXT and raw[close] not in "[]\n":
             close += 1
         if close == len(raw):
-            return None if not final else self._literal(raw, pos)
+            return self._hold(pos, bracket, _LINK_TEXT, MAX_LINK_TEXT + 1) if not final else (
+                self._literal(raw, pos))
         if raw[close] != "]" or close - bracket > MAX_LINK_TEXT:
             return self._literal(raw, pos)
         if close + 1 == len(raw):
@@ -426,7 +371,8 @@ class SpeechCleaner:
         while end < len(raw) and end - close <= MAX_LINK_URL and raw[end] not in "()\n\t ":
             end += 1
         if end == len(raw):
-            return None if not final else self._literal(raw, pos)
+            return self._hold(pos, close, _LINK_URL, MAX_LINK_URL + 1) if not final else (
+                self._literal(raw, pos))
         if raw[end] != ")":
             return self._literal(raw, pos)
         if is_image:

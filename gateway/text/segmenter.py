@@ -157,6 +157,11 @@ class Segmenter:
         raw = self._cleaner.pending_raw
         return f"{cleaned} {raw}" if cleaned and raw.strip() else cleaned or raw
 
+    def _has_pending_text(self) -> bool:
+        """`pending_text` is more than blanks; asked on every message, so it builds nothing
+        from the cleaner's held text, which may be long (a run of markers)."""
+        return self._cleaner.has_pending_text or bool(strip_marks(self._buffer).strip())
+
     def push(self, delta: str, now: float) -> list[str]:
         """Append a delta; return the segments it completes."""
         self._buffer += self._cleaner.feed(delta)
@@ -179,7 +184,7 @@ class Segmenter:
 
     def next_deadline(self) -> float | None:
         delay = self.config.max_buffer_delay_ms
-        if delay <= 0 or self._last_input_at is None or not self.pending_text.strip():
+        if delay <= 0 or self._last_input_at is None or not self._has_pending_text():
             return None
         return self._last_input_at + delay / 1000.0
 

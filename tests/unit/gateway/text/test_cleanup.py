@@ -132,3 +132,66 @@ def test_cleanup_of_any_text_is_split_invariant_and_folds_whitespace(text: str) 
     assert clean_in_pieces(text, list(range(len(text)))) == whole
     spoken = clean_for_speech(text)
     assert spoken == spoken.strip() and "  " not in spoken and "\n" not in spoken
+
+
+# -- cost per delta (docs/segmenter.md, "Cost per delta") --------------------------------------------
+#
+# Work is counted, not timed: `num_examined` adds up the characters the cleaner reads, held
+# text read again included. Before the holds were bounded and remembered, a delta on a line of
+# 19,000 held characters read all of them again.
+
+LONG_LINES = {
+    "rule _": "_", "rule *": "*", "rule -": "-", "rule =": "=", "fence `": "`", "fence ~": "~",
+    "indent": " ", "inline _": "word _", "inline *": "word *", "inline ~": "word ~",
+    "inline `": "word `", "closing fence": "```\n`", "blank fence line": "```\n ",
+    "table row": "| x", "link text": "see [x", "link url": "see [x](x", "code span": "a `x",
+}
+
+
+def _examined_per_delta(opening: str, held: int, num_deltas: int = 400) -> int:
+    """Characters read for `num_deltas` one-character deltas once `held` of them came."""
+    cleaner = SpeechCleaner()
+    fill = opening[-1]
+    cleaner.feed(opening)
+    for _ in range(held):
+        cleaner.feed(fill)
+    before = cleaner.num_examined
+    for _ in range(num_deltas):
+        cleaner.feed(fill)
+    return cleaner.num_examined - before
+
+
+@pytest.mark.parametrize("opening", LONG_LINES.values(), ids=LONG_LINES.keys())
+def test_the_cost_of_a_delta_stays_flat_as_a_held_line_grows(opening: str) -> None:
+    early = _examined_per_delta(opening, 1_000)
+    late = _examined_per_delta(opening, 19_000)
+    assert late == early <= 2 * 400  # a character or two read per one-character delta
+
+
+def test_a_line_long_past_its_judgement_cleans_alike_whole_and_in_pieces() -> None:
+    for text in ["a\n" + "-" * 300 + " tail\nb", "```\nx\n" + "`" * 300 + "\nafter", "~" * 300 + " info\nx",
+                 "a snake" + "_" * 500 + "case b", "x " + "`" * 250 + "y" + "`" * 250 + " z",
+                 "| " + "c " * 1100 + "|\nnext", "[" + "t" * 400 + "](u) end"]:
+        whole = clean_in_pieces(text, [])
+        assert clean_in_pieces(text, list(range(len(text)))) == whole, text[:20]
+
+
+def test_a_rule_judged_from_its_start_drops_more_of_its_marks_and_reads_other_text() -> None:
+    assert clean_for_speech("above\n" + "=" * 1000 + "\nbelow") == "above below"
+    assert clean_for_speech("above\n" + "-" * 300 + " tail") == "above " + "tail"
+    assert clean_for_speech("```\ncode\n" + "`" * 400 + "\nafter") == "after"  # closed
+    assert clean_for_speech("a snake" + "_" * 500 + "case") == "a snake" + "_" * 500 + "case"
+
+
+LONG_PIECES = ["-" * 255, "-" * 257, "_" * 260, "`" * 199, "`" * 201, "~" * 258, "=" * 300, " " * 300,
+               "x" * 1999, "| " + "y" * 2001, "[" + "t" * 299, "](" + "u" * 2001, "*" * 3, "\n", "```\n",
+               " word ", "snake_", "`code`", "|", "#"]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from(LONG_PIECES), max_size=8), st.randoms(use_true_random=False))
+def test_cleanup_of_long_held_lines_does_not_depend_on_delta_splits(pieces: list[str],
+                                                                      rng: random.Random) -> None:
+    text = "".join(pieces)
+    cuts = [rng.randint(0, len(text)) for _ in range(rng.randint(0, 40))]
+    assert clean_in_pieces(text, cuts) == clean_in_pieces(text, [])
