@@ -52,6 +52,9 @@ class GatewayConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     max_sessions: int = 1000
     max_sockets_per_key: int = 200
+    #: sockets waiting for a first-message key, in a pool of their own (gateway/access/keyless.py)
+    max_keyless_sockets: int = 64
+    max_keyless_sockets_per_address: int = 8
     web_dir: Path | None = None
     voice_assets: Path | None = None
     ws_ping_interval_s: float = 20.0
@@ -74,6 +77,9 @@ class GatewayConfig:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_sockets_per_key < 1:
             raise ValueError(f"max_sockets_per_key must be >= 1, got {self.max_sockets_per_key}")
+        if not 1 <= self.max_keyless_sockets_per_address <= self.max_keyless_sockets:
+            raise ValueError("expected 1 <= max_keyless_sockets_per_address <= max_keyless_sockets, "
+                             f"got {self.max_keyless_sockets_per_address} and {self.max_keyless_sockets}")
         if self.max_contexts < 0:
             raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
         if not 0 < self.session_token_ttl_s <= 3600:

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.client import EngineClient
 from gateway.access.fair_share import FairShare, FairShareConfig
+from gateway.access.keyless import KeylessPool
 from gateway.access.keys import KeyCounter
 from gateway.access.tokens import SessionTokens
 from gateway.config import GatewayConfig
@@ -29,12 +30,15 @@ class AppState:
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
     languages: Languages = field(init=False)  # what each voice speaks, for routing by language
     key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
+    keyless: KeylessPool = field(init=False)  # sockets waiting for a first-message key (access/keyless.py)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     is_shutting_down: bool = False
     fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
 
     def __post_init__(self) -> None:
         engine = self.engine
+        self.keyless = KeylessPool(self.config.max_keyless_sockets,
+                                   self.config.max_keyless_sockets_per_address)
         self.languages = Languages.from_listing(lambda: engine.voices, self.config.voice_for)
         self.fair_share = FairShare(self.engine.admit, self.engine.release_context,
                                     self.engine.scheduler.max_contexts,

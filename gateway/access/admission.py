@@ -10,6 +10,11 @@ before it passes (docs/protocol.md, "Errors": `unauthorized` closes with 4401):
 4. the server's session cap (`max_sessions`);
 5. the socket cap of the socket's owner (`max_sockets_per_key`).
 
+A socket whose key is deferred and not yet come takes neither 4 nor 5: it takes
+a place in the keyless pool (gateway/access/keyless.py), so sockets that never
+send a key cannot fill the server; when the key comes, `rekey` takes 4 and 5
+for it, as if the key had come at the handshake.
+
 A refusal raises `Refused`, a fatal ProtocolError with its close code; the
 caller shapes it (the native `error` event, or the vendor's error frame) and
 closes. An admitted socket holds its place in the counts until its
@@ -19,9 +24,9 @@ engine's capacity through the owner's fair share (`admit_context`).
 The owner is who pays (gateway/access/fair_share.py, `owner_of`): the key with
 auth on, the client's address with auth off or before a deferred key comes.
 The principal is the tenant the key names (gateway/access/keys.py). `rekey`
-takes a deferred key when it comes: it checks it, and moves the socket's count
-to the key's owner, and so the engine share of the contexts it opens from then
-on, and its principal.
+takes a deferred key when it comes: it checks it, moves the socket from the
+keyless pool into the session cap and the key owner's count, and so the engine
+share of the contexts it opens from then on, and its principal.
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ class Admission:
     client_host: str | None
     key_hint: str
     is_authorized: bool
-    is_held: bool = True
+    is_held: bool = True  # a place in the counts: the keyless pool's until the key came
 
     def admit_context(self, context_key: str) -> None:
         """Engine capacity for one of this socket's contexts, within its owner's share."""
@@ -85,20 +90,16 @@ class Admission:
 
     def rekey(self, key: str | None) -> None:
         """The key came after the handshake (in the first message): check it, and count the
-        socket against the key's owner from now on. Raises `Refused`."""
+        socket in the session cap and against the key's owner from now on. Raises `Refused`."""
         config = self.state.config
         if not is_authorized(config.auth, key):
             self.state.metrics.observe("error:unauthorized", 1)
             raise Refused("unauthorized", f"a valid API key is required: {self.key_hint}",
                           CLOSE_UNAUTHORIZED)
         owner = owner_of(key, self.client_host, is_auth_enabled=config.auth.is_enabled)
-        if owner != self.owner and self.is_held:
-            counter = self.state.key_counter
-            if not counter.acquire(owner, config.max_sockets_per_key):
-                self.state.metrics.observe("error:rate_limited", 1)
-                raise Refused("rate_limited", f"this key holds {config.max_sockets_per_key} sockets "
-                              "already", CLOSE_TRY_AGAIN_LATER)
-            counter.release(self.owner)
+        if self.is_held and not self.is_authorized:  # from the keyless pool to the counts
+            _take_place(self.state, owner, "key")
+            self.state.keyless.release(self.client_host or "")
         self.owner = owner
         self.principal = principal_of(config.auth, key)
         self.is_authorized = True
@@ -107,7 +108,10 @@ class Admission:
         """Give back the socket's place in the counts (idempotent)."""
         if self.is_held:
             self.is_held = False
-            self.state.key_counter.release(self.owner)
+            if self.is_authorized:
+                self.state.key_counter.release(self.owner)
+            else:
+                self.state.keyless.release(self.client_host or "")
 
     def __enter__(self) -> Admission:
         return self
@@ -149,19 +153,36 @@ def _check(state: AppState, connection: HTTPConnection, key: str | None, protoco
                       CLOSE_FORBIDDEN, reason="forbidden_origin")
     if state.is_shutting_down:
         raise Refused("busy", "the server is shutting down", CLOSE_GOING_AWAY, reason="shutting_down")
-    counter = state.key_counter
-    if counter.num_open >= config.max_sessions:
-        metrics.observe("error:busy", 1)
-        raise Refused("busy", f"the server holds {config.max_sessions} sessions; try again later",
-                      CLOSE_TRY_AGAIN_LATER)
+    host = connection.client.host if connection.client else None
+    if not authorized:  # its key is to come in its first message: it waits in the keyless pool
+        pool = state.keyless
+        why = pool.acquire(host or "")
+        if why is not None:
+            metrics.observe(f"error:{why}", 1)
+            held = (f"{pool.max_sockets} sockets are" if why == "busy"
+                    else f"{pool.max_per_address} sockets from this address are")
+            raise Refused(why, f"{held} waiting for a key in their first message already; send "
+                          f"the key at the handshake ({key_hint}) or try again later",
+                          CLOSE_TRY_AGAIN_LATER)
+        return Admission(state, protocol, owner_of(None, host, is_auth_enabled=config.auth.is_enabled),
+                         principal_of(config.auth, None), host, key_hint, is_authorized=False)
     # The key with auth on; with auth off, any key passes, so the client's address
     # (gateway/access/fair_share.py): the socket cap and the engine share are per owner.
-    host = connection.client.host if connection.client else None
-    owner = owner_of(key if authorized else None, host, is_auth_enabled=config.auth.is_enabled)
+    owner = owner_of(key, host, is_auth_enabled=config.auth.is_enabled)
+    _take_place(state, owner, "key" if config.auth.is_enabled else "client address")
+    return Admission(state, protocol, owner, principal_of(config.auth, key), host, key_hint,
+                     is_authorized=True)
+
+
+def _take_place(state: AppState, owner: str, who: str) -> None:
+    """A place in the session cap and in `owner`'s socket count, or `Refused`."""
+    config = state.config
+    counter = state.key_counter
+    if counter.num_open >= config.max_sessions:
+        state.metrics.observe("error:busy", 1)
+        raise Refused("busy", f"the server holds {config.max_sessions} sessions; try again later",
+                      CLOSE_TRY_AGAIN_LATER)
     if not counter.acquire(owner, config.max_sockets_per_key):
-        metrics.observe("error:rate_limited", 1)
-        who = "key" if config.auth.is_enabled and authorized else "client address"
+        state.metrics.observe("error:rate_limited", 1)
         raise Refused("rate_limited", f"this {who} holds {config.max_sockets_per_key} sockets "
                       "already", CLOSE_TRY_AGAIN_LATER)
-    principal = principal_of(config.auth, key if authorized else None)
-    return Admission(state, protocol, owner, principal, host, key_hint, is_authorized=authorized)

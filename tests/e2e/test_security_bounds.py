@@ -2,11 +2,12 @@
 
 - A vendor socket that may send its key in its first message (ElevenLabs)
   has AUTH_TIMEOUT_S to do so; then it is closed (1008 with the vendor's error
-  frame), and until then its frames are rate-limited like native ones. Six
-  such sockets on a `--max-sessions 6` server keep a keyed client out for no
-  longer than that.
+  frame), and until then its frames are rate-limited like native ones. While
+  they wait they hold a place in a pool of their own (64, 8 per address), not
+  in `--max-sessions`: eight of them from one address on a `--max-sessions 6`
+  server keep no keyed client out, and a ninth is refused.
 - A key that comes in the first message takes the socket's place in that
-  key's socket count.
+  key's socket count, and in the session cap.
 - `POST /v1/voices` takes an upload place only once its body is complete, and
   a body has a total deadline (`VOXGATE_VOICE_UPLOAD_TIMEOUT_S`); a speech body
   has one too (`VOXGATE_LIMIT_SLOW_CONSUMER_TIMEOUT_S`), however slowly either
@@ -81,30 +82,52 @@ async def until_closed(ws: Any, timeout: float = 30.0) -> tuple[list[dict[str, A
 
 # -- keyless sockets ----------------------------------------------------------------------------
 
-def test_keyless_sockets_are_closed_at_the_authentication_deadline_and_let_a_keyed_client_in(
+def test_keyless_sockets_wait_in_a_pool_of_their_own_and_are_closed_at_the_authentication_deadline(
         six_sessions: ServerProcess) -> None:
     async def scenario() -> None:
         opened_at = time.monotonic()
-        keyless = [await websockets.connect(elevenlabs(six_sessions)) for _ in range(6)]
-        # the server is full while they wait for their keys
-        async with websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_A}) as ws:
+        keyless = [await websockets.connect(elevenlabs(six_sessions)) for _ in range(8)]
+        async with websockets.connect(elevenlabs(six_sessions)) as ws:  # past this address's share
             frames, code, _ = await until_closed(ws)
-        assert code == 1013 and frames[0]["error"] == "busy"
+        assert code == 1013 and frames[0]["error"] == "rate_limited", frames
+        # the server's six sessions are all free for keyed clients while eight sockets wait
+        keyed = [await websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_A})
+                 for _ in range(6)]
+        async with websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_B}) as ws:
+            frames, code, _ = await until_closed(ws)
+        assert code == 1013 and frames[0]["error"] == "busy"  # the seventh keyed one: full now
+        await keyed[0].send(json.dumps({"text": " "}))
+        await keyed[0].send(json.dumps({"text": "Keyed clients speak while others wait. "}))
+        await keyed[0].send(json.dumps({"text": ""}))
+        frames, code, _ = await until_closed(keyed[0], timeout=60)
+        assert code == 1000 and any(f.get("audio") for f in frames) and frames[-1]["isFinal"] is True
         closes = await asyncio.gather(*(until_closed(ws) for ws in keyless))
         for frames, code, closed_at in closes:
             assert code == 1008
             assert frames[-1]["error"] == "unauthorized" and frames[-1]["code"] == 1008
             assert "within 5 s" in frames[-1]["message"]
             assert AUTH_TIMEOUT_S - 0.5 <= closed_at - opened_at <= AUTH_TIMEOUT_S + 10
-        # their places are free again: a keyed client speaks
-        async with websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_A}) as ws:
-            await ws.send(json.dumps({"text": " "}))
-            await ws.send(json.dumps({"text": "The door is open again. "}))
-            await ws.send(json.dumps({"text": ""}))
-            frames, code, _ = await until_closed(ws, timeout=60)
-        assert code == 1000 and any(f.get("audio") for f in frames) and frames[-1]["isFinal"] is True
+        for ws in keyed[1:]:
+            await ws.close()
 
     run(scenario())
+
+
+def test_a_key_in_the_first_message_on_a_full_server_is_busy(six_sessions: ServerProcess) -> None:
+    async def scenario() -> tuple[list[dict[str, Any]], int | None]:
+        keyed = [await websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_A})
+                 for _ in range(6)]
+        try:
+            async with websockets.connect(elevenlabs(six_sessions)) as ws:  # admitted: it waits
+                await ws.send(json.dumps({"text": " ", "xi_api_key": KEY_B}))
+                frames, code, _ = await until_closed(ws)
+        finally:
+            for ws in keyed:
+                await ws.close()
+        return frames, code
+
+    frames, code = run(scenario())
+    assert code == 1013 and frames[0]["error"] == "busy" and "6 sessions" in frames[0]["message"]
 
 
 def test_a_keyless_socket_sending_junk_is_rate_limited_and_still_closed_at_the_deadline(

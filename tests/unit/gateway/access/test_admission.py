@@ -14,7 +14,7 @@ from starlette.requests import HTTPConnection
 
 from engine.engine import Engine, EngineConfig
 from engine.scheduler import SchedulerConfig
-from gateway.access.admission import Refused, admit
+from gateway.access.admission import Admission, Refused, admit
 from gateway.access.keys import AuthConfig, tenant_of
 from gateway.config import GatewayConfig
 from gateway.errors import ShareExceededError
@@ -119,3 +119,47 @@ def test_contexts_take_engine_capacity_in_the_owners_fair_share(tmp_path: Path) 
             admission.admit_context("s/b")  # one of two contexts is this owner's share
         admission.release_context("s/a")
         assert state.fair_share.num_held(admission.owner) == 0
+
+
+def keyless(state: AppState, host: str = "10.0.0.7") -> Admission:
+    return admit(state, handshake(host=host), None, protocol="elevenlabs", key_hint="xi_api_key",
+                 defer_auth=True)
+
+
+def test_sockets_waiting_for_their_key_take_the_keyless_pool_not_the_session_cap(tmp_path: Path) -> None:
+    state = make_state(tmp_path, max_sessions=1, max_keyless_sockets=3, max_keyless_sockets_per_address=2)
+    waiting = [keyless(state), keyless(state), keyless(state, host="10.0.0.8")]
+    assert state.key_counter.num_open == 0 and state.keyless.num_open == 3
+    with admit(state, handshake(), KEY, protocol="native", key_hint=HINT):  # the server is not full
+        assert refusal(state, OTHER).code == "busy"  # but now it is: one session
+    full = refusal(state, None, connection=handshake(host="10.0.0.9"), defer_auth=True)
+    assert (full.code, full.close_code) == ("busy", 1013) and "3 sockets are waiting" in full.message
+    waiting[2].release()
+    mine = refusal(state, None, defer_auth=True)  # 10.0.0.7 holds its two places
+    assert (mine.code, mine.close_code) == ("rate_limited", 1013) and "from this address" in mine.message
+    third = keyless(state, host="10.0.0.9")
+    for admission in (*waiting, third):
+        admission.release()
+    assert state.keyless.num_open == 0 and state.keyless.counts == {}
+
+
+def test_a_key_that_comes_takes_a_session_place_and_gives_its_keyless_one_back(tmp_path: Path) -> None:
+    state = make_state(tmp_path, max_sessions=1)
+    first, second = keyless(state), keyless(state)
+    first.rekey(KEY)
+    assert state.keyless.num_open == 1 and state.key_counter.num_open == 1
+    with pytest.raises(Refused) as full:  # the session cap counts it once its key came
+        second.rekey(OTHER)
+    assert (full.value.code, full.value.close_code) == ("busy", 1013)
+    assert state.keyless.num_open == 1  # still waiting, until its session closes it
+    second.release()
+    first.release()
+    first.release()
+    assert state.keyless.num_open == 0 and state.key_counter.num_open == 0
+
+
+def test_the_keyless_pool_checks_its_sizes() -> None:
+    with pytest.raises(ValueError, match="max_keyless_sockets_per_address <= max_keyless_sockets"):
+        GatewayConfig(max_keyless_sockets=4, max_keyless_sockets_per_address=5)
+    with pytest.raises(ValueError, match="got 0 and 64"):
+        GatewayConfig(max_keyless_sockets_per_address=0)
