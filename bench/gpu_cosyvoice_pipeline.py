@@ -270,7 +270,9 @@ def make_request(request_id: str, text: str, voice: str) -> SynthesisRequest:
 def flow_streams_of(backend: CosyVoiceBackend) -> int:
     """Streams per flow call, as this build resolved them at load (the build before: its config)."""
     resolved = getattr(backend, "resolved", None)
-    return int(resolved.flow_streams if resolved is not None else getattr(backend.config, "flow_streams", 0))
+    if resolved is not None:
+        return int(resolved.flow_streams)
+    return int(getattr(backend.config, "flow_streams", 0))
 
 
 def random_model_parts() -> tuple[Any, Any, Any, Any]:
@@ -375,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"label": args.label, "version": args.version, "device": name, "pyav": has_pyav,
                               "rows": rows, "errors": {}, "capacity": 0, "write_s": written - started,
                               "load_s": loaded - written, "graphs_at_load": at_load,
-                              "flow_streams": flow_streams_of(backend), "cache_gib": cache_gib(backend),
+                              "flow_streams": flow_streams_of(backend),
+                              "cache_gib": cache_gib(backend),
                               "options": {k: str(v) for k, v in dataclasses.asdict(config).items()}}
     deadline = started + args.budget_s
     max_steps = 4 * config.max_len  # a pass takes at most max_len LM steps and a final chunk

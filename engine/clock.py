@@ -64,11 +64,11 @@ class RequestHandle:
     the start moves on by the wait, as a player does after a gap.
     """
 
-    __slots__ = ("after", "est_s", "is_cancelled", "is_done", "is_finished", "made_s", "prev", "queue",
-                 "request", "started_at", "submitted_at", "taken_s")
+    __slots__ = ("after", "est_s", "is_cancelled", "is_done", "is_finished", "made_s", "prev",
+                 "queue", "request", "started_at", "submitted_at", "taken_s")
 
-    def __init__(self, request: SynthesisRequest, submitted_at: float, prev: RequestHandle | None = None,
-                 after: PlaybackRecord | None = None) -> None:
+    def __init__(self, request: SynthesisRequest, submitted_at: float,
+                 prev: RequestHandle | None = None, after: PlaybackRecord | None = None) -> None:
         self.request = request
         self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue(QUEUE_DEPTH)
         self.is_cancelled = False
@@ -97,7 +97,8 @@ class RequestHandle:
         elif self.est_s > 0.0:  # the backend's estimate: exact once it knows the segment's frames
             length = max(self.made_s, self.est_s)
         else:  # not prepared yet: a guess from the text
-            length = max(self.made_s, estimate_audio_s(self.request.text, self.request.params.speed))
+            guess = estimate_audio_s(self.request.text, self.request.params.speed)
+            length = max(self.made_s, guess)
         return self.start() + length
 
     def took(self, chunk: AudioChunk, now: float) -> None:

@@ -111,9 +111,9 @@ class Engine(VoiceVerbs):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="voxgate-engine")
         self._lanes = (ThreadPoolExecutor(self.num_lanes, thread_name_prefix="voxgate-lane")
                        if is_laned else self._executor)
-        self.loop = StepLoop(backend, self.scheduler, self.requests, self.stats, self._executor, self._lanes,
-                             self.num_lanes, self.config.look_ahead_s, self.config.max_prepare_per_step,
-                             self.config.lane_slack_s)
+        self.loop = StepLoop(backend, self.scheduler, self.requests, self.stats, self._executor,
+                             self._lanes, self.num_lanes, self.config.look_ahead_s,
+                             self.config.max_prepare_per_step, self.config.lane_slack_s)
         self._task: asyncio.Task[None] | None = None
         self._voices: list[VoiceInfo] = []
         self.is_ready = False
@@ -151,7 +151,8 @@ class Engine(VoiceVerbs):
 
     async def _warm_up(self) -> None:
         # One real step measures the step cost before the first client arrives.
-        request = SynthesisRequest(RequestId("warmup"), self.config.warmup_text, self._voices[0].voice_id)
+        request = SynthesisRequest(RequestId("warmup"), self.config.warmup_text,
+                                   self._voices[0].voice_id)
         async for _ in self.submit(request):
             pass
 

@@ -53,13 +53,17 @@ class _Step:
     is_busy: bool
 
 
+Running = dict[asyncio.Future[list[StepResult]], _Step]
+
+
 class StepLoop:
     """The loop over one backend; `run` is its task."""
 
-    def __init__(self, backend: Backend, scheduler: Scheduler, requests: RequestTable, stats: EngineStats,
-                 worker: Executor, lanes: Executor, num_lanes: int, look_ahead_s: float,
-                 max_prepare_per_step: int, lane_slack_s: float) -> None:
-        self.backend, self.scheduler, self.requests, self.stats = backend, scheduler, requests, stats
+    def __init__(self, backend: Backend, scheduler: Scheduler, requests: RequestTable,
+                 stats: EngineStats, worker: Executor, lanes: Executor, num_lanes: int,
+                 look_ahead_s: float, max_prepare_per_step: int, lane_slack_s: float) -> None:
+        self.backend, self.scheduler, self.requests = backend, scheduler, requests
+        self.stats = stats
         self.worker, self.lanes, self.num_lanes = worker, lanes, num_lanes
         self.look_ahead_s = look_ahead_s
         self.max_prepare_per_step = max_prepare_per_step
@@ -87,7 +91,7 @@ class StepLoop:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        running: dict[asyncio.Future[list[StepResult]], _Step] = {}
+        running: Running = {}
         requests = self.requests
         try:
             while True:
@@ -101,7 +105,8 @@ class StepLoop:
                 clock.set_dues(self.scheduler.items(), requests.handles, now)
                 while len(running) < self.num_lanes:
                     due_by = now + self.lane_slack_s if running else None
-                    batch = self.scheduler.schedule(now, requests.is_runnable, self._is_ahead, due_by)
+                    batch = self.scheduler.schedule(now, requests.is_runnable, self._is_ahead,
+                                                    due_by)
                     if not batch:
                         break
                     requests.in_flight.update(item.request_id for item in batch)
@@ -110,9 +115,9 @@ class StepLoop:
                     future = loop.run_in_executor(self.lanes, self._work, releases, batch)
                     running[future] = _Step(batch, time.monotonic(), is_step_busy)
                 if not running:
-                    if requests.to_release:  # shielded: a stop that cancels the loop does not drop it
-                        await asyncio.shield(loop.run_in_executor(self.worker, self.release_all,
-                                                                  requests.take_releases()))
+                    if requests.to_release:  # shielded: a stop cancelling the loop keeps it
+                        await asyncio.shield(loop.run_in_executor(
+                            self.worker, self.release_all, requests.take_releases()))
                         continue
                     self.wake.clear()
                     if not requests.incoming:  # else: prepare the next few first
@@ -131,7 +136,7 @@ class StepLoop:
             for future in running:
                 future.add_done_callback(_ignore)
 
-    def plan(self, batch: list[BackendRequest], running: dict[asyncio.Future[list[StepResult]], _Step]) -> bool:
+    def plan(self, batch: list[BackendRequest], running: Running) -> bool:
         """Give each item of a step about to start its `StepPlan`; whether the step is busy.
 
         The scheduler decides, the backend runs: what runs beside the step (the lanes'
@@ -148,9 +153,7 @@ class StepLoop:
             item.plan = plan
         return is_busy(batch, now, self.backend.busy_lead_s)
 
-    async def _wait_steps(
-        self, running: dict[asyncio.Future[list[StepResult]], _Step],
-    ) -> set[asyncio.Future[list[StepResult]]]:
+    async def _wait_steps(self, running: Running) -> set[asyncio.Future[list[StepResult]]]:
         """The steps that ended (`running` holds one or more); back early for new work or a
         clock with lanes (new requests are prepared on the worker while the lanes step)."""
         if self.num_lanes == 1:  # the worker is busy: nothing else could run
@@ -166,18 +169,20 @@ class StepLoop:
             if held is not None:
                 timeout = held if timeout is None else min(timeout, held)
         try:
-            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             woken.cancel()
         return {future for future in running if future in done}
 
     async def _results(self, future: asyncio.Future[list[StepResult]],
                        batch: list[BackendRequest]) -> list[StepResult]:
-        """A finished step's results; a failed step is re-run item by item (batch of two or more)."""
+        """A finished step's results; a failed step of two or more is re-run item by item."""
         try:
             results = future.result()
             if len(results) != len(batch):
-                raise BackendFailure(f"backend returned {len(results)} results for {len(batch)} items")
+                raise BackendFailure(
+                    f"backend returned {len(results)} results for {len(batch)} items")
             self.num_failed_steps_in_row = 0
             return results
         except Exception as exc:
@@ -202,7 +207,8 @@ class StepLoop:
         except asyncio.TimeoutError:
             pass
 
-    def _work(self, releases: list[BackendRequest], batch: list[BackendRequest]) -> list[StepResult]:
+    def _work(self, releases: list[BackendRequest],
+              batch: list[BackendRequest]) -> list[StepResult]:
         """Worker thread: free what was cancelled since the last step, then step."""
         self.release_all(releases)
         return self.backend.step(batch)
@@ -220,7 +226,8 @@ class StepLoop:
             self.requests.incoming, now, self.look_ahead_s, self.max_prepare_per_step)
         return fresh
 
-    def _admit_prepared(self, handle: RequestHandle, outcome: BackendRequest | BaseException) -> None:
+    def _admit_prepared(self, handle: RequestHandle,
+                        outcome: BackendRequest | BaseException) -> None:
         if handle.is_cancelled:
             if isinstance(outcome, BackendRequest):
                 self.requests.to_release.append(outcome)
@@ -236,7 +243,8 @@ class StepLoop:
             self.fail(handle, outcome)
 
     def _is_ahead(self, item: BackendRequest) -> bool:
-        return clock.is_ahead(self.requests.handles.get(item.request_id), time.monotonic(), self.look_ahead_s)
+        handle = self.requests.handles.get(item.request_id)
+        return clock.is_ahead(handle, time.monotonic(), self.look_ahead_s)
 
     def _next_wake_s(self, now: float) -> float | None:
         """Seconds until some request's lead falls under the look-ahead (None: only events wake).
@@ -247,7 +255,8 @@ class StepLoop:
         run is tried again within `WAIT_RETRY_S`, whatever else happens.
         """
         requests = self.requests
-        idle = [item for item in self.scheduler.items() if item.request_id not in requests.in_flight]
+        idle = [item for item in self.scheduler.items()
+                if item.request_id not in requests.in_flight]
         if not requests.waiting:
             return clock.next_wake_s(idle, requests.handles, now, self.look_ahead_s)
         idle = [item for item in idle if item.request_id not in requests.waiting]
@@ -273,7 +282,8 @@ class StepLoop:
                 out.append(exc)
         return out
 
-    def _route(self, batch: list[BackendRequest], results: list[StepResult], elapsed: float) -> None:
+    def _route(self, batch: list[BackendRequest], results: list[StepResult],
+               elapsed: float) -> None:
         audio_s = 0.0
         has_moved = False
         requests = self.requests

@@ -37,7 +37,7 @@ class RequestTable:
         self.records: dict[str, PlaybackRecord] = {}
         self.to_release: list[BackendRequest] = []  # released on the worker before the next step
         self.in_flight: set[RequestId] = set()  # requests in a running step
-        self.waiting: set[RequestId] = set()  # the backend could not run them: retried once work moved
+        self.waiting: set[RequestId] = set()  # the backend could not run them yet
 
     def add(self, request: SynthesisRequest, now: float) -> RequestHandle:
         """A new request's handle, its clock placed after the audio before it (engine/clock.py)."""

@@ -50,7 +50,8 @@ def request_to_wire(request: SynthesisRequest, gateway_id: str) -> dict[str, Any
 def request_from_wire(wire: dict[str, Any]) -> SynthesisRequest:
     # an older gateway sends `deadline_in_s` and no `plays_after`: its request plays at once
     return SynthesisRequest(RequestId(wire["request_id"]), wire["text"], wire["voice"],
-                            context_key=wire["context_key"], plays_after=wire.get("plays_after", ""),
+                            context_key=wire["context_key"],
+                            plays_after=wire.get("plays_after", ""),
                             language=wire["language"], instructions=wire["instructions"],
                             params=SamplingParams(**wire["params"]))
 

@@ -156,7 +156,8 @@ class CosyVoiceBackend(Backend):
         live = [seq for _, seq in seqs if seq.key not in errors]
         plan = plan_lm(self.table, live, lm.num_free, self._num_flows_fit)  # 1. plan
         self.num_preemptions += len(plan.preempt)
-        errors.update(run_lm(plan, self.table, lm, model.t2w, self.config.sampling == "greedy"))  # 2.
+        is_greedy = self.config.sampling == "greedy"
+        errors.update(run_lm(plan, self.table, lm, model.t2w, is_greedy))  # 2. LM run
         run_flow(self.table, model.t2w, self.flow_worker,  # 3. token to wave
                  lambda ready: plan_flow(self.table, ready, self.resolved.flow_streams),
                  wait=not plan.decode)
@@ -167,7 +168,8 @@ class CosyVoiceBackend(Backend):
             elif seq.key in plan.waiting:
                 results[id(item)] = StepResult(waiting=plan.waiting[seq.key].value)
             else:
-                results[id(item)] = StepResult(pcm=seq.take_audio(), is_finished=seq.state is SeqState.DONE)
+                results[id(item)] = StepResult(pcm=seq.take_audio(),
+                                               is_finished=seq.state is SeqState.DONE)
         return [results[id(item)] for item in batch]
 
     def release(self, item: BackendRequest) -> None:
@@ -179,7 +181,8 @@ class CosyVoiceBackend(Backend):
                 if seq.holds_slot and self.lm is not None:
                     self.lm.stop(seq.key)
                 if seq.holds_flow and self.model is not None:
-                    self.model.t2w.drop(seq.key)  # its cache blocks: now, or when its chunk in flight ends
+                    # its cache blocks: now, or when a chunk of it in flight ends
+                    self.model.t2w.drop(seq.key)
             work = inputs_of(seq).frontend_work
             if isinstance(work, Future):  # still queued on the CPU executor: not run for nothing
                 work.cancel()
@@ -215,7 +218,8 @@ class CosyVoiceBackend(Backend):
         return to_bytes(clone_voice(model.frontend, model.mel, audio, sample_rate, transcript))
 
     def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
-        return self.voice_book.add(self._loaded(), voice_id, features, meta, self.config.default_voice_language)
+        return self.voice_book.add(self._loaded(), voice_id, features, meta,
+                                   self.config.default_voice_language)
 
     def retire_voice(self, voice_id: str) -> None:
         self.voice_book.retire(voice_id)
@@ -244,7 +248,7 @@ def _frontend_errors(seqs: list[Sequence]) -> dict[str, Exception]:
         if seq.state is not SeqState.WAITING:
             continue
         try:
-            inputs_of(seq).lm_input  # noqa: B018 - waits for the frontend and raises its error, if any
+            inputs_of(seq).lm_input  # noqa: B018 - waits for the frontend; raises its error
         except (ValueError, EngineError) as exc:
             errors[seq.key] = exc
     return errors

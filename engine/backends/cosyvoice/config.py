@@ -141,7 +141,8 @@ class CosyVoiceBackendConfig:
                 "cuda_graphs" if is_gpu else "dynamic"),
             # a step never holds more requests than the LM has slots: each can then start
             batch_size=min(batch, streams), num_streams=streams,
-            flow_streams=self.max_flow_streams or (min(GPU_FLOW_STREAMS, streams) if is_gpu else streams),
+            flow_streams=self.max_flow_streams or (
+                min(GPU_FLOW_STREAMS, streams) if is_gpu else streams),
             uses_flow_thread=self.flow_thread == "on" or (self.flow_thread == "auto" and is_gpu),
             # half the cores, so the event loop (Opus encoding, sockets) keeps the rest
             num_threads=self.num_threads or max(1, min(8, cores // 2)),

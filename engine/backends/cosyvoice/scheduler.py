@@ -45,10 +45,14 @@ class Wait(enum.Enum):
 class LMPlan:
     """The LM's part of a tick, in the order the runs carry it out."""
 
-    preempt: list[Sequence] = field(default_factory=list)  # give their slots up first, due last first
-    start: list[Sequence] = field(default_factory=list)  # prefill now (new, or resumed), due first
-    decode: list[Sequence] = field(default_factory=list)  # the batch's slot holders after the starts
-    waiting: dict[str, Wait] = field(default_factory=dict)  # the batch's sequences held back, and why
+    #: give their slots up first, the one due last first
+    preempt: list[Sequence] = field(default_factory=list)
+    #: prefill now (new, or resumed), the earliest due first
+    start: list[Sequence] = field(default_factory=list)
+    #: the batch's slot holders once the starts are in: one LM step each
+    decode: list[Sequence] = field(default_factory=list)
+    #: the batch's sequences held back this tick, and why
+    waiting: dict[str, Wait] = field(default_factory=dict)
 
 
 def plan_lm(table: SequenceTable, batch: list[Sequence], num_free_slots: int,

@@ -18,7 +18,7 @@ every cancel, and what admission counts.
 |------------|---------|-------------|-------------------|
 | WAITING    |         |             | a slot, and room in the flow's cache for its stream |
 | PREFILLING | yes     | yes         | its first speech token (vLLM: the prompt is being computed) |
-| DECODING   | yes     | yes         | its LM's next tokens; the flow's chunks as they become ready |
+| DECODING   | yes     | yes         | its LM's next tokens; the flow's chunks as they are ready |
 | PARKED     |         | yes         | a slot again (preempted: it resumes from its tokens) |
 | FLUSHING   |         | yes         | the flow's last chunks (the LM is done) |
 | DONE       |         |             | its last audio to be returned (`outbox`) |
@@ -60,7 +60,7 @@ class Sequence:
     inputs: Any = None
     due: float = 0.0  # when its next audio must exist (the engine's `due_of`), refreshed every tick
     state: SeqState = SeqState.WAITING
-    tokens: list[int] = field(default_factory=list)  # speech tokens made: a parked one resumes from them
+    tokens: list[int] = field(default_factory=list)  # made so far: a parked one resumes from them
     num_samples: int = 0  # audio returned
     outbox: deque[np.ndarray] = field(default_factory=deque)  # audio made, not yet returned
     is_last_out: bool = False  # the outbox holds its last audio
@@ -144,7 +144,8 @@ class SequenceTable:
 
 _NEXT: dict[SeqState, frozenset[SeqState]] = {
     SeqState.WAITING: frozenset({SeqState.PREFILLING, SeqState.DONE}),
-    SeqState.PREFILLING: frozenset({SeqState.DECODING, SeqState.PARKED, SeqState.FLUSHING, SeqState.DONE}),
+    SeqState.PREFILLING: frozenset({SeqState.DECODING, SeqState.PARKED, SeqState.FLUSHING,
+                                    SeqState.DONE}),
     SeqState.DECODING: frozenset({SeqState.PARKED, SeqState.FLUSHING}),
     SeqState.PARKED: frozenset({SeqState.PREFILLING}),
     SeqState.FLUSHING: frozenset({SeqState.DONE}),

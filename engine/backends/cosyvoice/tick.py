@@ -63,14 +63,15 @@ def run_lm(plan: LMPlan, table: SequenceTable, lm: SpeechLMDriver, t2w: TokenToW
     starts = []
     for seq in plan.start:
         inputs = inputs_of(seq)
-        starts.append(LMStart(seq.key, inputs.lm_input, is_greedy, seq.tokens, seq.seed, inputs.is_seeded))
+        starts.append(LMStart(seq.key, inputs.lm_input, is_greedy, seq.tokens, seq.seed,
+                              inputs.is_seeded))
     failed = lm.start(starts) if starts else {}
     errors: dict[str, Exception] = {}
     for seq in plan.start:
         if seq.key in failed:
             errors[seq.key] = failed[seq.key]
             continue
-        if seq.state is SeqState.WAITING:  # new: its flow stream now (the scheduler counted the room)
+        if seq.state is SeqState.WAITING:  # new: its flow stream now (the room was counted)
             inputs = inputs_of(seq)
             try:
                 t2w.add_stream(seq.key, inputs.voice.flow, seed=seq.seed, speed=inputs.speed)

@@ -58,7 +58,8 @@ class CosyVoices:
                          backend=BACKEND_NAME, sample_rate=SAMPLE_RATE, is_builtin=False,
                          supports_instructions=model.version == 3,
                          languages=LANGUAGES[model.version])  # a clone speaks them all
-        self._registered.add(voice_id, CosyVoice(info, prompt, flow_prompt_of(prompt, model.device)))
+        voice = CosyVoice(info, prompt, flow_prompt_of(prompt, model.device))
+        self._registered.add(voice_id, voice)
         return info
 
     def retire(self, voice_id: str) -> None:
@@ -81,7 +82,8 @@ def features_version(config: CosyVoiceBackendConfig) -> str:
     voices must then be recomputed (docs/voices.md). Hashing reads them once per start,
     about a second for the largest (a speech tokenizer of a few hundred MB)."""
     root = config.model_dir
-    digest = hashlib.sha256(f"{config.tokenizer}:{resolve_text_frontend(config.text_frontend)}".encode())
+    text_frontend = resolve_text_frontend(config.text_frontend)
+    digest = hashlib.sha256(f"{config.tokenizer}:{text_frontend}".encode())
     if root is not None:
         for name in ("campplus.onnx", "speech_tokenizer_v2.onnx", "speech_tokenizer_v3.onnx",
                      "cosyvoice2.yaml", "cosyvoice3.yaml", "CosyVoice-BlankEN/vocab.json",

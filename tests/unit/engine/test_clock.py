@@ -1,5 +1,5 @@
 """Playback clocks (engine.clock) with a fake time: lead, a listener that ran dry, EDF across them,
-and the engine's own due times from the order alone (a context's records, the context it plays after)."""
+and the engine's own due times from the order alone (a context's record, the one it plays after)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from engine.types import AudioChunk, RequestId, SynthesisRequest, estimate_audio
 RATE = 1000  # samples per second: a chunk of n samples is n ms
 
 
-def handle(name: str, submitted: float, prev: RequestHandle | None = None, text: str = "text") -> RequestHandle:
+def handle(name: str, submitted: float, prev: RequestHandle | None = None,
+           text: str = "text") -> RequestHandle:
     """A request submitted at `submitted`; `prev`: the one before it in its context."""
     return RequestHandle(SynthesisRequest(RequestId(name), text, "v"), submitted, prev=prev)
 
@@ -148,5 +149,6 @@ def test_a_context_plays_after_the_one_before_it_never_before_its_own_submission
     second = record.next_handle(SynthesisRequest(RequestId("b1"), "text", "v"), 1.5)
     first.est_s = 2.0
     assert second.start() == pytest.approx(6.0)  # its context's next: after its first
-    late = PlaybackRecord(after=before).next_handle(SynthesisRequest(RequestId("c0"), "text", "v"), 9.0)
+    late = PlaybackRecord(after=before).next_handle(
+        SynthesisRequest(RequestId("c0"), "text", "v"), 9.0)
     assert late.start() == pytest.approx(9.0)  # the one before ended long ago: first audio now

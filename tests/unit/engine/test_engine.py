@@ -18,7 +18,8 @@ from tests.support.scripted_backend import ScriptedBackend
 from tests.support.wait import async_wait_until
 
 
-def request(name: str, text: str = "hello", voice: str = "v", context: str = "") -> SynthesisRequest:
+def request(name: str, text: str = "hello", voice: str = "v",
+            context: str = "") -> SynthesisRequest:
     return SynthesisRequest(RequestId(name), text, voice, context_key=context)
 
 
@@ -406,7 +407,8 @@ def test_each_step_is_planned_from_the_running_steps_and_the_contexts_with_work(
     now = time.monotonic()
 
     def held(name: str, context: str, due_in: float) -> BackendRequest:
-        item = BackendRequest(SynthesisRequest(RequestId(name), "hi", "v", context_key=context), due=now + due_in)
+        item = BackendRequest(SynthesisRequest(RequestId(name), "hi", "v", context_key=context),
+                              due=now + due_in)
         engine.scheduler.add(item)
         return item
 
@@ -430,7 +432,8 @@ def test_each_step_is_planned_from_the_running_steps_and_the_contexts_with_work(
     engine.loop.retire(other.request_id)  # finished: s2 talks until its release is made
     engine.loop.plan([mine], {})
     assert mine.plan is not None and not mine.plan.is_lone
-    assert [item.request_id for item in engine.requests.take_releases()] == ["b1"]  # made before the step
+    # made before the step
+    assert [item.request_id for item in engine.requests.take_releases()] == ["b1"]
     engine.loop.plan([mine], {})
     assert mine.plan is not None and mine.plan.is_lone
 
@@ -478,7 +481,7 @@ class RoomBackend(ScriptedBackend):
         super().release(item)
 
 
-def test_a_request_the_backend_cannot_run_is_counted_and_tried_again_now_and_then_not_in_a_spin() -> None:
+def test_what_the_backend_cannot_run_is_counted_and_tried_again_now_and_then_never_spun() -> None:
     async def scenario() -> tuple[list, RoomBackend, Engine]:
         backend = RoomBackend()
         engine = await started(backend, max_batch_size=4)
@@ -492,4 +495,4 @@ def test_a_request_the_backend_cannot_run_is_counted_and_tried_again_now_and_the
     got, backend, engine = run(scenario())
     assert got and got[-1].is_last
     assert engine.stats.waits["room"] >= 2  # counted every time it waited
-    assert backend.num_all_waited <= 12, "a step of nothing but waits came back at once, over and over"
+    assert backend.num_all_waited <= 12, "a step of nothing but waits came back at once, again"

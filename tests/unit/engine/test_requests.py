@@ -15,14 +15,15 @@ RATE = 1000  # samples per second: a chunk of n samples is n ms
 
 
 def request(name: str, context: str = "", plays_after: str = "") -> SynthesisRequest:
-    return SynthesisRequest(RequestId(name), "text", "v", context_key=context, plays_after=plays_after)
+    return SynthesisRequest(RequestId(name), "text", "v", context_key=context,
+                            plays_after=plays_after)
 
 
 def speak(handle: RequestHandle, seconds: float, now: float, table: RequestTable) -> None:
     """The request made `seconds` of audio, its listener took it at `now`, and it finished."""
     handle.made_s += seconds
-    handle.took(AudioChunk(handle.request.request_id, np.zeros(round(seconds * RATE), np.float32), RATE, True),
-                now)
+    pcm = np.zeros(round(seconds * RATE), np.float32)
+    handle.took(AudioChunk(handle.request.request_id, pcm, RATE, True), now)
     handle.is_finished = True
     table.end(handle)
 

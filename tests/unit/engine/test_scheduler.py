@@ -18,7 +18,8 @@ from engine.types import RequestId, SynthesisRequest
 
 def item(name: str, due: float, context: str = "") -> BackendRequest:
     """A prepared request whose next audio is due at `due` (as the engine's clock would set it)."""
-    return BackendRequest(SynthesisRequest(RequestId(name), "text", "v", context_key=context), due=due)
+    return BackendRequest(SynthesisRequest(RequestId(name), "text", "v", context_key=context),
+                          due=due)
 
 
 def scheduler(max_batch_size: int = 4, fixed: float = 0.01, per_item: float = 0.05) -> Scheduler:
@@ -161,7 +162,7 @@ def test_due_by_holds_back_work_that_can_wait_for_a_running_step() -> None:
     assert [str(i.request_id) for i in scheduler.schedule(100.0)] == ["later"]
 
 
-def test_a_request_stepped_without_an_engine_is_due_at_zero_until_its_clock_says_otherwise() -> None:
+def test_a_request_stepped_without_an_engine_is_due_at_zero_until_a_clock_says_otherwise() -> None:
     first = BackendRequest(SynthesisRequest(RequestId("first"), "text", "v"))
     assert due_of(first) == 0.0  # every item equally and long overdue
     first.due = 3.5  # the engine's playback clock, set before each schedule

@@ -17,7 +17,8 @@ from engine.types import AudioChunk, RequestId, SynthesisRequest
 
 
 def voxgate_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("voxgate-") and t.is_alive())
+    return sorted(t.name for t in threading.enumerate()
+                  if t.name.startswith("voxgate-") and t.is_alive())
 
 
 async def collect(stream: AsyncIterator[AudioChunk]) -> list[AudioChunk]:
@@ -52,13 +53,14 @@ def test_after_stop_no_piper_engine_thread_is_alive() -> None:
     assert after == []
 
 
-def test_after_stop_no_cosyvoice_engine_thread_is_alive(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_after_stop_no_cosyvoice_engine_thread_is_alive(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     import torch
 
     from tests.support.cosyvoice_steps import make_backend
 
     assert voxgate_threads() == []
-    threads = torch.get_num_threads()  # the tiny model loads with one (num_threads=1): put back after
+    threads = torch.get_num_threads()  # the tiny model loads with one: put back after
     try:
         backend = make_backend(tmp_path_factory.getbasetemp(), load=False, flow_thread="on")
         during, after = speak_then_stop(backend, "default")

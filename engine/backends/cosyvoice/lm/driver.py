@@ -106,8 +106,9 @@ class TorchLMDriver:
                 failed[r.key] = ValueError(f"expected a new LM stream key, got {r.key!r} (already running)")
                 continue
             ids = r.lm_input
-            fresh.append((r, PrefillRequest(ids.text_ids, ids.prompt_text_ids, ids.prompt_speech_tokens,
-                                            r.is_greedy, resume_tokens=list(r.resume_tokens), seed=r.seed)))
+            fresh.append((r, PrefillRequest(
+                ids.text_ids, ids.prompt_text_ids, ids.prompt_speech_tokens, r.is_greedy,
+                resume_tokens=list(r.resume_tokens), seed=r.seed)))
         outs = self.runner.add_requests([p for _, p in fresh])
         for (r, _), out in zip(fresh, outs, strict=True):
             if isinstance(out, Exception):

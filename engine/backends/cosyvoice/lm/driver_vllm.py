@@ -291,7 +291,8 @@ def load_vllm_driver(lm: SpeechLM, config: VllmDriverConfig, device: torch.devic
     return driver
 
 
-def driver_config(options: CosyVoiceBackendConfig, resolved: Resolved, ras: RasConfig) -> VllmDriverConfig:
+def driver_config(options: CosyVoiceBackendConfig, resolved: Resolved,
+                  ras: RasConfig) -> VllmDriverConfig:
     """From the backend's options (`max_len`, `seed`, `vllm_gpu_memory_share`) and its slots."""
     return VllmDriverConfig(max_streams=resolved.num_streams, max_len=options.max_len, ras=ras,
                             seed=options.seed, gpu_memory_share=options.vllm_gpu_memory_share)
@@ -305,6 +306,6 @@ def sampling_seed(r: LMStart, base_seed: int) -> int | None:
     return (stream_seed(r.key, base_seed) if r.seed is None else r.seed) & 0x7FFFFFFF
 
 
-def create_vllm_driver(lm: SpeechLM, options: CosyVoiceBackendConfig, resolved: Resolved, ras: RasConfig,
-                       device: torch.device) -> VllmLMDriver:
+def create_vllm_driver(lm: SpeechLM, options: CosyVoiceBackendConfig, resolved: Resolved,
+                       ras: RasConfig, device: torch.device) -> VllmLMDriver:
     return load_vllm_driver(lm, driver_config(options, resolved, ras), device)

@@ -91,7 +91,8 @@ class TokenToWave:
 
     # -- stream lifecycle -------------------------------------------------------------------------
 
-    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0, speed: float = 1.0) -> None:
+    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0,
+                   speed: float = 1.0) -> None:
         """A new stream. Raises EngineBusyError when the K/V cache cannot hold it."""
         if stream_id in self._streams:
             raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")

@@ -19,6 +19,7 @@ from tests.support.cosyvoice_steps import make_backend
 from tests.unit.engine.cosyvoice.test_flow_cache_backend import room_for_two_streams
 
 BURST = 5
+TEXT = "Hello there, how are you?"
 
 
 async def collect(stream: AsyncIterator[AudioChunk]) -> list[AudioChunk]:
@@ -26,10 +27,11 @@ async def collect(stream: AsyncIterator[AudioChunk]) -> list[AudioChunk]:
 
 
 def burst(backend: CosyVoiceBackend) -> tuple[list[str], list[str], list[list[AudioChunk]], Engine]:
-    """BURST contexts at once, each with its first segment: the admitted, the refused, their audio."""
+    """BURST contexts at once, each with one segment: the admitted, the refused, their audio."""
     async def scenario() -> tuple[list[str], list[str], list[list[AudioChunk]], Engine]:
         # asked for more than the memory holds: the table's figure wins
-        engine = Engine(backend, EngineConfig(scheduler=SchedulerConfig(max_contexts=64), warmup_text=""))
+        config = EngineConfig(scheduler=SchedulerConfig(max_contexts=64), warmup_text="")
+        engine = Engine(backend, config)
         await engine.start()
         try:
             admitted, refused = [], []
@@ -42,8 +44,8 @@ def burst(backend: CosyVoiceBackend) -> tuple[list[str], list[str], list[list[Au
                     refused.append(key)
                     continue
                 admitted.append(key)
-            streams = [engine.submit(SynthesisRequest(RequestId(f"{key}:0"), "Hello there, how are you?",
-                                                      "default", context_key=key)) for key in admitted]
+            streams = [engine.submit(SynthesisRequest(RequestId(f"{key}:0"), TEXT, "default",
+                                                      context_key=key)) for key in admitted]
             audio = await asyncio.gather(*(collect(stream) for stream in streams))
             for key in admitted:
                 engine.release_context(key)
@@ -65,7 +67,7 @@ def test_a_burst_past_capacity_is_refused_as_busy_and_never_held_inside_the_back
     admitted, refused, audio, engine = burst(backend)
     assert len(admitted) == 2 and len(refused) == BURST - 2
     assert engine.scheduler.stats.num_refused == BURST - 2
-    assert all(chunks and chunks[-1].is_last and sum(len(c.pcm) for c in chunks) for chunks in audio)
+    assert all(c and c[-1].is_last and sum(len(chunk.pcm) for chunk in c) for c in audio)
     assert engine.stats.waits == {}, "a request the engine sent was held inside the backend"
     assert backend.num_preemptions == 0
     assert (len(backend.table), backend.table.num_slots, backend.table.num_flows) == (0, 0, 0)

@@ -170,7 +170,8 @@ def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(
     assert len(pcm) == len(tokens) * SAMPLES_PER_TOKEN
     backend.retire_voice("alice")
     assert "alice" not in [v.voice_id for v in backend.voices()]
-    backend.release(backend.prepare(SynthesisRequest(RequestId("alice-2"), "Hi.", "alice")))  # speakable
+    still = backend.prepare(SynthesisRequest(RequestId("alice-2"), "Hi.", "alice"))  # speakable
+    backend.release(still)
     backend.remove_voice("alice")
     with pytest.raises(UnknownVoiceError):
         backend.prepare(SynthesisRequest(RequestId("alice-3"), "Hi.", "alice"))
@@ -181,9 +182,11 @@ def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(
 def test_instructions_speak_without_the_voice_tokens_and_other_languages_cross_lingually(backend: CosyVoiceBackend) -> None:
     instructed = prepare(backend, "Hi.", instructions="Speak slowly")
     assert instructed.state.inputs.lm_input.prompt_speech_tokens == []
-    assert 151646 in instructed.state.inputs.lm_input.prompt_text_ids  # <|endofprompt|> closes the instruction
+    # <|endofprompt|> closes the instruction
+    assert 151646 in instructed.state.inputs.lm_input.prompt_text_ids
     french = prepare(backend, "Salut.", language="fr")
-    assert french.state.inputs.lm_input.prompt_text_ids == [] and french.state.inputs.lm_input.prompt_speech_tokens == []
+    lingual = french.state.inputs.lm_input
+    assert lingual.prompt_text_ids == [] and lingual.prompt_speech_tokens == []
     same = prepare(backend, "Hi.", language="en-GB")
     assert same.state.inputs.lm_input.prompt_speech_tokens  # zero-shot with the voice
     for item in (instructed, french, same):

@@ -11,23 +11,27 @@ from engine.backends.cosyvoice.config import CosyVoiceBackendConfig, Resolved
 
 
 def test_every_auto_resolves_once_to_gpu_sizes_on_a_gpu_and_small_ones_on_the_cpu() -> None:
-    cpu = CosyVoiceBackendConfig(model_dir=Path("m")).resolve(has_cuda=False, num_cores=2)
-    assert cpu == Resolved(device="cpu", lm_dtype="float32", flow_dtype="float32", decode_mode="dynamic",
-                           batch_size=8, num_streams=16, flow_streams=16, uses_flow_thread=False,
-                           num_threads=1, max_history_tokens=100)
-    gpu = CosyVoiceBackendConfig(model_dir=Path("m")).resolve(has_cuda=True, num_cores=32)
-    assert gpu == Resolved(device="cuda", lm_dtype="bfloat16", flow_dtype="bfloat16", decode_mode="cuda_graphs",
-                           batch_size=256, num_streams=512, flow_streams=128, uses_flow_thread=True,
-                           num_threads=8, max_history_tokens=100)
-    asked = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu", max_batch_size=4, max_history_tokens=-1)
-    assert (asked.resolve(has_cuda=True).num_streams, asked.resolve(True).max_history_tokens) == (8, None)
-    few_slots = CosyVoiceBackendConfig(model_dir=Path("m"), max_batch_size=8, max_streams=2).resolve(False)
-    assert few_slots.batch_size == 2  # a step never holds more requests than the LM has slots
+    options = CosyVoiceBackendConfig(model_dir=Path("m"))
+    assert options.resolve(has_cuda=False, num_cores=2) == Resolved(
+        device="cpu", lm_dtype="float32", flow_dtype="float32", decode_mode="dynamic", batch_size=8,
+        num_streams=16, flow_streams=16, uses_flow_thread=False, num_threads=1,
+        max_history_tokens=100)
+    assert options.resolve(has_cuda=True, num_cores=32) == Resolved(
+        device="cuda", lm_dtype="bfloat16", flow_dtype="bfloat16", decode_mode="cuda_graphs",
+        batch_size=256, num_streams=512, flow_streams=128, uses_flow_thread=True, num_threads=8,
+        max_history_tokens=100)
+    asked = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu", max_batch_size=4,
+                                   max_history_tokens=-1).resolve(has_cuda=True)
+    assert (asked.device, asked.num_streams, asked.max_history_tokens) == ("cpu", 8, None)
+    few_slots = CosyVoiceBackendConfig(model_dir=Path("m"), max_batch_size=8, max_streams=2)
+    assert few_slots.resolve(False).batch_size == 2  # a step holds no more requests than slots
 
 
 def test_the_options_module_imports_nothing_of_the_runtime() -> None:
-    code = ("import sys; import engine.backends.cosyvoice.config as c; c.CosyVoiceBackendConfig().resolve(False); "
-            "print(sorted(m for m in ('torch', 'onnxruntime', 'transformers') if m in sys.modules))")
+    code = ("import sys; import engine.backends.cosyvoice.config as c; "
+            "c.CosyVoiceBackendConfig().resolve(False); "
+            "print(sorted(m for m in ('torch', 'onnxruntime', 'transformers') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

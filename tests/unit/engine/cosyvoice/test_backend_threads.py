@@ -42,7 +42,8 @@ def test_flow_rows_per_step_are_capped_the_earliest_due_stream_first(
     batches: list[list[str]] = []
     t2w_run = t2w.run
     monkeypatch.setattr(t2w, "run", lambda ids: batches.append(list(ids)) or t2w_run(ids))
-    late, early = prepare(backend, "Hello world.", due=9.0), prepare(backend, "Hello world.", due=1.0)
+    late = prepare(backend, "Hello world.", due=9.0)
+    early = prepare(backend, "Hello world.", due=1.0)
     got = run(backend, [late, early])
     assert batches and all(len(b) == 1 for b in batches)
     assert batches[0] == [str(early.request_id)]  # both ready at once: the more starved goes first

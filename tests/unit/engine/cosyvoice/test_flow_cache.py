@@ -194,7 +194,8 @@ def test_a_stream_the_cache_cannot_hold_is_refused_as_busy(models: Any) -> None:
     assert not t2w.has_stream("d") and cache.num_streams == 3
     other = FlowPrompt(prompt.tokens[:25], prompt.mel[:50], prompt.embedding)
     t2w.drop("c")
-    assert t2w.num_can_add([prompt]) == 1 and t2w.num_can_add([other]) == 0  # a new voice: its chunk too
+    # a new voice needs its prompt's chunk too
+    assert t2w.num_can_add([prompt]) == 1 and t2w.num_can_add([other]) == 0
     t2w.drop("b")
     assert t2w.num_can_add([other]) == 1
     t2w.add_stream("e", other)

@@ -52,7 +52,7 @@ def test_a_cosyvoice_3_backend_runs_its_flow_over_the_cache_and_says_how_much_it
     item = prepare(backend, "Hello world.")
     tokens, pcm = run(backend, [item])[item.request_id]
     assert len(pcm) == len(tokens) * 960 and cached.solver.num_solves > before
-    assert cached.cache.num_streams == 0 and backend.table.num_flows == 0 and len(backend.table) == 0
+    assert cached.cache.num_streams == backend.table.num_flows == len(backend.table) == 0
     assert backend.context_capacity() == min(backend.resolved.num_streams, info["stream_capacity"])
 
 
@@ -64,7 +64,8 @@ def test_a_stream_the_cache_cannot_hold_waits_says_why_and_starts_once_one_ends(
     items = [prepare(backend, "Hello there, how are you today?", due=float(n)) for n in range(3)]
     results = backend.step(items)
     assert cache.num_streams == 2 and backend.table.num_flows == 2  # no out-of-memory
-    assert [r.waiting for r in results] == [None, None, "flow_cache"]  # the one due last waits, said so
+    # the one due last waits, and says so
+    assert [r.waiting for r in results] == [None, None, "flow_cache"]
     third = items[2].state
     assert third is not None and third.state is SeqState.WAITING and not results[2].is_finished
     backend.release(items[0])  # a cancel frees its cache

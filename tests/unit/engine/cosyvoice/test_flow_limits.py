@@ -32,5 +32,6 @@ def test_a_256_stream_pipeline_keeps_every_flow_call_within_the_graphs_rows() ->
     config = CosyVoiceBackendConfig(model_dir=Path("m"), max_batch_size=256, max_streams=256)  # the bench's
     on_gpu = config.resolve(has_cuda=True)  # as on a GPU (none here)
     rows, frames = flow_limits(on_gpu.flow_streams, T2WConfig(), 25, 3)
-    assert on_gpu.flow_streams == 128 and rows == 256  # 2 CFG rows per stream: every call fits a graph
+    # 2 CFG rows per stream: every call fits a graph
+    assert on_gpu.flow_streams == 128 and rows == 256
     assert frames >= 2 * (150 + 75 + 15)  # the serving sizes the flow bench now measures (480 frames)

@@ -55,7 +55,8 @@ class SlowPrefill:
 
 @pytest.fixture(scope="module")
 def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CosyVoiceBackend]:
-    made = make_backend(tmp_path_factory.getbasetemp(), max_batch_size=2, max_streams=2, flow_thread="on")
+    made = make_backend(tmp_path_factory.getbasetemp(), max_batch_size=2, max_streams=2,
+                        flow_thread="on")
     yield made
     made.close()
 
@@ -66,7 +67,8 @@ def state(item: BackendRequest) -> SeqState:
     return seq.state
 
 
-def step_until(backend: CosyVoiceBackend, batch: list[BackendRequest], done: Callable[[], bool]) -> None:
+def step_until(backend: CosyVoiceBackend, batch: list[BackendRequest],
+               done: Callable[[], bool]) -> None:
     for _ in range(MAX_STEPS):
         if done():
             return
@@ -108,7 +110,8 @@ def to_parked(backend: CosyVoiceBackend) -> list[BackendRequest]:
 
 def to_flushing(backend: CosyVoiceBackend) -> list[BackendRequest]:
     item = prepare(backend, "Hi.")
-    step_until(backend, [item], lambda: state(item) is SeqState.FLUSHING)  # its last chunk in flight
+    # its last chunk in flight
+    step_until(backend, [item], lambda: state(item) is SeqState.FLUSHING)
     return [item]
 
 
@@ -117,7 +120,8 @@ def to_done_unreturned(backend: CosyVoiceBackend) -> list[BackendRequest]:
     step_until(backend, [item, other], lambda: state(item) is SeqState.FLUSHING)
     step_until(backend, [other], lambda: state(item) is SeqState.DONE)  # flushed outside the batch
     seq = item.state
-    assert isinstance(seq, Sequence) and seq.outbox and seq.is_last_out  # its last audio, not returned
+    # its last audio, not returned
+    assert isinstance(seq, Sequence) and seq.outbox and seq.is_last_out
     return [item, other]
 
 
@@ -132,7 +136,8 @@ def to_done_unreturned(backend: CosyVoiceBackend) -> list[BackendRequest]:
 def test_a_cancel_in_each_state_frees_its_slot_and_blocks(
         backend: CosyVoiceBackend, drive: Callable[[CosyVoiceBackend], list[BackendRequest]],
         first_state: SeqState) -> None:
-    assert backend.model is not None and backend.model.t2w.cached is not None and backend.lm is not None
+    assert backend.model is not None and backend.lm is not None
+    assert backend.model.t2w.cached is not None
     cache, lm, table = backend.model.t2w.cached.cache, backend.lm, backend.table
     free_slots, free_blocks = lm.num_free, cache.num_free_blocks
     items = drive(backend)
@@ -144,7 +149,8 @@ def test_a_cancel_in_each_state_frees_its_slot_and_blocks(
     assert lm.num_free == free_slots
     # a chunk still in flight on the flow thread gives its blocks back when it ends
     wait_until(lambda: (cache.num_streams, cache.num_free_blocks) == (0, free_blocks), timeout=30.0,
-               message=lambda: f"{cache.num_streams} streams, {cache.num_free_blocks} of {free_blocks} blocks free")
+               message=lambda: f"{cache.num_streams} streams, "
+                               f"{cache.num_free_blocks} of {free_blocks} blocks free")
     flow_worker = backend.flow_worker
     assert flow_worker is not None
     assert flow_worker.collect(wait=True, timeout=30.0) == []  # nothing of them comes back

@@ -30,7 +30,7 @@ def keys(seqs: list[Sequence]) -> list[str]:
 
 
 @pytest.mark.parametrize(("holders", "free", "preempted"), [
-    # (key, due) of the slot holders outside the batch; the victims, in order: the one due last first
+    # (key, due) of the slot holders outside the batch; the victims in order, due last first
     ([("a", 1.0), ("b", 9.0), ("c", 5.0)], 0, ["b"]),
     ([("a", 1.0), ("b", 9.0), ("c", 5.0)], 1, []),  # a free slot: nobody gives way
     ([("a", 7.0), ("b", 2.0)], 0, ["a"]),
@@ -56,15 +56,17 @@ def test_whoever_is_outside_the_batch_gives_way_the_one_due_last_first() -> None
 @pytest.mark.parametrize(("batch", "free", "room", "start", "waiting"), [
     # batch (key, state, due); free slots; new streams the flow cache holds -> starts and waits
     ([("a", W, 2.0), ("b", W, 1.0), ("c", W, 3.0)], 3, 2, ["b", "a"], {"c": Wait.FLOW_CACHE}),
-    ([("a", W, 2.0), ("p", PK, 9.0)], 2, 0, ["p"], {"a": Wait.FLOW_CACHE}),  # parked: has its stream
+    # a parked one has its stream already
+    ([("a", W, 2.0), ("p", PK, 9.0)], 2, 0, ["p"], {"a": Wait.FLOW_CACHE}),
     ([("a", W, 2.0), ("b", W, 1.0)], 1, None, ["b"], {"a": Wait.LM_SLOT}),  # nobody to preempt
     ([("a", D, 2.0), ("b", F, 1.0), ("c", X, 0.0)], 0, 0, [], {}),  # nothing to start
 ])
-def test_what_cannot_start_waits_with_its_reason(batch: list[tuple[str, SeqState, float]], free: int,
-                                                 room: int | None, start: list[str],
-                                                 waiting: dict[str, Wait]) -> None:
+def test_what_cannot_start_waits_with_its_reason(
+        batch: list[tuple[str, SeqState, float]], free: int, room: int | None, start: list[str],
+        waiting: dict[str, Wait]) -> None:
     table = table_of(*batch)
-    plan = plan_lm(table, [table.get(key) for key, _, _ in batch], free, fits(room))  # type: ignore[misc]
+    seqs = [table.get(key) for key, _, _ in batch]
+    plan = plan_lm(table, seqs, free, fits(room))  # type: ignore[arg-type]
     assert keys(plan.start) == start and plan.waiting == waiting and plan.preempt == []
 
 
@@ -80,11 +82,11 @@ def test_the_batchs_slot_holders_and_its_starts_decode_due_first() -> None:
     # every sequence with a chunk ready, in the batch or not, the earliest due first, capped
     ([("a", D, 3.0), ("b", D, 1.0), ("c", F, 2.0)], ["a", "b", "c"], 8, ["b", "c", "a"]),
     ([("a", D, 3.0), ("b", D, 1.0), ("c", F, 2.0)], ["a", "b", "c"], 2, ["b", "c"]),
-    ([("a", D, 1.0), ("b", D, 1.0)], ["b", "a"], 8, ["b", "a"]),  # a tie: the order they are ready in
+    ([("a", D, 1.0), ("b", D, 1.0)], ["b", "a"], 8, ["b", "a"]),  # a tie: the order ready in
     ([("a", PK, 2.0), ("w", W, 0.0)], ["a", "w", "gone"], 8, ["a"]),  # a parked stream flushes too
 ])
-def test_the_flow_rows_of_a_tick(rows: list[tuple[str, SeqState, float]], ready: list[str], cap: int,
-                                 want: list[str]) -> None:
+def test_the_flow_rows_of_a_tick(rows: list[tuple[str, SeqState, float]], ready: list[str],
+                                 cap: int, want: list[str]) -> None:
     assert plan_flow(table_of(*rows), ready, cap) == want
 
 

@@ -63,7 +63,8 @@ def test_segments_go_to_the_engine_in_order_with_where_they_play_and_no_time() -
     session = make_session()
     requests = submits(text(session, "c", "The first sentence is here. Second one follows. Third", now=5.0))
     assert [r.text for r in requests] == ["The first sentence is here.", "Second one follows."]
-    assert len({r.context_key for r in requests}) == 1 and [r.plays_after for r in requests] == ["", ""]
+    assert len({r.context_key for r in requests}) == 1
+    assert [r.plays_after for r in requests] == ["", ""]
     (queued,) = submits(text(session, "d", "Another turn begins here. And", now=6.0))
     assert queued.context_key != requests[0].context_key
     assert queued.plays_after == requests[0].context_key
