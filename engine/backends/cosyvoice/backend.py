@@ -94,8 +94,8 @@ class CosyVoiceBackend(Backend):
             log.warning("cosyvoice default voice: its prompt is not cached (%s)", exc)
         if self.resolved.uses_flow_thread:
             self.flow_worker = FlowWorker(self.model.t2w, self.model.device)
-        log.info("cosyvoice %d loaded from %s on %s; default voice %r", self.model.version,
-                 self.config.model_dir, self.model.device, voice.info.voice_id)
+        log.info("cosyvoice %d loaded from %s on %s; default voice %r; %s", self.model.version,
+                 self.config.model_dir, self.model.device, voice.info.voice_id, self.resolved)
 
     def close(self) -> None:
         """Stop the flow thread, the CPU executor and the LM driver (vLLM's loop and engine)."""
@@ -139,10 +139,9 @@ class CosyVoiceBackend(Backend):
     def step(self, batch: list[BackendRequest]) -> list[StepResult]:
         model, lm = self._loaded(), self.lm
         assert lm is not None
-        for key, item in self._items.items():  # urgency as the engine sees it now, every sequence
-            table_seq = self.table.get(key)
-            if table_seq is not None:
-                table_seq.due = due_of(item)
+        for held in self._items.values():  # urgency as the engine sees it now, every sequence
+            if isinstance(held.state, Sequence):
+                held.state.due = due_of(held)
         results: dict[int, StepResult] = {}
         seqs: list[tuple[BackendRequest, Sequence]] = []
         for item in batch:
@@ -165,7 +164,7 @@ class CosyVoiceBackend(Backend):
             if seq.key in errors:  # a bad prompt, a refused stream: fails only its own request
                 results[id(item)] = StepResult(is_finished=True, error=errors[seq.key])
                 self.release(item)
-            elif seq.key in plan.waiting:
+            elif seq.key in plan.waiting and not seq.outbox:  # audio made meanwhile goes out
                 results[id(item)] = StepResult(waiting=plan.waiting[seq.key].value)
             else:
                 results[id(item)] = StepResult(pcm=seq.take_audio(),
