@@ -49,11 +49,11 @@ class RequestHandle:
     context's first request, the end of the context it plays after (`after`),
     never before its own submission; with nothing before it, its submission
     (`submitted_at`). Once audio is taken the start is frozen, no earlier than
-    that moment. The engine's own count is the only one: the gateway guesses a
-    segment's length from its text, and for text the voice spells out that
-    guess was a tenth of the audio, so a later segment came due seconds before
-    anyone could hear it and took the lanes from listeners about to run dry
-    (docs/benchmarks.md, "The burst"). Heard audio is the time since the
+    that moment. The engine's own count is the only one: a guess of a
+    segment's length from its text (the gateway's, when it timed requests) was
+    a tenth of the audio for text the voice spells out, so a later segment came
+    due seconds before anyone could hear it and took the lanes from listeners
+    about to run dry (docs/benchmarks.md, "The burst"). Heard audio is the time since the
     start, never more than what was taken (a reader that stops reading stops
     its clock).
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,9 +91,6 @@ class SequenceTable:
 
     def __len__(self) -> int:
         return len(self._seqs)
-
-    def __iter__(self) -> Iterator[Sequence]:
-        return iter(self._seqs.values())
 
     def __contains__(self, key: object) -> bool:
         return key in self._seqs
