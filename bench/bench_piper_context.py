@@ -47,7 +47,7 @@ SLICES = {f"first slice (frames 0-{FIRST_END})": (0, FIRST_END), "middle slice (
 def reference(backend: PiperBackend, voice: LoadedVoice, text: str,
               index: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, int]:
     """The segment's flow feeds, its whole latent [1, C, T], whole audio [T * hop] and frame count."""
-    item = backend.prepare(SynthesisRequest(RequestId(f"c{index}"), text, "joe", deadline=0.0))
+    item = backend.prepare(SynthesisRequest(RequestId(f"c{index}"), text, "joe"))
     state = item.state
     backend.release(item)  # only its ids and scales are read here
     outputs, durations = voice.run_front(np.array([state.ids], dtype=np.int64),

@@ -70,7 +70,7 @@ def time_fronts(backend: PiperBackend, rounds: int, cores: int) -> dict[str, lis
     timings: dict[str, list[float]] = {name: [] for name in sessions}
     for turn in range(rounds + 2):
         item = backend.prepare(SynthesisRequest(RequestId(f"f{turn}"), SENTENCES[turn % len(SENTENCES)],
-                                                "joe", deadline=0.0))
+                                                "joe"))
         state = item.state
         feeds = {"input": np.array([state.ids], dtype=np.int64),
                  "input_lengths": np.array([len(state.ids)], dtype=np.int64),
@@ -106,7 +106,7 @@ async def time_first_audio(engine: Engine, backend: PiperBackend, rounds: int) -
                 first = None
                 async for _chunk in engine.submit(SynthesisRequest(
                         request_id, SENTENCES[turn % len(SENTENCES)], "joe",
-                        deadline=time.monotonic(), context_key=str(request_id))):
+                        context_key=str(request_id))):
                     if first is None:
                         first = time.perf_counter() - started
                 if turn >= 2 and first is not None:

@@ -38,13 +38,13 @@ PARTS=${PARTS:-flow lm pipeline gateway pipeline_before}
 STREAMS=${STREAMS:-1,8,32,64,128,256}
 LEVELS=${LEVELS:-1,8,32,64,128}
 # The gateway: 15 s of turns per level and 8 s for the last ones to end (five levels and the
-# load fit its share); LM positions 1,024 (the answers are short: half the LM graphs to capture);
-# a context's segments continue one LM sequence. --max-contexts above the top level replaces the
-# step-cost estimate (its 16-context floor is sized for a CPU); this build still never admits
-# more than the flow cache holds (Backend.context_capacity), the build before has no such bound.
-# The build before has no lm_context option (ANCHOR_GATEWAY_ARGS).
+# load fit its share); LM positions 1,024 (the answers are short: half the LM graphs to capture).
+# --max-contexts above the top level replaces the step-cost estimate (its 16-context floor is sized
+# for a CPU); this build still never admits more than its sequence table holds (the LM's slots
+# and the flow cache's streams, Backend.context_capacity). The build before takes the same
+# arguments (ANCHOR_GATEWAY_ARGS, kept apart for builds whose options differ).
 GATEWAY_ARGS=${GATEWAY_ARGS:---duration 15 --drain 8 --engine-option=max_len=1024 \
---engine-option=lm_context=continue --server-arg=--max-contexts=256}
+--server-arg=--max-contexts=256}
 ANCHOR_GATEWAY_ARGS=${ANCHOR_GATEWAY_ARGS:---duration 15 --drain 8 --engine-option=max_len=1024 \
 --server-arg=--max-contexts=256}
 PIPELINE_ARGS=${PIPELINE_ARGS:-}

@@ -211,8 +211,8 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
     Raises TimeoutError past `deadline` (time.perf_counter()) or `max_steps`
     steps; whatever ends the pass, its requests are released.
     """
-    items = [backend.prepare(SynthesisRequest(RequestId(f"{tag}-{n}-{i}"), text, backend.voices()[0].voice_id,
-                                              0.0)) for i in range(n)]
+    voice = backend.voices()[0].voice_id
+    items = [backend.prepare(make_request(f"{tag}-{n}-{i}", text, voice)) for i in range(n)]
     first: dict[str, float] = {}
     audio_s: dict[str, float] = {item.request_id: 0.0 for item in items}
     gaps: dict[str, float] = {}
@@ -257,6 +257,22 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
             "streams_with_gaps": len(gaps), "max_gap_ms": 1000 * max(gaps.values(), default=0.0),
             "first_audio_step_p50": rank(sorted(first_step.values()) or [0], 0.5),
             "first_steps_ms": [round(1000 * (b - a), 1) for a, b in zip([0.0] + step_ends, step_ends)]}
+
+
+def make_request(request_id: str, text: str, voice: str) -> SynthesisRequest:
+    """A request stepped without an engine, in this build's shape or the build before's (which
+    took a due time: 0.0, every request equally due, as this build's default)."""
+    fields = {f.name for f in dataclasses.fields(SynthesisRequest)}
+    extra: dict[str, Any] = {"deadline": 0.0} if "deadline" in fields else {}
+    return SynthesisRequest(RequestId(request_id), text, voice, **extra)
+
+
+def flow_streams_of(backend: CosyVoiceBackend) -> int:
+    """Streams per flow call, as this build resolved them at load (the build before: its config)."""
+    resolved = getattr(backend, "resolved", None)
+    if resolved is not None:
+        return int(resolved.flow_streams)
+    return int(getattr(backend.config, "flow_streams", 0))
 
 
 def random_model_parts() -> tuple[Any, Any, Any, Any]:
@@ -355,13 +371,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     at_load = num_graphs(backend)
     print(f"[{args.label}] model written in {written - started:.1f} s, loaded in {loaded - written:.1f} s "
           f"(CUDA graphs captured at load: {at_load['lm']} LM, {at_load['flow']} flow; "
-          f"{config.flow_streams} streams per flow call)")
+          f"{flow_streams_of(backend)} streams per flow call)")
     name = device.type if device.type == "cpu" else torch.cuda.get_device_name(device)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"label": args.label, "version": args.version, "device": name, "pyav": has_pyav,
                               "rows": rows, "errors": {}, "capacity": 0, "write_s": written - started,
                               "load_s": loaded - written, "graphs_at_load": at_load,
-                              "flow_streams": config.flow_streams, "cache_gib": cache_gib(backend),
+                              "flow_streams": flow_streams_of(backend),
+                              "cache_gib": cache_gib(backend),
                               "options": {k: str(v) for k, v in dataclasses.asdict(config).items()}}
     deadline = started + args.budget_s
     max_steps = 4 * config.max_len  # a pass takes at most max_len LM steps and a final chunk

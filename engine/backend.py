@@ -17,6 +17,10 @@ backend a `StepPlan` (the item's due time, whether the step runs alone or
 beside another lane's work due soon, whether the item's context is the only
 one with prepared work), and a backend that sizes its work by the load
 (piper's window pace) reads that plan rather than counting steps itself.
+A backend that cannot run an item of a step now (cosyvoice: no room in its
+memory for one more stream) says so in the item's result (`StepResult.waiting`,
+with the reason): the engine counts it and tries the item again once work
+has moved, never holding it without a word.
 
 Registered voices (docs/voices.md) use four optional methods, also called in
 that worker thread (the engine's voice verbs run them there):
@@ -70,9 +74,11 @@ class BackendRequest:
     may refine it in `step` (piper: exact once a segment's frames are known),
     and the engine reads it after every step, so the next segment of the
     context is due when this one's audio really ends.
-    `due` is when the request's next piece of audio must exist: the engine
-    sets it before each schedule from the request's playback clock (None:
-    `request.deadline`, the due time of its first audio). Backends leave it.
+    `due` is when the request's next piece of audio must exist (time.monotonic()'s
+    clock): the engine sets it before each schedule from the request's playback
+    clock (engine/clock.py). Stepped without an engine (a test, a bench), it is
+    0.0 unless the caller sets it: every item equally and long overdue.
+    Backends leave it.
     `plan` is set by the engine as it starts a step with the request (`StepPlan`);
     backends read it and leave it (None: stepped without an engine).
     """
@@ -80,7 +86,7 @@ class BackendRequest:
     request: SynthesisRequest
     state: Any = None
     est_audio_s: float = 0.0
-    due: float | None = None
+    due: float = 0.0
     plan: StepPlan | None = None
 
     @property
@@ -89,8 +95,8 @@ class BackendRequest:
 
 
 def due_of(item: BackendRequest) -> float:
-    """When the request's next piece of audio must exist (its first: `request.deadline`)."""
-    return item.request.deadline if item.due is None else item.due
+    """When the request's next piece of audio must exist (`BackendRequest.due`)."""
+    return item.due
 
 
 def plan_of(item: BackendRequest) -> StepPlan:
@@ -105,12 +111,15 @@ class StepResult:
     `pcm` may be empty (an LM step that made tokens but no audio yet).
     `is_finished` means the request produced its last audio in this step.
     `error` ends only this request (the engine reports it as `internal`).
+    `waiting`: the request did not run in this step, and why (a short name, the
+    label of the engine's wait metric: cosyvoice's "flow_cache", "lm_slot").
     """
 
     pcm: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     words: list[WordTiming] | None = None
     is_finished: bool = False
     error: BaseException | None = None
+    waiting: str | None = None
 
 
 class Backend(ABC):
@@ -164,6 +173,10 @@ class Backend(ABC):
         """Free what the request holds (a finished or cancelled request)."""
         item.state = None
 
+    def close(self) -> None:
+        """Stop every thread and pool of the backend's own; the engine stopped (`Engine.stop`)
+        and no step, prepare or release runs after this. The default has none."""
+
     def context_capacity(self) -> int:
         """Talking contexts the backend's memory holds at once; 0: no bound of its own.
 
@@ -173,14 +186,6 @@ class Backend(ABC):
         thread: a backend answers from counters, without touching step state.
         """
         return 0
-
-    def end_context(self, context_key: str) -> None:
-        """A context (`SynthesisRequest.context_key`) ended: its turn is over or cancelled.
-
-        Called on the worker thread, after or before the release of its last request. A
-        backend that keeps state across a context's requests (cosyvoice's LM sequence)
-        frees it here; the default keeps none.
-        """
 
     # -- registered voices (optional) ---------------------------------------
 

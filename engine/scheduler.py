@@ -275,6 +275,9 @@ class Scheduler:
         memory = self.memory_capacity()
         return min(limit, memory) if memory > 0 else limit
 
+    def is_admitted(self, context_key: str) -> bool:
+        return context_key in self._contexts
+
     def admit(self, context_key: str) -> bool:
         if context_key in self._contexts:
             return True

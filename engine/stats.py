@@ -1,7 +1,8 @@
 """The engine's counters: what one engine has done, as the gateway exports it to /metrics.
 
 This module owns `EngineStats` (requests submitted, finished, cancelled and
-failed; steps, audio and busy time; the step-time histogram) and the
+failed; steps, audio and busy time; the step-time histogram; the items a
+backend could not run in a step, by reason) and the
 histogram's bucket bounds, `STEP_BUCKETS`. It is plain data with no engine
 behind it, so a remote gateway can build one from its replicas' counters and
 sum them (gateway.ray_serve) without importing the engine's loop.
@@ -32,6 +33,12 @@ class EngineStats:
     # Step durations as cumulative-ready bucket counts (STEP_BUCKETS; the last is +Inf),
     # so /metrics exports a histogram and a remote gateway can sum its replicas'.
     step_bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(STEP_BUCKETS) + 1))
+    # Items of a step the backend did not run, by its reason (`StepResult.waiting`): a request
+    # the engine sends is run or counted here, never held inside the backend without a word.
+    waits: dict[str, int] = field(default_factory=dict)
 
     def observe_step(self, seconds: float) -> None:
         self.step_bucket_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1
+
+    def count_wait(self, reason: str) -> None:
+        self.waits[reason] = self.waits.get(reason, 0) + 1

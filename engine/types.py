@@ -24,9 +24,9 @@ EST_S_PER_CHAR = 0.065
 def estimate_audio_s(text: str, speed: float = 1.0) -> float:
     """How long `text` will take to speak at `speed`, before any audio exists.
 
-    The gateway's one guess (deadlines of later segments, a context's predicted
-    end); a backend's own estimate, once it has prepared the request, is
-    `BackendRequest.est_audio_s`.
+    The engine's guess for a request not prepared yet (when the audio after it
+    is due, engine/clock.py); a backend's own estimate, once it has prepared
+    the request, is `BackendRequest.est_audio_s`.
     """
     return EST_S_PER_CHAR * len(text) / speed
 
@@ -80,22 +80,25 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class SynthesisRequest:
-    """One segment of text to speak.
+    """One segment of text to speak, and where its audio plays: the order, never a time.
 
-    `deadline` is on the engine's monotonic clock (seconds): the time by which
-    this request's first audio must exist to avoid a gap. The first segment of
-    a turn is due "now" (its TTFA); a later one is due when the audio already
-    sent for its context runs out (docs/architecture.md, "Deadline scheduling").
-
-    `context_key` groups the requests of one spoken turn so that admission
-    control counts turns, not segments.
+    `context_key` groups the requests of one spoken turn: admission counts
+    turns, not segments, and a context's requests play one after another in
+    the order they are submitted. `plays_after` names the context whose audio
+    this context plays after (the same listener's turn before it), or is empty.
+    The engine owns every due time (engine/clock.py): a request is due when the
+    audio before it runs out, by the engine's own count; a request with nothing
+    before it (a context's first, playing after nothing still known to the
+    engine) is due at once, its "first audio now" (docs/architecture.md,
+    "Deadline scheduling"). A monotonic time never crosses the seam, so a
+    request means the same in another process or on another machine.
     """
 
     request_id: RequestId
     text: str
     voice: str
-    deadline: float
     context_key: str = ""
+    plays_after: str = ""
     language: str | None = None
     instructions: str | None = None
     params: SamplingParams = field(default_factory=SamplingParams)

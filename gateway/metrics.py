@@ -51,6 +51,12 @@ class _EngineCollector(Collector):
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], float(value))
             yield family
+        waits = GaugeMetricFamily("voxgate_engine_waits_total",
+                                  "requests of a step the backend could not run yet, by reason",
+                                  labels=["reason"])
+        for reason, count in sorted(e.waits.items()):
+            waits.add_metric([reason], float(count))
+        yield waits
         yield _step_histogram(e.step_bucket_counts, e.busy_seconds)
 
 

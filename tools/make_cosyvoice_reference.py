@@ -28,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     piper = PiperBackend(PiperBackendConfig(num_threads=1, max_batch_size=1))
     piper.load()
-    request = SynthesisRequest(RequestId("cosyvoice-reference"), REFERENCE_TEXT, PIPER_VOICE_ID, 0.0,
+    request = SynthesisRequest(RequestId("cosyvoice-reference"), REFERENCE_TEXT, PIPER_VOICE_ID,
                                params=SamplingParams(noise_scale=0.0, noise_w_scale=0.0))
     (result,) = piper.step([piper.prepare(request)])
     if result.error is not None:

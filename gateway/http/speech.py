@@ -28,7 +28,6 @@ import asyncio
 import base64
 import json
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Collection
@@ -41,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.client import EngineClient
 from engine.errors import VoxgateError
-from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest, estimate_audio_s
+from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
 from gateway.access.fair_share import FairShare, owner_of
 from gateway.access.guard import principal
 from gateway.access.keys import presented_key
@@ -223,7 +222,6 @@ class _Synthesis:
         for voice in self.voices:
             catalog.hold(voice)
         self._request_ids: list[RequestId] = []
-        self._due = time.monotonic()
         self.is_closed = False
 
     def _submit_next(self, streams: deque[AsyncIterator[AudioChunk]]) -> None:
@@ -231,10 +229,10 @@ class _Synthesis:
         text, voice = self.segments[index]
         request_id = RequestId(f"{self.key}:{index}")
         self._request_ids.append(request_id)
+        # one context: the engine plays its segments in order, each due when the one before runs out
         streams.append(self.engine.submit(SynthesisRequest(
-            request_id, text, voice, self._due, context_key=self.key,
+            request_id, text, voice, context_key=self.key,
             instructions=self.job.instructions, params=self.job.params)))
-        self._due += estimate_audio_s(text, self.job.params.speed)
 
     async def chunks(self) -> AsyncIterator[AudioChunk]:
         streams: deque[AsyncIterator[AudioChunk]] = deque()

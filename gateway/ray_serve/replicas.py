@@ -66,6 +66,9 @@ def sum_reports(reports: list[dict[str, Any]]) -> tuple[SchedulerTotals, EngineS
         for name, value in report["stats"].items():
             if name == "step_bucket_counts":
                 stats.step_bucket_counts = [a + b for a, b in zip(stats.step_bucket_counts, value)]
+            elif name == "waits":
+                for reason, count in value.items():
+                    stats.waits[reason] = stats.waits.get(reason, 0) + count
             elif name.startswith("last_"):
                 setattr(stats, name, max(getattr(stats, name), value))
             else:

@@ -2,13 +2,14 @@
 
 Ray pickles whatever a call carries; plain dicts of str, float and bytes keep
 that cheap and keep the engine's dataclasses free to change on one side of a
-rolling upgrade. Deadlines cross as "seconds from now", because a monotonic
-clock means nothing on another machine.
+rolling upgrade. No time crosses: a request says only where its audio plays
+(its context, and the context it plays after), and the engine replica times
+it on its own clock (engine/clock.py), since a monotonic clock means nothing
+on another machine.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -40,16 +41,19 @@ _ERRORS: dict[str, type[EngineError]] = {
 
 def request_to_wire(request: SynthesisRequest, gateway_id: str) -> dict[str, Any]:
     return {"request_id": request.request_id, "text": request.text, "voice": request.voice,
-            "deadline_in_s": request.deadline - time.monotonic(), "context_key": request.context_key,
+            "context_key": request.context_key, "plays_after": request.plays_after,
             "language": request.language, "instructions": request.instructions,
-            "params": asdict(request.params), "gateway": gateway_id}
+            "params": asdict(request.params), "gateway": gateway_id,
+            "deadline_in_s": 0.0}  # read by a replica of the build before only: due on arrival
 
 
 def request_from_wire(wire: dict[str, Any]) -> SynthesisRequest:
+    # an older gateway sends `deadline_in_s` and no `plays_after`: its request plays at once
     return SynthesisRequest(RequestId(wire["request_id"]), wire["text"], wire["voice"],
-                            deadline=time.monotonic() + float(wire["deadline_in_s"]),
-                            context_key=wire["context_key"], language=wire["language"],
-                            instructions=wire["instructions"], params=SamplingParams(**wire["params"]))
+                            context_key=wire["context_key"],
+                            plays_after=wire.get("plays_after", ""),
+                            language=wire["language"], instructions=wire["instructions"],
+                            params=SamplingParams(**wire["params"]))
 
 
 def chunk_to_wire(chunk: AudioChunk) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
+from engine.types import AudioChunk, RequestId, WordTiming
 from gateway.stream.options import SessionOptions
 from gateway.stream.playout import Playout
 from gateway.text.language import Piece
@@ -109,25 +109,6 @@ class Context:
     def is_drained(self) -> bool:
         """Every segment synthesized and framed, and every message released."""
         return self.is_spoken() and self.playout.is_finished and self.playout.is_empty
-
-    def audio_s(self, num_segments: int | None = None) -> float:
-        """Seconds of audio of the first `num_segments` segments (all by default).
-
-        Actual once a segment is synthesized (framed audio plus chunks still
-        waiting to be framed), estimated from its text before.
-        """
-        total = 0.0
-        for s in self.segments[:num_segments]:
-            if s.is_synthesized:
-                total += (s.audio_ms + sum(c.duration_ms for c in s.chunks)) / 1000.0
-            else:
-                total += estimate_audio_s(s.text, self.options.speed)
-        return total
-
-    def predicted_end(self, now: float) -> float:
-        """When this context's audio will have played (its playback clock, or `now` before it starts)."""
-        start = self.playout.play_started_at
-        return (now if start is None else start) + self.audio_s()
 
     def heard_ms(self, played_ms: float | None) -> float:
         """What the listener heard: `played_ms` when given, else its last `playback`

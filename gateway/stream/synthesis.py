@@ -3,7 +3,9 @@
 `Synthesis` turns the segments each context's segmenter releases into engine
 requests: it names them, submits them in playback order within the socket's
 look-ahead window (`MAX_SEGMENTS_AHEAD`), takes engine capacity for a context
-as its first segment goes (admission), and gives every request its deadline.
+as its first segment goes (admission), and tells the engine where each
+request's audio plays: its context, and the context it plays after (the
+engine times every request from that, engine/clock.py).
 Audio coming back is routed by request id to its segment, and
 `frame_ready_audio` hands it to the context's playout in playback order,
 announcing each segment as its audio starts. Each segment is routed by
@@ -88,12 +90,12 @@ class Synthesis:
                 segment.is_submitted = True
                 in_flight += 1
                 self._by_request[segment.request_id] = context
-                deadline = _deadline(contexts, context, segment.segment_id, now)
                 # `language` and `instructions` are for the context's own voice: a voice mapped
                 # for another language speaks that one, and may take no instructions
                 is_own = segment.voice == options.voice
                 actions.append(Submit(SynthesisRequest(
-                    segment.request_id, segment.text, segment.voice, deadline, context_key=context.key,
+                    segment.request_id, segment.text, segment.voice, context_key=context.key,
+                    plays_after=_plays_after(contexts, context),
                     language=options.language if is_own else None,
                     instructions=options.instructions if is_own else None,
                     params=SamplingParams(speed=options.speed))))
@@ -148,23 +150,16 @@ class Synthesis:
             self._release(context.key)
 
 
-def _deadline(contexts: dict[str, Context], context: Context, index: int, now: float) -> float:
-    """When segment `index` of `context` must have audio (docs/architecture.md, "Deadline scheduling").
-
-    The first segment of a turn that nothing plays before is due now (its
-    TTFA); any other is due when the audio before it runs out: the
-    context's playback start (actual, or predicted after the contexts
-    queued before it) plus the durations of its earlier segments (actual
-    once synthesized, estimated from their text before).
-    """
-    start = context.playout.play_started_at
-    if start is None:
-        start = now
-        for other in contexts.values():
-            if other is context:
-                break
-            start = max(start, other.predicted_end(now))
-    return start + context.audio_s(index)
+def _plays_after(contexts: dict[str, Context], context: Context) -> str:
+    """The key of the context whose audio `context` plays after: the open one before it on the
+    socket (contexts play one after another), or "" for the first (docs/architecture.md,
+    "Deadline scheduling"). The engine reads it at a context's first request."""
+    before = ""
+    for other in contexts.values():
+        if other is context:
+            return before
+        before = other.key
+    return ""
 
 
 def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> None:

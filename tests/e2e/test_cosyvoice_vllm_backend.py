@@ -22,9 +22,10 @@ pytest.importorskip("vllm", reason="vLLM, in the gpu extra: pip install -e '.[gp
 
 from engine.backend import BackendRequest
 from engine.backends import create_backend
-from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from engine.backends.cosyvoice.lm.driver import LMStart
 from engine.backends.cosyvoice.lm.driver_vllm import VllmLMDriver
+from engine.backends.cosyvoice.sequences import Sequence
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.support.cosyvoice_random_checkpoint import QWEN2_TINY, write_random_model_dir
 from tests.support.cosyvoice_steps import Requests, run
@@ -73,7 +74,7 @@ def torch_backend(options: dict[str, str]) -> CosyVoiceBackend:
 def vllm_backend(options: dict[str, str]) -> Iterator[CosyVoiceBackend]:
     backend = load(options, "vllm")
     yield backend
-    driver(backend).close()
+    backend.close()
 
 
 def driver(backend: CosyVoiceBackend) -> VllmLMDriver:
@@ -82,8 +83,8 @@ def driver(backend: CosyVoiceBackend) -> VllmLMDriver:
     return lm
 
 
-def state_of(item: BackendRequest) -> CosyState:
-    assert isinstance(item.state, CosyState)
+def state_of(item: BackendRequest) -> Sequence:
+    assert isinstance(item.state, Sequence)
     return item.state
 
 
@@ -138,7 +139,9 @@ def test_a_preempted_stream_resumes_from_its_tokens_where_it_stopped(
         vllm_backend: CosyVoiceBackend, torch_speech: dict[str, tuple[list[int], int]]) -> None:
     lm = driver(vllm_backend)
     want = torch_speech[LONG_TEXT][0]
-    lm_input = state_of(prepare(vllm_backend, LONG_TEXT)).lm_input
+    item = prepare(vllm_backend, LONG_TEXT)
+    lm_input = state_of(item).inputs.lm_input
+    vllm_backend.release(item)  # the LM is driven by hand below
 
     def run(key: str, resume: list[int], limit: int) -> list[int]:
         assert lm.start([LMStart(key, lm_input, True, resume)]) == {}

@@ -12,7 +12,8 @@ import numpy as np
 
 from engine.backend import BackendRequest
 from engine.backends import create_backend
-from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.backend import CosyVoiceBackend
+from engine.backends.cosyvoice.sequences import Sequence
 from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
 
@@ -39,12 +40,15 @@ class Requests:
     def __init__(self, prefix: str) -> None:
         self.prefix, self._ids = prefix, itertools.count()
 
-    def __call__(self, backend: CosyVoiceBackend, text: str, context: str = "", deadline: float = 0.0,
+    def __call__(self, backend: CosyVoiceBackend, text: str, context: str = "", due: float = 0.0,
                  **fields: Any) -> BackendRequest:
-        """`fields` go to SynthesisRequest."""
-        request = SynthesisRequest(RequestId(f"{self.prefix}-{next(self._ids)}"), text, "default", deadline,
+        """`due`: when its next audio is due (the engine's clock would set it); `fields` go to
+        SynthesisRequest."""
+        request = SynthesisRequest(RequestId(f"{self.prefix}-{next(self._ids)}"), text, "default",
                                    context_key=context, **fields)
-        return backend.prepare(request)
+        item = backend.prepare(request)
+        item.due = due
+        return item
 
 
 def run(backend: CosyVoiceBackend, items: list[BackendRequest], max_steps: int = 3000,
@@ -61,7 +65,7 @@ def run(backend: CosyVoiceBackend, items: list[BackendRequest], max_steps: int =
             assert result.error is None, result.error
             pcm[item.request_id].append(result.pcm)
             if result.is_finished:
-                assert isinstance(item.state, CosyState)
+                assert isinstance(item.state, Sequence)
                 out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
                 backend.release(item)
                 live.remove(item)

@@ -3,6 +3,13 @@
 Every field maps onto an environment variable of its upper-cased name
 (`model_dir` <- VOXGATE_COSYVOICE_MODEL_DIR); explicit options override the
 environment. Values given as strings are converted to the field's type.
+
+Options are data: this module imports nothing of the runtime (no torch), and
+the names each option accepts are spelled here, for the runtime modules to
+check against. The options that depend on the device ("auto", 0) are
+resolved once, when the backend is made (`resolve`, with the device's answer
+passed in), into `Resolved`, which the runtime reads; nothing asks torch
+about the device again.
 """
 
 from __future__ import annotations
@@ -12,9 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.backends.cosyvoice.frontend.frontend import TOKENIZER_MODES
-from engine.backends.cosyvoice.frontend.textnorm import TEXT_FRONTENDS
-from engine.backends.cosyvoice.lm.driver import LM_BACKENDS
 from engine.options import config_from_options
 
 ENV_PREFIX = "VOXGATE_COSYVOICE_"
@@ -22,15 +26,12 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DECODE_MODES = ("auto", "dynamic", "static", "cuda_graphs")
 SAMPLING = ("ras", "greedy")
-LM_CONTEXTS = ("segment", "continue")
+LM_BACKENDS = ("torch", "vllm")  # lm/driver.py, lm/driver_vllm.py
+TOKENIZER_MODES = ("auto", "hf", "bytes")  # frontend/frontend.py
+TEXT_FRONTENDS = ("auto", "wetext", "none")  # frontend/textnorm.py
 GPU_BATCH, CPU_BATCH = 256, 8  # default requests per step
 GPU_FLOW_STREAMS = 128  # default streams per flow call on a GPU: 256 CFG rows
 FLOW_CACHE_RESERVE_GIB = 8.0  # GPU memory left beside the flow's K/V cache (sized at load)
-
-
-def _default_num_threads() -> int:
-    # Half the cores, so the event loop (Opus encoding, sockets) keeps the rest.
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(slots=True)
@@ -64,9 +65,6 @@ class CosyVoiceBackendConfig:
     cpu_workers: int = 1  # the backend's CPU executor: text frontend and voice registration
     max_len: int = 2048  # positions per slot: prompt + speech tokens
     sampling: str = "ras"  # "greedy": argmax (deterministic; tests)
-    # "continue": a context's later segments continue its LM sequence (one prompt prefill per
-    # context; the torch LM only; lm/runner.py, "Continuation"); "segment": each its own
-    lm_context: str = "segment"
     seed: int = 0
     tokenizer: str = "auto"  # "bytes": ByteTokenizer, for tests only (frontend/frontend.py)
     text_frontend: str = "auto"  # text normalization: auto (wetext where installed), wetext, none
@@ -96,7 +94,7 @@ class CosyVoiceBackendConfig:
         for name, allowed in (("device", DEVICES), ("lm_dtype", DTYPES), ("flow_dtype", DTYPES),
                               ("flow_runtime", ("auto", "torch", "cuda_graphs", "tensorrt")),
                               ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
-                              ("sampling", SAMPLING), ("lm_context", LM_CONTEXTS),
+                              ("sampling", SAMPLING),
                               ("tokenizer", TOKENIZER_MODES),
                               ("text_frontend", TEXT_FRONTENDS), ("flow_thread", ("auto", "on", "off")),
                               ("flow_kv_cache", ("auto", "on", "off"))):
@@ -129,28 +127,26 @@ class CosyVoiceBackendConfig:
         if self.default_voice_audio is not None and not self.default_voice_text.strip():
             raise ValueError("default_voice_text must be the transcript of default_voice_audio, got none")
 
-    def is_gpu(self) -> bool:
-        """Whether the backend will run on a GPU (device auto: where CUDA is available)."""
-        if self.device == "auto":
-            import torch  # only here: the config is read without torch elsewhere
-
-            return bool(torch.cuda.is_available())
-        return self.device == "cuda"
-
-    @property
-    def batch_size(self) -> int:
-        """Requests per step: the option, else a GPU's size (a GPU at 8 streams idles) or the CPU's."""
-        return self.max_batch_size or (GPU_BATCH if self.is_gpu() else CPU_BATCH)
-
-    @property
-    def num_streams(self) -> int:
-        return self.max_streams or 2 * self.batch_size
-
-    @property
-    def flow_streams(self) -> int:
-        """Streams per flow call (their CFG rows are twice as many)."""
-        return self.max_flow_streams or (min(GPU_FLOW_STREAMS, self.num_streams) if self.is_gpu()
-                                         else self.num_streams)
+    def resolve(self, has_cuda: bool, num_cores: int | None = None) -> Resolved:
+        """What "auto" and 0 mean on this machine: `has_cuda` is whether a CUDA device is
+        available (the caller asks torch, once); `num_cores` the CPU's (default: os.cpu_count)."""
+        is_gpu = self.device == "cuda" or (self.device == "auto" and has_cuda)
+        batch = self.max_batch_size or (GPU_BATCH if is_gpu else CPU_BATCH)
+        streams = self.max_streams or 2 * batch
+        cores = num_cores or os.cpu_count() or 2
+        return Resolved(
+            device="cuda" if is_gpu else "cpu",
+            lm_dtype=_dtype(self.lm_dtype, is_gpu), flow_dtype=_dtype(self.flow_dtype, is_gpu),
+            decode_mode=self.decode_mode if self.decode_mode != "auto" else (
+                "cuda_graphs" if is_gpu else "dynamic"),
+            # a step never holds more requests than the LM has slots: each can then start
+            batch_size=min(batch, streams), num_streams=streams,
+            flow_streams=self.max_flow_streams or (
+                min(GPU_FLOW_STREAMS, streams) if is_gpu else streams),
+            uses_flow_thread=self.flow_thread == "on" or (self.flow_thread == "auto" and is_gpu),
+            # half the cores, so the event loop (Opus encoding, sockets) keeps the rest
+            num_threads=self.num_threads or max(1, min(8, cores // 2)),
+            max_history_tokens=None if self.max_history_tokens < 0 else self.max_history_tokens)
 
     def uses_kv_cache(self, version: int) -> bool:
         """Whether the flow runs over CosyVoice 3's K/V cache (one chunk a run, no recomputation)."""
@@ -159,11 +155,27 @@ class CosyVoiceBackendConfig:
         return version == 3 and (self.flow_kv_cache == "on"
                                  or (self.flow_kv_cache == "auto" and self.flow_runtime != "tensorrt"))
 
-    @property
-    def uses_flow_thread(self) -> bool:
-        return self.flow_thread == "on" or (self.flow_thread == "auto" and self.is_gpu())
-
     @classmethod
     def from_options(cls, options: dict[str, Any], environ: dict[str, str] | None = None) -> CosyVoiceBackendConfig:
         """VOXGATE_COSYVOICE_<FIELD> variables, then `options` (strings converted to the field's type)."""
         return config_from_options(cls, "cosyvoice", options, ENV_PREFIX, environ)
+
+
+@dataclass(slots=True, frozen=True)
+class Resolved:
+    """The options that depend on the machine, as `CosyVoiceBackendConfig.resolve` decided them."""
+
+    device: str  # "cuda" or "cpu"
+    lm_dtype: str  # "float32", "bfloat16" or "float16"
+    flow_dtype: str
+    decode_mode: str  # "dynamic", "static" or "cuda_graphs"
+    batch_size: int  # requests per step, at most `num_streams`
+    num_streams: int  # the LM's slots (KV-cache rows, or vLLM's running requests)
+    flow_streams: int  # streams per flow call (their CFG rows are twice as many)
+    uses_flow_thread: bool
+    num_threads: int  # torch's CPU threads
+    max_history_tokens: int | None  # None: the whole history
+
+
+def _dtype(name: str, is_gpu: bool) -> str:
+    return name if name != "auto" else ("bfloat16" if is_gpu else "float32")

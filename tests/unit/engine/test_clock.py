@@ -1,4 +1,5 @@
-"""Playback clocks (engine.clock) with a fake time: lead, a listener that ran dry, EDF across them."""
+"""Playback clocks (engine.clock) with a fake time: lead, a listener that ran dry, EDF across them,
+and the engine's own due times from the order alone (a context's record, the one it plays after)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import pytest
 
 from engine import clock
 from engine.backend import BackendRequest
-from engine.clock import RequestHandle
+from engine.clock import PlaybackRecord, RequestHandle
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.types import AudioChunk, RequestId, SynthesisRequest, estimate_audio_s
 
 RATE = 1000  # samples per second: a chunk of n samples is n ms
 
 
-def handle(name: str, deadline: float, prev: RequestHandle | None = None) -> RequestHandle:
-    return RequestHandle(SynthesisRequest(RequestId(name), "text", "v", deadline), prev)
+def handle(name: str, submitted: float, prev: RequestHandle | None = None,
+           text: str = "text") -> RequestHandle:
+    """A request submitted at `submitted`; `prev`: the one before it in its context."""
+    return RequestHandle(SynthesisRequest(RequestId(name), text, "v"), submitted, prev=prev)
 
 
 def make_and_take(h: RequestHandle, seconds: float, now: float) -> None:
@@ -26,26 +29,26 @@ def make_and_take(h: RequestHandle, seconds: float, now: float) -> None:
 
 
 def test_a_playing_listener_leads_by_the_audio_it_has_not_heard() -> None:
-    h = handle("a", deadline=0.0)
+    h = handle("a", submitted=0.0)
     make_and_take(h, 2.0, now=0.0)
     assert h.lead(0.5) == pytest.approx(1.5)
 
 
 def test_a_listener_that_ran_dry_has_a_negative_lead_of_how_long_it_waited() -> None:
-    h = handle("a", deadline=0.0)
+    h = handle("a", submitted=0.0)
     make_and_take(h, 1.0, now=0.0)
     assert h.lead(1.0) == pytest.approx(0.0)
     assert h.lead(1.75) == pytest.approx(-0.75)
 
 
-def test_a_first_piece_not_yet_made_is_due_at_its_deadline() -> None:
-    h = handle("new", deadline=5.0)
+def test_a_first_piece_with_nothing_before_it_is_due_at_its_submission() -> None:
+    h = handle("new", submitted=5.0)
     assert h.lead(4.0) == pytest.approx(1.0)
     assert h.lead(5.5) == pytest.approx(-0.5)  # late: due half a second ago
 
 
 def test_after_a_gap_the_listener_resumes_where_it_stopped() -> None:
-    h = handle("a", deadline=0.0)
+    h = handle("a", submitted=0.0)
     make_and_take(h, 1.0, now=0.0)
     make_and_take(h, 1.0, now=1.5)  # dry from 1.0 to 1.5: playback resumes at 1.5
     assert h.start() == pytest.approx(0.5)
@@ -54,28 +57,28 @@ def test_after_a_gap_the_listener_resumes_where_it_stopped() -> None:
 
 
 def test_a_reader_that_stops_reading_stops_its_clock() -> None:
-    h = handle("a", deadline=0.0)
+    h = handle("a", submitted=0.0)
     make_and_take(h, 1.0, now=0.0)
     h.made_s += 2.0  # made, never taken: the consumer stopped reading
     assert h.lead(10.0) == pytest.approx(2.0)  # not negative: nobody is waiting on the engine
 
 
 def test_the_next_segment_starts_when_the_one_before_it_runs_out() -> None:
-    first = handle("s0", deadline=0.0)
+    first = handle("s0", submitted=0.0)
     make_and_take(first, 1.0, now=0.0)
-    first.is_finished = True
-    second = handle("s1", deadline=10.0, prev=first)
+    first.is_finished = first.is_done = True
+    second = handle("s1", submitted=0.1, prev=first)
     assert second.lead(0.25) == pytest.approx(0.75)
     assert second.lead(1.5) == pytest.approx(-0.5)
 
 
 def test_the_listener_that_waited_longest_is_served_first_and_a_new_turn_before_none_waiting() -> None:
     now = 10.0
-    dry = handle("dry", deadline=0.0)
+    dry = handle("dry", submitted=0.0)
     make_and_take(dry, 9.5, now=0.0)  # ran out at 9.5
-    playing = handle("playing", deadline=0.0)
+    playing = handle("playing", submitted=0.0)
     make_and_take(playing, 11.0, now=0.0)  # 1 s of audio still to hear
-    fresh = handle("fresh", deadline=9.9)  # a new turn's first segment, submitted at 9.9
+    fresh = handle("fresh", submitted=9.9)  # a new turn's first segment, submitted at 9.9
     handles = {h.request.request_id: h for h in (playing, fresh, dry)}
     scheduler = Scheduler(SchedulerConfig(max_batch_size=1))
     for h in (playing, fresh, dry):  # arrival order: the dry stream is not the oldest
@@ -90,41 +93,41 @@ def test_the_listener_that_waited_longest_is_served_first_and_a_new_turn_before_
 
 
 def test_a_later_segment_is_due_when_the_backends_length_of_the_one_before_runs_out() -> None:
-    # The gateway guessed the first segment's length from its text (text in a script the
-    # voice spells out: its guess said 0.5 s); the backend knows it is 10 s long.
-    first = handle("s0", deadline=0.0)
+    # A guess from the first segment's text would say 0.5 s (text in a script the voice
+    # spells out); the backend knows it is 10 s long.
+    first = handle("s0", submitted=0.0)
     first.est_s = 10.0
     make_and_take(first, 1.5, now=0.0)
-    second = handle("s1", deadline=0.5, prev=first)
+    second = handle("s1", submitted=0.5, prev=first)
     assert second.start() == pytest.approx(10.0)
     assert second.lead(1.0) == pytest.approx(9.0)  # not due half a second ago
 
 
 def test_a_later_segment_is_due_early_when_the_one_before_is_shorter_than_guessed() -> None:
-    first = handle("s0", deadline=0.0)
+    first = handle("s0", submitted=0.0)
     first.est_s = 1.0
     make_and_take(first, 1.0, now=0.0)
-    second = handle("s1", deadline=4.0, prev=first)  # the gateway guessed 4 s
+    second = handle("s1", submitted=0.2, prev=first)
     assert second.lead(0.25) == pytest.approx(0.75)
 
 
 def test_a_segment_before_it_not_yet_prepared_counts_as_its_text_guessed() -> None:
     text = "A sentence of some length, still being phonemized."
-    first = RequestHandle(SynthesisRequest(RequestId("s0"), text, "v", 2.0), None)
-    second = handle("s1", deadline=0.0, prev=first)
+    first = handle("s0", submitted=2.0, text=text)
+    second = handle("s1", submitted=2.1, prev=first)
     assert second.start() == pytest.approx(2.0 + estimate_audio_s(text))
-    first.is_cancelled = True  # cancelled: it will never play, its deadline is what is left
-    assert second.start() == pytest.approx(0.0)
+    first.is_cancelled = first.is_done = True  # cancelled: only what it made plays
+    assert second.start() == pytest.approx(2.0)
 
 
 def test_a_listener_about_to_run_dry_goes_before_a_later_segment_that_plays_in_seconds() -> None:
     now = 2.0
-    dry_soon = handle("dry soon", deadline=0.0)
+    dry_soon = handle("dry soon", submitted=0.0)
     make_and_take(dry_soon, 2.1, now=0.0)  # 0.1 s of audio left to hear
-    long_first = handle("long s0", deadline=0.0)
+    long_first = handle("long s0", submitted=0.0)
     long_first.est_s = 12.0
     make_and_take(long_first, 3.0, now=0.0)
-    later = handle("long s1", deadline=0.2, prev=long_first)  # the gateway's guess: due at 0.2
+    later = handle("long s1", submitted=0.2, prev=long_first)
     handles = {h.request.request_id: h for h in (dry_soon, long_first, later)}
     scheduler = Scheduler(SchedulerConfig(max_batch_size=1))
     for h in (later, dry_soon):  # the later segment came first
@@ -133,3 +136,19 @@ def test_a_listener_about_to_run_dry_goes_before_a_later_segment_that_plays_in_s
     (picked,) = scheduler.schedule(now)
     assert str(picked.request_id) == "dry soon"
     assert clock.is_ahead(later, now, horizon=2.0)  # ten seconds ahead: idle-time work
+
+
+def test_a_context_plays_after_the_one_before_it_never_before_its_own_submission() -> None:
+    before = PlaybackRecord()
+    talking = before.next_handle(SynthesisRequest(RequestId("a0"), "text", "v"), 0.0)
+    talking.est_s = 4.0
+    record = PlaybackRecord(after=before)
+    first = record.next_handle(SynthesisRequest(RequestId("b0"), "text", "v"), 1.0)
+    assert first.start() == pytest.approx(4.0)  # when the context before it runs out
+    assert first.lead(1.0) == pytest.approx(3.0)  # look-ahead work, not "now"
+    second = record.next_handle(SynthesisRequest(RequestId("b1"), "text", "v"), 1.5)
+    first.est_s = 2.0
+    assert second.start() == pytest.approx(6.0)  # its context's next: after its first
+    late = PlaybackRecord(after=before).next_handle(
+        SynthesisRequest(RequestId("c0"), "text", "v"), 9.0)
+    assert late.start() == pytest.approx(9.0)  # the one before ended long ago: first audio now

@@ -8,17 +8,19 @@ import time
 
 import pytest
 
-from engine.backend import BackendRequest, StepPlan, due_of
-from engine.engine import Engine, EngineConfig, _Step
+from engine.backend import BackendRequest, StepPlan, StepResult, due_of
+from engine.engine import Engine, EngineConfig
 from engine.errors import BackendFailure, EngineBusyError, UnknownVoiceError
+from engine.loop import _Step
 from engine.scheduler import SchedulerConfig
 from engine.types import RequestId, SynthesisRequest
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.wait import async_wait_until
 
 
-def request(name: str, text: str = "hello", voice: str = "v", deadline: float | None = None) -> SynthesisRequest:
-    return SynthesisRequest(RequestId(name), text, voice, time.monotonic() if deadline is None else deadline)
+def request(name: str, text: str = "hello", voice: str = "v",
+            context: str = "") -> SynthesisRequest:
+    return SynthesisRequest(RequestId(name), text, voice, context_key=context)
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -405,32 +407,34 @@ def test_each_step_is_planned_from_the_running_steps_and_the_contexts_with_work(
     now = time.monotonic()
 
     def held(name: str, context: str, due_in: float) -> BackendRequest:
-        item = BackendRequest(SynthesisRequest(RequestId(name), "hi", "v", now + due_in, context_key=context))
+        item = BackendRequest(SynthesisRequest(RequestId(name), "hi", "v", context_key=context),
+                              due=now + due_in)
         engine.scheduler.add(item)
         return item
 
     mine, my_next = held("a1", "s1", 0.0), held("a2", "s1", 5.0)
-    assert engine._plan([mine], {}) is True  # due now: busy
+    assert engine.loop.plan([mine], {}) is True  # due now: busy
     assert mine.plan == StepPlan(due_of(mine), is_alone=True, is_contended=False, is_lone=True)
     other = held("b1", "s2", 3.0)  # another session's segment, prepared: s1 no longer talks alone
     loop = asyncio.new_event_loop()
     try:
         beside_ahead = {loop.create_future(): _Step([other], now, is_busy=False)}
-        assert engine._plan([my_next], beside_ahead) is False  # due in 5 s: look-ahead work
+        assert engine.loop.plan([my_next], beside_ahead) is False  # due in 5 s: look-ahead work
         assert my_next.plan == StepPlan(due_of(my_next), is_alone=False, is_contended=False)
-        engine._plan([mine], {loop.create_future(): _Step([other], now, is_busy=True)})
+        engine.loop.plan([mine], {loop.create_future(): _Step([other], now, is_busy=True)})
         assert mine.plan == StepPlan(due_of(mine), is_alone=False, is_contended=True)
         ended = loop.create_future()
         ended.set_result([])  # a step that returned runs beside nothing, routed or not
-        engine._plan([mine], {ended: _Step([other], now, is_busy=True)})
+        engine.loop.plan([mine], {ended: _Step([other], now, is_busy=True)})
         assert mine.plan is not None and mine.plan.is_alone and not mine.plan.is_contended
     finally:
         loop.close()
-    engine._retire(other.request_id)  # finished: s2 talks until its release is made
-    engine._plan([mine], {})
+    engine.loop.retire(other.request_id)  # finished: s2 talks until its release is made
+    engine.loop.plan([mine], {})
     assert mine.plan is not None and not mine.plan.is_lone
-    assert [item.request_id for item in engine._take_releases()] == ["b1"]  # made before the step
-    engine._plan([mine], {})
+    # made before the step
+    assert [item.request_id for item in engine.requests.take_releases()] == ["b1"]
+    engine.loop.plan([mine], {})
     assert mine.plan is not None and mine.plan.is_lone
 
 
@@ -447,3 +451,48 @@ def test_the_callers_config_is_left_as_given_and_the_effective_one_is_shown() ->
     assert laned.scheduler.config is effective
     effective = plain.scheduler_config
     assert (effective.max_batch_size, effective.parallelism, effective.serial_items) == (4, 1, False)
+
+
+class RoomBackend(ScriptedBackend):
+    """One request at a time holds the backend's only room (as a stream holds a flow cache's
+    blocks); another reports it waits, until `room` is set free (by the test, or a release)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_batch_size=4, chunks_per_request=2)
+        self.holder: str | None = "someone else"
+        self.num_all_waited = 0  # steps in which no item ran
+
+    def step(self, batch: list[BackendRequest]) -> list[StepResult]:
+        results: list[StepResult] = []
+        for item in batch:
+            if self.holder is None:
+                self.holder = str(item.request_id)
+            if self.holder != str(item.request_id):
+                results.append(StepResult(waiting="room"))
+            else:
+                (result,) = super().step([item])
+                results.append(result)
+        self.num_all_waited += all(r.waiting for r in results)
+        return results
+
+    def release(self, item: BackendRequest) -> None:
+        if self.holder == str(item.request_id):
+            self.holder = None
+        super().release(item)
+
+
+def test_what_the_backend_cannot_run_is_counted_and_tried_again_now_and_then_never_spun() -> None:
+    async def scenario() -> tuple[list, RoomBackend, Engine]:
+        backend = RoomBackend()
+        engine = await started(backend, max_batch_size=4)
+        stream = engine.submit(request("waits"))
+        await asyncio.sleep(0.3)  # the room is held elsewhere meanwhile: nothing else to run
+        backend.holder = None
+        got = await asyncio.wait_for(_collect(stream), 5)
+        await engine.stop()
+        return got, backend, engine
+
+    got, backend, engine = run(scenario())
+    assert got and got[-1].is_last
+    assert engine.stats.waits["room"] >= 2  # counted every time it waited
+    assert backend.num_all_waited <= 12, "a step of nothing but waits came back at once, again"

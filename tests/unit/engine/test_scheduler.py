@@ -16,8 +16,10 @@ from engine.scheduler import (
 from engine.types import RequestId, SynthesisRequest
 
 
-def item(name: str, deadline: float) -> BackendRequest:
-    return BackendRequest(SynthesisRequest(RequestId(name), "text", "v", deadline))
+def item(name: str, due: float, context: str = "") -> BackendRequest:
+    """A prepared request whose next audio is due at `due` (as the engine's clock would set it)."""
+    return BackendRequest(SynthesisRequest(RequestId(name), "text", "v", context_key=context),
+                          due=due)
 
 
 def scheduler(max_batch_size: int = 4, fixed: float = 0.01, per_item: float = 0.05) -> Scheduler:
@@ -152,18 +154,18 @@ def test_items_that_share_no_work_run_one_per_core_per_step(parallelism: int) ->
 
 def test_due_by_holds_back_work_that_can_wait_for_a_running_step() -> None:
     scheduler = Scheduler(SchedulerConfig(max_batch_size=4))
-    scheduler.add(item("soon", deadline=100.2))
-    scheduler.add(item("later", deadline=102.0))
+    scheduler.add(item("soon", due=100.2))
+    scheduler.add(item("later", due=102.0))
     assert [str(i.request_id) for i in scheduler.schedule(100.0, due_by=100.5)] == ["soon"]
     scheduler.remove(RequestId("soon"))
     assert scheduler.schedule(100.0, due_by=100.5) == [], "work due in 2 s took a second lane"
     assert [str(i.request_id) for i in scheduler.schedule(100.0)] == ["later"]
 
 
-def test_a_request_is_due_at_its_deadline_until_its_clock_says_otherwise() -> None:
-    first = item("first", 2.0)
-    assert due_of(first) == 2.0
-    first.due = 3.5  # the engine's playback clock, once the request runs
+def test_a_request_stepped_without_an_engine_is_due_at_zero_until_a_clock_says_otherwise() -> None:
+    first = BackendRequest(SynthesisRequest(RequestId("first"), "text", "v"))
+    assert due_of(first) == 0.0  # every item equally and long overdue
+    first.due = 3.5  # the engine's playback clock, set before each schedule
     assert due_of(first) == 3.5
 
 
@@ -174,8 +176,8 @@ def test_a_step_is_busy_only_with_work_due_within_the_backends_lead() -> None:
 
 
 def test_each_item_is_planned_with_what_runs_beside_its_step_and_who_talks() -> None:
-    mine = BackendRequest(SynthesisRequest(RequestId("a"), "text", "v", 1.0, context_key="s1"))
-    own = BackendRequest(SynthesisRequest(RequestId("b"), "text", "v", 2.0))  # no context: its own
+    mine = item("a", 1.0, context="s1")
+    own = item("b", 2.0)  # no context: its own
     assert context_of(own.request) == "request:b"
     # nothing beside it, its context the only one with work: alone, the one talking session
     assert plan_step([mine], 0.0, [], {"s1"}) == [StepPlan(1.0, is_alone=True, is_lone=True)]

@@ -45,3 +45,14 @@ def test_socket_admissions_are_counted_by_protocol_and_result(tmp_path: Path) ->
     metrics.admissions.labels(protocol="deepgram", result="rate_limited").inc()
     text = metrics.render().decode()
     assert 'voxgate_socket_admissions_total{protocol="deepgram",result="rate_limited"} 1.0' in text
+
+
+def test_what_the_backend_could_not_run_yet_is_exported_by_reason(tmp_path: Path) -> None:
+    engine = Engine(ScriptedBackend(), EngineConfig(warmup_text=""))
+    metrics = Metrics(engine)
+    assert "voxgate_engine_waits_total{" not in metrics.render().decode()  # none yet
+    for reason in ("flow_cache", "flow_cache", "lm_slot"):
+        engine.stats.count_wait(reason)
+    text = metrics.render().decode()
+    assert 'voxgate_engine_waits_total{reason="flow_cache"} 2.0' in text
+    assert 'voxgate_engine_waits_total{reason="lm_slot"} 1.0' in text

@@ -18,9 +18,10 @@ and says who owns which:
 Memory is the limit, not arithmetic (docs/cosyvoice-design.md, "The flow's K/V
 cache"): a frame costs steps x layers x 2 rows x K and V x heads x dim_head
 elements, 1.72 MiB at CosyVoice 3's size in bf16 (10 x 22 x 2 x 2 x 1024 x 2 B);
-a block (one chunk) 86 MiB. `can_admit` says whether one more stream fits, so
-the engine refuses it as busy; `add_stream` raises EngineBusyError, never an
-out-of-memory error, when it does not.
+a block (one chunk) 86 MiB. `num_admissible` says how many more streams fit,
+so the backend's scheduler holds back what does not (and the engine's
+admission counts `stream_capacity`); `add_stream` raises EngineBusyError,
+never an out-of-memory error, when one does not fit.
 
 Layout (one pool for every owner, so the shared prompt is never copied):
 
@@ -191,10 +192,6 @@ class FlowKVCache:
         return (len(self._free_blocks) + sum(len(v.blocks) for v in idle),
                 len(self._free_slots) + sum(v.slot != ZERO_SLOT for v in idle))
 
-    def can_admit(self, prompt: Any) -> bool:
-        """Whether one more stream speaking `prompt` (a FlowPrompt) fits now."""
-        return self.num_admissible([prompt]) == 1
-
     def num_admissible(self, prompts: list[Any]) -> int:
         """How many of these streams (in order; one a prompt) fit now, together: a voice not
         resident needs its prompt's chunks once; idle voices they do not speak with can make room."""
@@ -308,13 +305,6 @@ class FlowKVCache:
             v.num_streams -= 1
             if v.num_streams == 0 and v.is_forgotten:
                 self._free_voice(s.voice_key)
-
-    def rename_stream(self, old_id: str, new_id: str) -> None:
-        """A stream's memory passes to the stream that continues it (a context's next segment)."""
-        with self._lock:
-            if new_id in self._streams:
-                raise ValueError(f"expected a new stream id, got {new_id!r} (already cached)")
-            self._streams[new_id] = self._streams.pop(old_id)
 
     def has_stream(self, stream_id: str) -> bool:
         return stream_id in self._streams

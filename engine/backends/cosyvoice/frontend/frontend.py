@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from engine.backends.cosyvoice.config import TOKENIZER_MODES
 from engine.backends.cosyvoice.frontend.textnorm import PlainText, TextNormalizer
 from engine.backends.cosyvoice.frontend.tokens import (
     END_OF_PROMPT,
@@ -137,9 +138,6 @@ class ByteTokenizer:
             else:
                 ids.extend(self._ids[b] for b in part.encode("utf-8"))
         return ids
-
-
-TOKENIZER_MODES = ("auto", "hf", "bytes")
 
 
 def load_tokenizer(model_dir: ModelDir, mode: str = "auto") -> TextTokenizer | None:

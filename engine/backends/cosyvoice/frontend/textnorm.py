@@ -28,9 +28,8 @@ import logging
 import re
 from typing import Any, Protocol
 
+from engine.backends.cosyvoice.config import TEXT_FRONTENDS
 from engine.errors import ModelLoadError
-
-TEXT_FRONTENDS = ("auto", "wetext", "none")
 
 log = logging.getLogger("voxgate.engine")
 

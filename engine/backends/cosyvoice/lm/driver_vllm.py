@@ -40,10 +40,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from engine.backends.cosyvoice.config import CosyVoiceBackendConfig, Resolved
 from engine.backends.cosyvoice.lm.driver import LMOutput, LMStart, stream_seed
 from engine.backends.cosyvoice.lm.runner import NoFreeSlotError
 from engine.backends.cosyvoice.lm.sampling import RasConfig
@@ -89,14 +89,7 @@ class _Stream:
 
 
 class VllmLMDriver:
-    """SpeechLMDriver over one VllmSpeechLM whose loop runs on the driver's own thread.
-
-    No continuation (`can_continue` False): vLLM holds the KV cache, and a finished
-    request's is not kept; every segment is prefilled afresh (`keep` and `follows`
-    of an `LMStart` are ignored).
-    """
-
-    can_continue = False
+    """SpeechLMDriver over one VllmSpeechLM whose loop runs on the driver's own thread."""
 
     def __init__(self, lm: SpeechLM, engine: VllmSpeechLM, config: VllmDriverConfig) -> None:
         self.lm, self.engine, self.config = lm, engine, config
@@ -149,9 +142,6 @@ class VllmLMDriver:
 
     def has(self, key: str) -> bool:
         return key in self._streams
-
-    def parked(self) -> list[str]:
-        return []
 
     def start(self, requests: list[LMStart]) -> dict[str, Exception]:
         failed: dict[str, Exception] = {}
@@ -301,9 +291,10 @@ def load_vllm_driver(lm: SpeechLM, config: VllmDriverConfig, device: torch.devic
     return driver
 
 
-def driver_config(options: Any, ras: RasConfig) -> VllmDriverConfig:
-    """From the backend's CosyVoiceBackendConfig (`num_streams`, `max_len`, `seed`, `vllm_gpu_memory_share`)."""
-    return VllmDriverConfig(max_streams=options.num_streams, max_len=options.max_len, ras=ras,
+def driver_config(options: CosyVoiceBackendConfig, resolved: Resolved,
+                  ras: RasConfig) -> VllmDriverConfig:
+    """From the backend's options (`max_len`, `seed`, `vllm_gpu_memory_share`) and its slots."""
+    return VllmDriverConfig(max_streams=resolved.num_streams, max_len=options.max_len, ras=ras,
                             seed=options.seed, gpu_memory_share=options.vllm_gpu_memory_share)
 
 
@@ -315,5 +306,6 @@ def sampling_seed(r: LMStart, base_seed: int) -> int | None:
     return (stream_seed(r.key, base_seed) if r.seed is None else r.seed) & 0x7FFFFFFF
 
 
-def create_vllm_driver(lm: SpeechLM, options: Any, ras: RasConfig, device: torch.device) -> VllmLMDriver:
-    return load_vllm_driver(lm, driver_config(options, ras), device)
+def create_vllm_driver(lm: SpeechLM, options: CosyVoiceBackendConfig, resolved: Resolved,
+                       ras: RasConfig, device: torch.device) -> VllmLMDriver:
+    return load_vllm_driver(lm, driver_config(options, resolved, ras), device)

@@ -6,26 +6,6 @@ repetition-aware sampling (sampling.py). A decode step chooses and feeds every
 stream's token on the device (decode_step.py) with dynamic shapes, or the
 bucketed static shapes of graphs.py (eager, or replayed as CUDA graphs).
 The model itself is models/speech_lm.py.
-
-Continuation (a context's later segments, lm/driver.py): a stream that
-finished keeps its slot until it is freed, and a later request may continue
-it (`PrefillRequest.follows`): its text and the task id are appended after
-the speech already in the slot, and decoding goes on from there, so the
-voice's prompt is prefilled once per context, not once per segment:
-
-    [sos, prompt_text + text_1, task, prompt_speech, speech_1, text_2, task, speech_2, ...]
-
-The first segment's sequence is exactly a fresh request's. Upstream trains
-another layout for text streaming (`inference_bistream`): text and speech
-interleaved in fixed groups (5 text ids, then 15 speech tokens, then a fill
-token that asks for more text), the rest of the speech decoded only after the
-last text. That cannot say where one sentence's speech ends (the engine needs
-it: a segment's audio is its own text's), and with more than 3 speech tokens
-per text token (English BPE runs about 7) the speech not yet placed in a group
-grows with every sentence, so each segment would feed a growing backlog again.
-Here each segment ends with the task id, as a fresh request's text does.
-Whether a trained model keeps its voice and pace over this layout must be
-heard on real weights: random weights cannot tell.
 """
 
 from __future__ import annotations
@@ -73,9 +53,6 @@ class PrefillRequest:
     max_token_text_ratio: float = 20.0
     resume_tokens: list[int] = field(default_factory=list)
     seed: int | None = None  # None: the runner draws one
-    #: a finished stream whose slot this request continues (module docstring): only
-    #: `text_ids` and the task id are fed; the prompt fields are not used
-    follows: LMStream | None = None
 
 
 @dataclass(slots=True)
@@ -85,9 +62,6 @@ class LMStream:
     `num_cached` positions of the slot are filled (prompt plus fed tokens).
     `tokens` are the speech tokens emitted so far (never a stop id).
     Its k-th token is sampled with the uniforms of (`seed`, k) (sampling.py).
-    A continued stream (`PrefillRequest.follows`) is the same object, its fields
-    set anew for its segment; `prompt_len` then counts every position before
-    the segment's first token.
     """
 
     slot: int
@@ -141,8 +115,6 @@ class SpeechLMRunner:
         self._vocab = Vocabulary(self.spec.speech_token_size, self.spec.min_length_mask_index)
         # Seeds for requests that bring none: reproducible from `seed`, else fresh per run.
         self._seeds = random.Random(seed)
-        self.num_prompt_prefills = 0  # prompts prefilled (a continuation prefills none)
-        self.num_continued = 0  # segments that continued a finished stream's slot
         self.static: StaticDecoder | None = None
         if decode_mode != "dynamic":
             self.static = StaticDecoder(lm, self.cache, self.state, self._vocab, self.ras,
@@ -221,7 +193,6 @@ class SpeechLMRunner:
         max_token_text_ratio: float = 20.0,
         resume_tokens: Sequence[int] = (),
         seed: int | None = None,
-        follows: LMStream | None = None,
     ) -> LMStream:
         """Prefill `[sos, prompt_text + text, task, prompt_speech_tokens]` into a free slot.
 
@@ -233,13 +204,10 @@ class SpeechLMRunner:
         lost its slot (preemption by recomputation, as vLLM does): they are
         prefilled after the prompt, so the stream goes on exactly where it was
         (with the same `seed`, sampled tokens too).
-
-        `follows`: continue that finished stream's slot instead (module docstring):
-        `[text, task]` is appended to it and the same stream object is returned.
         """
         (out,) = self.add_requests([PrefillRequest(
             list(text_ids), list(prompt_text_ids), list(prompt_speech_tokens), is_greedy,
-            min_token_text_ratio, max_token_text_ratio, list(resume_tokens), seed, follows)])
+            min_token_text_ratio, max_token_text_ratio, list(resume_tokens), seed)])
         if isinstance(out, Exception):
             raise out
         return out
@@ -265,56 +233,16 @@ class SpeechLMRunner:
             raise ValueError(f"expected fewer resumed tokens than {max_len}, got {len(r.resume_tokens)}")
         return embeds, prompt_len, max_len
 
-    def owns(self, stream: LMStream) -> bool:
-        """Whether `stream` still holds its slot."""
-        return self._owners.get(stream.slot) is stream
-
-    def room_after(self, stream: LMStream, num_text: int) -> int:
-        """Speech tokens the slot of `stream` could still take after a turn of `num_text` text ids."""
-        return self.max_len - stream.num_cached - (num_text + 1)
-
-    def _turn(self, r: PrefillRequest, stream: LMStream) -> torch.Tensor:
-        """A continuation's embeddings [N + 1, D] (its text and the task id); checks the stream first."""
-        if self._owners.get(stream.slot) is not stream or not stream.is_finished:
-            raise ValueError(f"expected a finished stream that still holds its slot, got slot {stream.slot}")
-        if not r.text_ids:
-            raise ValueError("expected at least one text token, got none")
-        if r.resume_tokens:
-            raise ValueError("expected no resumed tokens in a continuation (a preempted one starts afresh)")
-        if self.room_after(stream, len(r.text_ids)) < 1:
-            raise ValueError(f"expected room for a turn of {len(r.text_ids)} text ids after "
-                             f"{stream.num_cached} cached positions, got a slot of {self.max_len}")
-        with torch.inference_mode():
-            embeds: torch.Tensor = self.lm.turn_embeds(
-                torch.tensor(list(r.text_ids), dtype=torch.long, device=self.device))
-        return embeds
-
     def add_requests(self, requests: list[PrefillRequest]) -> list[LMStream | Exception]:
         """Prefill many prompts in ONE forward (right-padded to the longest), each into a free slot.
 
-        Continuations (`follows`) run in the same forward, on their own slots. A
-        request the runner cannot take (a bad prompt, no free slot) gets its
+        A request the runner cannot take (a bad prompt, no free slot) gets its
         exception in its place of the result; the others are prefilled.
         """
         out: list[LMStream | Exception] = []
         rows: list[tuple[LMStream, torch.Tensor]] = []
-        fresh: list[LMStream] = []
         for r in requests:
             try:
-                if r.follows is not None:
-                    stream, embeds = r.follows, self._turn(r, r.follows)
-                    n = len(r.text_ids)
-                    stream.min_len = int(n * r.min_token_text_ratio)
-                    stream.max_len = min(int(n * r.max_token_text_ratio),
-                                         self.room_after(stream, n))
-                    stream.is_greedy, stream.tokens, stream.is_finished = r.is_greedy, [], False
-                    stream.prompt_len = stream.num_cached + embeds.shape[0]
-                    stream.seed = self._seeds.getrandbits(64) if r.seed is None else int(r.seed)
-                    self.state.seed_words[stream.slot] = torch.tensor(seed_words(stream.seed))
-                    self.num_continued += 1
-                    rows.append((stream, embeds))
-                    out.append(stream)
-                    continue
                 if len(self._free) == 0:
                     raise NoFreeSlotError(
                         f"expected a free KV-cache slot, got all {self.max_batch} in use")
@@ -339,7 +267,6 @@ class SpeechLMRunner:
             if recent:
                 self.state.history[stream.slot, -len(recent):] = torch.tensor(recent, device=self.device)
             rows.append((stream, embeds))
-            fresh.append(stream)
             out.append(stream)
         if rows:
             lengths = [e.shape[0] for _, e in rows]
@@ -353,7 +280,6 @@ class SpeechLMRunner:
                 for s, _ in rows:
                     self.free(s)
                 raise
-            self.num_prompt_prefills += len(fresh)
         return out
 
     def logp(self, streams: list[LMStream]) -> torch.Tensor:
@@ -415,8 +341,7 @@ class SpeechLMRunner:
         """Choose one token per stream from its pending log-probs and feed it, in one device step.
 
         Returns each stream's new token, or None where it chose a stop id.
-        A stream is finished after a stop id or its `max_len`-th token; every
-        token it emitted is in its slot (a continuation goes on after it).
+        A stream is finished after a stop id or its `max_len`-th token.
         """
         if any(s.is_finished for s in streams):
             raise ValueError("expected only unfinished streams, got a finished one")

@@ -100,11 +100,6 @@ class SpeechLM(nn.Module):
             [self._special(self.spec.sos), text, self._special(self.spec.task), speech], dim=0
         )
 
-    def turn_embeds(self, text_ids: torch.Tensor) -> torch.Tensor:
-        """text_ids [N] -> [N + 1, D]: a later segment's text and the task id, appended to a
-        sequence that already holds a prompt and speech (lm/runner.py, continuation)."""
-        return torch.cat([self.body.model.embed_tokens(text_ids), self._special(self.spec.task)], dim=0)
-
     def token_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] speech ids -> [B, 1, D]."""
         embeds: torch.Tensor = self.speech_embedding(tokens)

@@ -10,9 +10,6 @@ A backend drives it with plain calls (no threads, no clock):
     t2w.drop(sid)                     # cancel: the stream and any chunk it had ready are gone
 
 Chunking, the history the flow sees and the vocoders' joins: t2w/chunking.py.
-With lm_context="continue" a context's next segment continues its last one
-(`finish(keep=True)`, then `add_stream(follows=...)`): one flow stream on the
-GPU per context, its history, cache memory and vocoder going on.
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ from engine.backends.cosyvoice.t2w.chunking import (
 from engine.backends.cosyvoice.t2w.mel_stretch import MelStretcher
 from engine.backends.cosyvoice.t2w.vocoder import V2VocoderState, V3VocoderState, vocode_batch
 from engine.backends.cosyvoice.t2w.vocoder_graphs import VocoderGraphs
-from engine.errors import EngineBusyError
 
 __all__ = ["MAX_PROMPT_TOKENS", "FlowPrompt", "T2WConfig", "TokenToWave", "WaveChunk", "first_end", "grid_end",
            "history_start", "max_chunk_frames", "min_hop_for_speed", "schedule"]
@@ -59,10 +55,6 @@ class _Stream:
     tokens: list[int] = field(default_factory=list)
     offset: int = 0  # tokens whose mel is emitted
     is_input_done: bool = False
-    keeps: bool = False  # parked after its last chunk, for the stream that continues it
-    is_refused: bool = False  # was to continue a dropped stream and the cache could not hold it afresh
-    after: str | None = None  # continues this stream once its last chunk is out (it waits till then)
-    successor: str | None = None  # the stream waiting to continue this one
 
 
 @dataclass(slots=True)
@@ -95,19 +87,14 @@ class TokenToWave:
         self.lookahead = flow.pre_lookahead_len
         self.sample_rate = hift.cfg.sampling_rate
         self._streams: dict[str, _Stream] = {}
-        self._parked: dict[str, _Stream] = {}  # finished with `keep`, for the stream that continues them
         self._lock = threading.RLock()  # the hop state, between the LM's thread and the flow's
 
     # -- stream lifecycle -------------------------------------------------------------------------
 
-    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0, speed: float = 1.0,
-                   follows: str | None = None) -> None:
-        """A new stream; `follows`: the stream (a context's last segment, `finish(keep=True)`)
-        whose sequence it continues, with the K/V cache: its history, its place in the noise
-        and its vocoder go on, as if one answer. It waits for that stream's last chunk; a
-        stream to follow that is gone (or another voice's) makes this one start afresh.
-        Raises EngineBusyError when the cache cannot hold a fresh stream."""
-        if stream_id in self._streams or stream_id in self._parked:
+    def add_stream(self, stream_id: str, prompt: FlowPrompt, seed: int = 0,
+                   speed: float = 1.0) -> None:
+        """A new stream. Raises EngineBusyError when the K/V cache cannot hold it."""
+        if stream_id in self._streams:
             raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
         stretcher = MelStretcher(speed) if speed != 1.0 else None  # validates the range
         vocoder = V3VocoderState() if self.hift.cfg.causal else V2VocoderState.new(seed)
@@ -115,9 +102,7 @@ class TokenToWave:
                                                                            min_hop_for_speed(speed))
         stream = _Stream(prompt=prompt, prompt_tokens=prompt.tokens.tolist(), vocoder=vocoder, next_end=0,
                          min_hop=min_hop, stretcher=stretcher)
-        if follows is not None and self.cached is not None and self._follow(stream_id, stream, follows):
-            return
-        self._start_fresh(stream_id, stream)
+        self._start(stream_id, stream)
         with self._lock:
             if stream_id in self._streams:
                 if self.cached is not None:
@@ -125,7 +110,7 @@ class TokenToWave:
                 raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
             self._streams[stream_id] = stream
 
-    def _start_fresh(self, stream_id: str, s: _Stream) -> None:
+    def _start(self, stream_id: str, s: _Stream) -> None:
         """A stream's first chunk end; with the cache, its trimmed prompt and its memory."""
         s.trim = None if self.cached is None else self.cached.trim(s.prompt)
         prompt_len = s.prompt.tokens.shape[0] if s.trim is None else len(s.trim.tokens)
@@ -136,37 +121,6 @@ class TokenToWave:
             s.next_end = min(s.next_end, self.hop)  # one chunk a run
             self.cached.ensure_voice(s.prompt)  # its voice's prompt computed (or found) ...
             self.cached.cache.add_stream(stream_id, s.prompt)  # ... then its memory: EngineBusyError if none
-
-    def _follow(self, stream_id: str, s: _Stream, follows: str) -> bool:
-        """Continue `follows` now (parked) or once its last chunk is out (running); False: it is gone."""
-        with self._lock:
-            parked = self._parked.get(follows)
-            if parked is not None and parked.prompt is s.prompt:
-                del self._parked[follows]
-                self._streams[stream_id] = s
-                self._continue(follows, parked, stream_id, s)
-                return True
-            running = self._streams.get(follows)
-            if running is not None and running.prompt is s.prompt and running.keeps and running.successor is None:
-                s.after, running.successor = follows, stream_id
-                self._streams[stream_id] = s
-                return True
-            return False
-
-    def _continue(self, old_id: str, old: _Stream, new_id: str, new: _Stream) -> None:
-        """`new` takes over `old`'s sequence: its history, cache memory and vocoder (lock held).
-        The chunk `old` ended in is computed again with `new`'s tokens, so only a chunk `old`
-        ended exactly on the grid keeps the zeros it saw past its last token."""
-        assert self.cached is not None
-        self.cached.cache.rename_stream(old_id, new_id)
-        new.tokens = old.tokens + new.tokens
-        new.offset, new.trim, new.vocoder, new.after = len(old.tokens), old.trim, old.vocoder, None
-        first = max(self.config.first_hop_tokens or self.hop, new.min_hop)
-        new.next_end = min((new.offset // self.hop + 1) * self.hop, new.offset + first)
-
-    def can_add_stream(self, prompt: FlowPrompt) -> bool:
-        """Whether one more stream with this voice fits (the K/V cache's memory; always without it)."""
-        return self.cached is None or self.cached.cache.can_admit(prompt)
 
     def num_can_add(self, prompts: list[FlowPrompt]) -> int:
         """How many of these new streams (in order) fit together now."""
@@ -194,47 +148,18 @@ class TokenToWave:
         with self._lock:
             stream.tokens.extend(new)
 
-    def finish(self, stream_id: str, keep: bool = False) -> None:
-        """The stream's tokens are all in; `keep`: after its last chunk it is parked (its cache
-        memory and vocoder kept) for a stream that continues it (`add_stream(follows=...)`),
-        until that one comes or `drop` frees it."""
+    def finish(self, stream_id: str) -> None:
+        """The stream's tokens are all in: its next chunk that reaches the end is its last."""
         with self._lock:
-            stream = self._get(stream_id)
-            stream.is_input_done, stream.keeps = True, keep and self.cached is not None
+            self._get(stream_id).is_input_done = True
 
     def drop(self, stream_id: str) -> None:
         """Forget a stream (cancel); unknown ids are ignored, so a late cancel is harmless.
         Its cached history is freed (once a chunk of it in flight is done)."""
         with self._lock:
-            stream = self._streams.pop(stream_id, None) or self._parked.pop(stream_id, None)
+            self._streams.pop(stream_id, None)
             if self.cached is not None:
                 self.cached.cache.release_stream(stream_id)
-            if stream is not None:
-                self._unlink(stream_id, stream)
-
-    def unpark(self, stream_id: str) -> None:
-        """No stream will continue this one (its context ended): freed now if parked, else when
-        its last chunk is out. Unknown ids are ignored."""
-        with self._lock:
-            if stream_id in self._parked:
-                self.drop(stream_id)
-            elif stream_id in self._streams:
-                self._streams[stream_id].keeps = False
-
-    def _unlink(self, stream_id: str, stream: _Stream) -> None:
-        """A dropped stream's links: the stream it was to continue forgets it, and the stream
-        waiting to continue it starts afresh (lock held)."""
-        followed = (self._streams.get(stream.after) or self._parked.get(stream.after)) if stream.after else None
-        if followed is not None and followed.successor == stream_id:
-            followed.successor = None
-        waiting = self._streams.get(stream.successor) if stream.successor else None
-        if waiting is None or waiting.after != stream_id:
-            return
-        waiting.after = None
-        try:
-            self._start_fresh(stream.successor or "", waiting)
-        except EngineBusyError:
-            waiting.is_refused = True  # its next chunk ends it, empty
 
     def has_stream(self, stream_id: str) -> bool:
         return stream_id in self._streams
@@ -260,10 +185,6 @@ class TokenToWave:
         Cached, a chunk never crosses the grid: when the answer ends up to 2 tokens
         past a grid point, the chunk before it is one more run (its lookahead
         partly absent, as at the end of the whole answer)."""
-        if s.after is not None:
-            return None  # waits for the stream it continues
-        if s.is_refused:
-            return s.offset, True
         if len(s.tokens) >= s.next_end + self.lookahead:
             return s.next_end, False
         if s.is_input_done:
@@ -337,19 +258,6 @@ class TokenToWave:
         return vocode_batch(self.hift, [p.stream.vocoder for p in plans], voc_mels,
                             [p.is_final for p in plans], self.config.hift_context_frames, step)
 
-    def _park(self, p: _Plan) -> None:
-        """A kept stream's last chunk is out: its successor takes over now, or it waits parked."""
-        s = p.stream
-        s.offset = p.end
-        if p.end % self.hop == 0 and self.cached is not None:
-            self.cached.cache.complete_chunk(p.stream_id)
-        successor = self._streams.get(s.successor) if s.successor else None
-        if successor is not None and successor.after == p.stream_id:
-            assert s.successor is not None
-            self._continue(p.stream_id, s, s.successor, successor)
-        else:
-            self._parked[p.stream_id] = s
-
     def _recomputed_mels(self, plans: list[_Plan]) -> list[torch.Tensor]:
         rows = [p.row for p in plans if isinstance(p.row, FlowRow)]
         mels = self.flow.infer(rows, streaming=self.config.streaming_attention)
@@ -381,9 +289,7 @@ class TokenToWave:
                 out.append(WaveChunk(p.stream_id, audio, p.is_final, p.end - p.offset, p.mel))
                 if p.is_final:
                     del self._streams[p.stream_id]
-                    if p.stream.keeps:
-                        self._park(p)
-                    elif self.cached is not None:
+                    if self.cached is not None:
                         self.cached.cache.release_stream(p.stream_id)
                     continue
                 p.stream.offset = p.end

@@ -47,5 +47,5 @@ def test_the_loader_chooses_the_attention_before_anything_runs(
     monkeypatch.setattr(loader, "load_speech_lm", lambda *a, **k: (events.append("lm"), real_load_lm(*a, **k))[1])
     config = CosyVoiceBackendConfig.from_options({**tiny_options(tmp_path_factory.getbasetemp()),
                                                   "cudnn_attention": "yes"}, {})
-    loader.load_model(config)
+    loader.load_model(config, config.resolve(has_cuda=False))
     assert events == [("cpu", True), "lm"]  # chosen once, before the first model is built

@@ -115,7 +115,7 @@ def test_a_finished_or_cancelled_request_gives_its_slot_back_for_reuse(backend: 
 def test_a_full_cache_preempts_an_idle_stream_which_resumes_with_the_same_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
     small = make_backend(tmp_path_factory.getbasetemp(), max_batch_size=1, max_streams=1)
     want = single_runs(small, ("Hello world.", "Hi."))
-    first, second = prepare(small, "Hello world.", deadline=5.0), prepare(small, "Hi.", deadline=1.0)
+    first, second = prepare(small, "Hello world.", due=5.0), prepare(small, "Hi.", due=1.0)
     for _ in range(10):
         small.step([first])
     got_second = run(small, [second])[second.request_id]  # takes the only slot from `first`
@@ -133,11 +133,11 @@ def test_a_sampled_request_with_a_seed_speaks_the_same_alone_batched_or_preempte
     alone = prepare(sampled, "Hello world.", params=seeded)
     want_tokens, want_pcm = run(sampled, [alone])[alone.request_id]
     # the same seed under another request id, in a full batch, preempted once by a more urgent request
-    again = prepare(sampled, "Hello world.", deadline=5.0, params=seeded)
-    other = prepare(sampled, "Hi there.", deadline=4.0)
+    again = prepare(sampled, "Hello world.", due=5.0, params=seeded)
+    other = prepare(sampled, "Hi there.", due=4.0)
     for _ in range(10):
         sampled.step([again, other])
-    urgent = prepare(sampled, "OK!", deadline=1.0)
+    urgent = prepare(sampled, "OK!", due=1.0)
     sampled.step([urgent, other])  # `again` is idle: it loses its slot
     assert sampled.num_preemptions == 1
     got = run(sampled, [again, other, urgent])
@@ -164,35 +164,38 @@ def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(
     info = backend.add_voice("alice", features, {"name": "Alice", "language": "en"})
     assert info.supports_instructions and not info.is_builtin
     assert "alice" in [v.voice_id for v in backend.voices()]
-    item = backend.prepare(SynthesisRequest(RequestId("alice-1"), "Hi.", "alice", 0.0))
-    assert item.state.lm_input.prompt_speech_tokens == prompt.prompt_speech_tokens
+    item = backend.prepare(SynthesisRequest(RequestId("alice-1"), "Hi.", "alice"))
+    assert item.state.inputs.lm_input.prompt_speech_tokens == prompt.prompt_speech_tokens
     tokens, pcm = run(backend, [item])["alice-1"]
     assert len(pcm) == len(tokens) * SAMPLES_PER_TOKEN
     backend.retire_voice("alice")
     assert "alice" not in [v.voice_id for v in backend.voices()]
-    backend.prepare(SynthesisRequest(RequestId("alice-2"), "Hi.", "alice", 0.0))  # still speakable
+    still = backend.prepare(SynthesisRequest(RequestId("alice-2"), "Hi.", "alice"))  # speakable
+    backend.release(still)
     backend.remove_voice("alice")
     with pytest.raises(UnknownVoiceError):
-        backend.prepare(SynthesisRequest(RequestId("alice-3"), "Hi.", "alice", 0.0))
+        backend.prepare(SynthesisRequest(RequestId("alice-3"), "Hi.", "alice"))
     with pytest.raises(ValueError, match="reference audio"):
         backend.make_voice_features(np.zeros(100, np.float32), 16000, "Hi.")
 
 
 def test_instructions_speak_without_the_voice_tokens_and_other_languages_cross_lingually(backend: CosyVoiceBackend) -> None:
     instructed = prepare(backend, "Hi.", instructions="Speak slowly")
-    assert instructed.state.lm_input.prompt_speech_tokens == []
-    assert 151646 in instructed.state.lm_input.prompt_text_ids  # <|endofprompt|> closes the instruction
+    assert instructed.state.inputs.lm_input.prompt_speech_tokens == []
+    # <|endofprompt|> closes the instruction
+    assert 151646 in instructed.state.inputs.lm_input.prompt_text_ids
     french = prepare(backend, "Salut.", language="fr")
-    assert french.state.lm_input.prompt_text_ids == [] and french.state.lm_input.prompt_speech_tokens == []
+    lingual = french.state.inputs.lm_input
+    assert lingual.prompt_text_ids == [] and lingual.prompt_speech_tokens == []
     same = prepare(backend, "Hi.", language="en-GB")
-    assert same.state.lm_input.prompt_speech_tokens  # zero-shot with the voice
+    assert same.state.inputs.lm_input.prompt_speech_tokens  # zero-shot with the voice
     for item in (instructed, french, same):
         backend.release(item)
 
 
 def test_bad_requests_are_refused_at_prepare(backend: CosyVoiceBackend) -> None:
     with pytest.raises(UnknownVoiceError, match="default"):
-        backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody", 0.0))
+        backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody"))
 
 
 def test_speed_stretches_the_audio_of_the_same_tokens(backend: CosyVoiceBackend) -> None:
@@ -220,8 +223,8 @@ def test_cosyvoice_2_without_frontend_models_speaks_with_the_plain_voice() -> No
     (voice,) = v2.voices()
     assert voice.voice_id == "default" and not voice.supports_instructions
     with pytest.raises(UnsupportedOptionError, match="CosyVoice 3"):
-        v2.prepare(SynthesisRequest(RequestId("v2-i"), "Hi.", "default", 0.0, instructions="Slowly."))
-    item = v2.prepare(SynthesisRequest(RequestId("v2-1"), "Hi.", "default", 0.0))
+        v2.prepare(SynthesisRequest(RequestId("v2-i"), "Hi.", "default", instructions="Slowly."))
+    item = v2.prepare(SynthesisRequest(RequestId("v2-1"), "Hi.", "default"))
     tokens, pcm = run(v2, [item])["v2-1"]  # type: ignore[arg-type]
     assert len(tokens) == 60  # random weights never stop: 20 x the 3 text tokens
     assert len(pcm) == len(tokens) * SAMPLES_PER_TOKEN
@@ -232,7 +235,7 @@ def test_config_comes_from_the_environment_then_options() -> None:
            "VOXGATE_COSYVOICE_SAMPLING": "greedy"}
     config = CosyVoiceBackendConfig.from_options({"max_len": "512", "max_batch_size": 16}, env)
     assert (str(config.model_dir), config.max_len, config.sampling) == ("/models/cv3", 512, "greedy")
-    assert config.num_streams == 32
+    assert config.resolve(has_cuda=False).num_streams == 32
     with pytest.raises(ValueError, match="unknown cosyvoice option 'modeldir'"):
         CosyVoiceBackendConfig.from_options({"modeldir": "/x"}, {})
     with pytest.raises(ValueError, match="model directory"):
@@ -245,8 +248,9 @@ def test_vllms_share_of_the_gpu_is_an_option_handed_to_its_engine() -> None:
     from engine.backends.cosyvoice.lm.driver_vllm import driver_config
 
     config = CosyVoiceBackendConfig.from_options({}, {"VOXGATE_COSYVOICE_VLLM_GPU_MEMORY_SHARE": "0.45"})
-    assert driver_config(config, RasConfig()).gpu_memory_share == 0.45
-    assert driver_config(CosyVoiceBackendConfig(), RasConfig()).gpu_memory_share == 0.3
+    assert driver_config(config, config.resolve(False), RasConfig()).gpu_memory_share == 0.45
+    default = CosyVoiceBackendConfig()
+    assert driver_config(default, default.resolve(False), RasConfig()).gpu_memory_share == 0.3
     with pytest.raises(ValueError, match=r"vllm_gpu_memory_share must be within \(0, 1\], got 1.5"):
         CosyVoiceBackendConfig(vllm_gpu_memory_share=1.5)
 

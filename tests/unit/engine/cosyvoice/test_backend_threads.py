@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.backends.cosyvoice.backend import CosyState
+from engine.backends.cosyvoice.sequences import Sequence
 from tests.support.cosyvoice_parity import one_torch_thread  # noqa: F401 (autouse)
 from tests.support.cosyvoice_steps import Requests, make_backend, run
 
@@ -31,6 +31,7 @@ def test_flow_on_its_own_thread_speaks_what_the_serial_path_speaks(
         assert tokens == want_tokens and len(pcm) == len(want_pcm) > 0
         np.testing.assert_allclose(pcm, want_pcm, atol=1e-4)  # batch company differs: float noise
     threaded.close()
+    serial.close()
 
 
 def test_flow_rows_per_step_are_capped_the_earliest_due_stream_first(
@@ -41,7 +42,8 @@ def test_flow_rows_per_step_are_capped_the_earliest_due_stream_first(
     batches: list[list[str]] = []
     t2w_run = t2w.run
     monkeypatch.setattr(t2w, "run", lambda ids: batches.append(list(ids)) or t2w_run(ids))
-    late, early = prepare(backend, "Hello world.", deadline=9.0), prepare(backend, "Hello world.", deadline=1.0)
+    late = prepare(backend, "Hello world.", due=9.0)
+    early = prepare(backend, "Hello world.", due=1.0)
     got = run(backend, [late, early])
     assert batches and all(len(b) == 1 for b in batches)
     assert batches[0] == [str(early.request_id)]  # both ready at once: the more starved goes first
@@ -63,7 +65,7 @@ def test_prepare_hands_the_text_frontend_to_the_backends_cpu_executor(
 
     monkeypatch.setattr(frontend, "lm_input", slow)
     item = prepare(backend, "Hello world.")  # returns while the frontend still waits
-    assert isinstance(item.state, CosyState) and not item.state.is_input_ready
+    assert isinstance(item.state, Sequence) and not item.state.inputs.is_input_ready
     release.set()
     tokens, pcm = run(backend, [item])[item.request_id]
     assert threads and threads[0].startswith("voxgate-cosyvoice-cpu") and tokens and len(pcm)

@@ -185,18 +185,19 @@ def test_a_stream_the_cache_cannot_hold_is_refused_as_busy(models: Any) -> None:
     assert t2w.cached is not None
     cache = t2w.cached.cache
     assert cache.num_blocks == 9  # the scratch block, 2 for the prompt, 3 streams of 2
-    assert t2w.can_add_stream(prompt)
+    assert t2w.num_can_add([prompt]) == 1
     for sid in ("a", "b", "c"):
         t2w.add_stream(sid, prompt)
-    assert cache.stream_capacity() == 3 and not t2w.can_add_stream(prompt)
+    assert cache.stream_capacity() == 3 and t2w.num_can_add([prompt]) == 0
     with pytest.raises(EngineBusyError, match="the flow cache is full"):
         t2w.add_stream("d", prompt)
     assert not t2w.has_stream("d") and cache.num_streams == 3
     other = FlowPrompt(prompt.tokens[:25], prompt.mel[:50], prompt.embedding)
     t2w.drop("c")
-    assert t2w.can_add_stream(prompt) and not t2w.can_add_stream(other)  # a new voice needs its chunk too
+    # a new voice needs its prompt's chunk too
+    assert t2w.num_can_add([prompt]) == 1 and t2w.num_can_add([other]) == 0
     t2w.drop("b")
-    assert t2w.can_add_stream(other)
+    assert t2w.num_can_add([other]) == 1
     t2w.add_stream("e", other)
 
 
@@ -331,79 +332,3 @@ def test_every_tick_of_a_steady_run_is_a_graph_replay_and_none_runs_eager(models
         want = torch.cat(out[f"{id(static)}:s{k}"], dim=1)
         assert got.shape == (80, 240)
         assert_close_report(f"flow_cache.graphed[s{k}]", got, want, 1e-6)
-
-
-# -- a context's segments: one stream on the GPU -------------------------------------------------
-
-
-def segments(t2w: TokenToWave, prompt: FlowPrompt, parts: list[list[int]], early: bool) -> list[list[WaveChunk]]:
-    """Each part a stream that continues the one before; `early`: the next one is added while the last
-    still has chunks to compute (as a context's next segment starts once the LM is done with the last)."""
-    out: list[list[WaveChunk]] = []
-    for k, tokens in enumerate(parts):
-        sid = f"seg{k}"
-        if k == 0:
-            t2w.add_stream(sid, prompt)
-        elif not early:
-            t2w.add_stream(sid, prompt, follows=f"seg{k - 1}")
-        mine: list[WaveChunk] = []
-        out.append(mine)
-        for i in range(0, len(tokens), 5):
-            t2w.feed(sid, tokens[i:i + 5])
-            if i + 5 >= len(tokens):
-                t2w.finish(sid, keep=True)
-                if early and k + 1 < len(parts):
-                    t2w.add_stream(f"seg{k + 1}", prompt, follows=sid)
-            for chunk in t2w.run(t2w.ready()):
-                out[int(chunk.stream_id[3:])].append(chunk)
-        while t2w.has_stream(sid):
-            for chunk in t2w.run([sid]):
-                out[int(chunk.stream_id[3:])].append(chunk)
-    return out
-
-
-@pytest.mark.parametrize("early", [False, True], ids=["after", "while_flushing"])
-def test_a_contexts_next_segment_continues_its_flow_as_one_answer(models: Any, early: bool) -> None:
-    """Segment 2 goes on from segment 1's history: its frames equal the whole-history solve of both
-    segments' tokens (segment 1 ends mid-chunk: that chunk is computed again with segment 2's tokens)."""
-    flow, hift, prompt, answer = models
-    t2w = cached_t2w(flow, hift)
-    assert t2w.cached is not None
-    parts = [answer[:60], answer[60:140]]
-    got = segments(t2w, prompt, parts, early)
-    assert [sum(c.num_tokens for c in seg) for seg in got] == [60, 80] and got[1][-1].is_final
-    assert [c.num_tokens for c in got[1]][:2] == [15, 25]  # to the grid at 75, then whole chunks
-    trim, whole = trim_prompt(prompt, 30), answer[:140]
-    offset = 60
-    for k, chunk in enumerate(got[1]):
-        end = offset + chunk.num_tokens
-        want = whole_history_solve(flow, trim, whole, min(140, end + 3), end)[:, 2 * offset:]
-        assert_close_report(f"flow_cache.continued[{k}]", chunk.mel, want, 1e-4)
-        offset = end
-    audio = [sum(c.audio.shape[0] for c in seg) for seg in got]
-    assert audio == [60 * 960, 80 * 960]  # the vocoder goes on too: every frame's audio, once
-    assert t2w.num_streams == 0 and t2w.cached.cache.num_streams == 1  # the last one parked, kept
-    t2w.drop("seg1")
-    assert t2w.cached.cache.num_streams == 0
-
-
-def test_a_segment_whose_predecessor_is_dropped_starts_afresh(models: Any) -> None:
-    flow, hift, prompt, answer = models
-    t2w = cached_t2w(flow, hift)
-    t2w.add_stream("a", prompt)
-    t2w.feed("a", answer[:40])
-    t2w.finish("a", keep=True)
-    t2w.add_stream("b", prompt, follows="a")
-    t2w.feed("b", answer[40:80])
-    assert t2w.ready() == ["a"]  # b waits for a's last chunks
-    t2w.drop("a")  # a cancel
-    t2w.finish("b")
-    chunks = stream_all(t2w, "b", [])
-    fresh = cached_t2w(flow, hift)
-    fresh.add_stream("b", prompt)
-    want = stream_all(fresh, "b", answer[40:80])
-    assert [c.num_tokens for c in chunks] == [c.num_tokens for c in want]
-    for g, w in zip(chunks, want, strict=True):
-        assert_close_report("flow_cache.afresh", g.mel, w.mel, 1e-5)
-    t2w.add_stream("c", prompt, follows="gone")  # nothing to follow: afresh
-    assert t2w.ready() == [] and t2w.has_stream("c")

@@ -1,6 +1,6 @@
-"""The flow's K/V cache through the cosyvoice backend: what admission reads (`can_admit`,
-`flow_cache_info`), a full cache makes a stream wait rather than run out of memory, a removed voice
-frees its prompt, and a context's segments share one flow stream (lm_context="continue")."""
+"""The flow's K/V cache through the cosyvoice backend: what admission reads (`context_capacity`,
+`flow_cache_info`), a full cache makes a stream wait, said so, rather than run out of memory, and a
+removed voice frees its prompt."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.backend import CosyVoiceBackend
+from engine.backends.cosyvoice.sequences import SeqState
 from engine.backends.cosyvoice.t2w.cached_flow import CachedFlow
 from engine.engine import Engine, EngineConfig
 from engine.errors import EngineBusyError
@@ -26,16 +27,17 @@ def cached_of(backend: CosyVoiceBackend) -> CachedFlow:
     return backend.model.t2w.cached
 
 
-def room_for_two_streams(base: Path) -> tuple[CosyVoiceBackend, int]:
+def room_for_two_streams(base: Path, load: bool = True) -> tuple[CosyVoiceBackend, int]:
     """A backend whose flow cache holds two streams of the default voice and no more, and the blocks
-    that takes: two streams, the default voice's prompt, the scratch block."""
+    that takes: two streams, the default voice's prompt, the scratch block (loaded unless `load` is
+    False)."""
     probe = cached_of(make_backend(base)).cache
     shape, per_stream = probe.shape, probe.blocks_per_stream
     prompt_blocks = len(probe._voices[next(iter(probe._voices))].blocks)
     blocks = 2 * per_stream + prompt_blocks + 1
     per_block = shape.bytes_per_block + shape.bytes_per_slot / per_stream + shape.bytes_per_slot
     gib = (blocks * per_block + 2 * shape.bytes_per_slot + 1) / 2 ** 30
-    return make_backend(base, flow_cache_gib=str(gib)), blocks
+    return make_backend(base, load=load, flow_cache_gib=str(gib)), blocks
 
 
 def test_a_cosyvoice_3_backend_runs_its_flow_over_the_cache_and_says_how_much_it_holds(
@@ -50,24 +52,28 @@ def test_a_cosyvoice_3_backend_runs_its_flow_over_the_cache_and_says_how_much_it
     item = prepare(backend, "Hello world.")
     tokens, pcm = run(backend, [item])[item.request_id]
     assert len(pcm) == len(tokens) * 960 and cached.solver.num_solves > before
-    assert cached.cache.num_streams == 0 and backend.can_admit() and backend.can_admit("default")
-    assert backend.can_admit("no-such-voice")  # its request fails as unknown_voice, not busy
+    assert cached.cache.num_streams == backend.table.num_flows == len(backend.table) == 0
+    assert backend.context_capacity() == min(backend.resolved.num_streams, info["stream_capacity"])
 
 
-def test_a_stream_the_cache_cannot_hold_waits_and_admission_says_no_until_one_ends(
+def test_a_stream_the_cache_cannot_hold_waits_says_why_and_starts_once_one_ends(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     backend, blocks = room_for_two_streams(tmp_path_factory.getbasetemp())
     cache = cached_of(backend).cache
-    assert cache.num_blocks == blocks and backend.can_admit()
-    items = [prepare(backend, "Hello there, how are you today?") for _ in range(3)]
-    backend.step(items)
-    assert cache.num_streams == 2 and not backend.can_admit()  # the third waits: no out-of-memory
+    assert cache.num_blocks == blocks and backend.context_capacity() == 2
+    items = [prepare(backend, "Hello there, how are you today?", due=float(n)) for n in range(3)]
+    results = backend.step(items)
+    assert cache.num_streams == 2 and backend.table.num_flows == 2  # no out-of-memory
+    # the one due last waits, and says so
+    assert [r.waiting for r in results] == [None, None, "flow_cache"]
     third = items[2].state
-    assert isinstance(third, CosyState) and not third.has_slot and not third.has_stream
+    assert third is not None and third.state is SeqState.WAITING and not results[2].is_finished
     backend.release(items[0])  # a cancel frees its cache
-    assert cache.num_streams == 1 and backend.can_admit()
+    assert cache.num_streams == 1 and backend.table.num_flows == 1
+    assert [r.waiting for r in backend.step(items[1:])] == [None, None]  # it starts now
     spoken = run(backend, items[1:])
     assert all(len(tokens) > 0 for tokens, _ in spoken.values())
+    assert cache.num_streams == 0 and len(backend.table) == 0
 
 
 def test_a_removed_voice_frees_its_cached_prompt(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -78,33 +84,12 @@ def test_a_removed_voice_frees_its_cached_prompt(tmp_path_factory: pytest.TempPa
     features = backend.make_voice_features(voiced(2.0, 16000), 16000, REFERENCE_TEXT)
     backend.add_voice("mine", features, {})
     free = cache.num_free_blocks
-    item = backend.prepare(SynthesisRequest(RequestId("fc-voice"), "Hello world.", "mine", 0.0))
+    item = backend.prepare(SynthesisRequest(RequestId("fc-voice"), "Hello world.", "mine"))
     run(backend, [item])
     voice = backend.get_voice("mine").flow
     assert cache.has_voice(voice) and cache.num_free_blocks < free  # computed at its first stream
     backend.remove_voice("mine")
     assert not cache.has_voice(voice) and cache.num_free_blocks == free
-
-
-def test_a_contexts_segments_share_one_flow_stream(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """lm_context="continue": the next segment takes over the last one's flow (its history, cache
-    memory and vocoder), so the context never holds two streams' memory; per segment, it does."""
-    base = tmp_path_factory.getbasetemp()
-    held = {}
-    for mode in ("continue", "segment"):
-        backend = make_backend(base, lm_context=mode)
-        counts: list[int] = []
-        cache = cached_of(backend).cache
-        first, second = prepare(backend, "Hello world.", "turn"), prepare(backend, "How are you?", "turn", 1.0)
-        def count_streams() -> None:  # called within this iteration: its `cache` and `counts`
-            counts.append(cache.num_streams)  # noqa: B023
-
-        spoken = run(backend, [first, second], after_step=count_streams)
-        assert all(len(pcm) == len(tokens) * 960 > 0 for tokens, pcm in spoken.values())
-        held[mode] = (max(counts), cached_of(backend).cache.num_streams)
-        backend.end_context("turn")
-        assert cached_of(backend).cache.num_streams == 0  # the parked flow goes with its context
-    assert held == {"continue": (1, 1), "segment": (2, 0)}
 
 
 def test_the_engine_refuses_a_context_the_flow_cache_cannot_hold_as_busy(

@@ -91,8 +91,9 @@ def test_only_flow_buckets_where_a_graph_pays_are_captured_and_larger_calls_run_
 def test_the_default_limits_capture_119_flow_graphs_not_377() -> None:
     config = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu", max_batch_size=256, max_streams=256,
                                     max_flow_streams=128)
-    rows, frames = flow_limits(config, T2WConfig(first_hop_tokens=config.first_hop_tokens,
-                                                 max_history_tokens=config.max_history_tokens), 25, 3)
+    t2w = T2WConfig(first_hop_tokens=config.first_hop_tokens,
+                    max_history_tokens=config.max_history_tokens)
+    rows, frames = flow_limits(config.max_flow_streams, t2w, 25, 3)
     assert (rows, frames) == (256, 1856)
     estimator = tiny_flow().decoder.estimator
     for limit, count in ((0, 377), (config.max_flow_graph_row_frames, 119)):

@@ -22,15 +22,16 @@ def test_the_flow_prompt_is_bounded_and_the_frame_limit_follows_from_it() -> Non
     for prompt in (1, 20, 149, 750):  # every row the schedule makes fits, whatever the prompt
         for history_start, start, end in schedule(prompt, 3000, config):
             assert 2 * (prompt + end + 3 - history_start) <= limit
-    rows, frames = flow_limits(CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu"), config, 25, 3)
+    cpu = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu").resolve(has_cuda=False)
+    rows, frames = flow_limits(cpu.flow_streams, config, 25, 3)
     assert frames == 1856 and frames % 64 == 0 and rows == 2 * 16
     assert max_chunk_frames(T2WConfig(max_history_tokens=None)) is None  # unbounded: eager past the graphs
 
 
-def test_a_256_stream_pipeline_keeps_every_flow_call_within_the_graphs_rows(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # stand-in: no GPU here
+def test_a_256_stream_pipeline_keeps_every_flow_call_within_the_graphs_rows() -> None:
     config = CosyVoiceBackendConfig(model_dir=Path("m"), max_batch_size=256, max_streams=256)  # the bench's
-    rows, frames = flow_limits(config, T2WConfig(), 25, 3)
-    assert config.flow_streams == 128 and rows == 256  # 2 CFG rows per stream: every call fits a graph
+    on_gpu = config.resolve(has_cuda=True)  # as on a GPU (none here)
+    rows, frames = flow_limits(on_gpu.flow_streams, T2WConfig(), 25, 3)
+    # 2 CFG rows per stream: every call fits a graph
+    assert on_gpu.flow_streams == 128 and rows == 256
     assert frames >= 2 * (150 + 75 + 15)  # the serving sizes the flow bench now measures (480 frames)

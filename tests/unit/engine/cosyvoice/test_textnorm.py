@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends.cosyvoice.backend import CosyState, CosyVoiceBackend
+from engine.backends.cosyvoice.backend import CosyVoiceBackend
 from engine.backends.cosyvoice.config import CosyVoiceBackendConfig
 from engine.backends.cosyvoice.frontend.frontend import (
     SYSTEM_PROMPT,
@@ -24,6 +24,7 @@ from engine.backends.cosyvoice.frontend.textnorm import (
 )
 from engine.backends.cosyvoice.frontend.tokens import added_token_id
 from engine.backends.cosyvoice.model_dir import load_model_dir
+from engine.backends.cosyvoice.sequences import Sequence
 from engine.errors import ModelLoadError
 from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_parity import fixture_dir
@@ -99,11 +100,11 @@ def test_the_frontend_normalizes_the_text_and_the_transcript_but_not_the_instruc
 
 
 def _text_ids(backend: CosyVoiceBackend, text: str) -> list[int]:
-    item = backend.prepare(SynthesisRequest(RequestId("norm-1"), text, "default", 0.0))
+    item = backend.prepare(SynthesisRequest(RequestId("norm-1"), text, "default"))
     state = item.state
-    assert isinstance(state, CosyState)
+    assert isinstance(state, Sequence)
     backend.release(item)
-    return state.lm_input.text_ids
+    return state.inputs.lm_input.text_ids
 
 
 def test_the_backend_speaks_normalized_text_per_its_text_frontend_option(tmp_path: Path) -> None:

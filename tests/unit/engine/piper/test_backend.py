@@ -38,7 +38,7 @@ def backend() -> PiperBackend:
 def request(text: str, voice: str = "joe", **params: float) -> SynthesisRequest:
     noise = {"noise_scale": 0.0, "noise_w_scale": 0.0}  # VITS samples otherwise
     return SynthesisRequest(
-        RequestId(text[:8]), text, voice, deadline=0.0, params=SamplingParams(**{**noise, **params})
+        RequestId(text[:8]), text, voice, params=SamplingParams(**{**noise, **params})
     )
 
 

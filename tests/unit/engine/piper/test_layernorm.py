@@ -54,7 +54,7 @@ def test_joes_layer_norms_fuse_and_the_text_part_gives_the_same_outputs(
     original, rewritten = open_session(1, split.front), open_session(1, fused)
     params = SamplingParams(noise_scale=0.0, noise_w_scale=0.0)
     for text in SENTENCES:
-        item = piper.prepare(SynthesisRequest(RequestId("t"), text, "joe", deadline=0.0, params=params))
+        item = piper.prepare(SynthesisRequest(RequestId("t"), text, "joe", params=params))
         state = item.state
         feeds = {"input": np.array([state.ids], dtype=np.int64),
                  "input_lengths": np.array([len(state.ids)], dtype=np.int64),

@@ -18,7 +18,7 @@ LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away 
 
 def request(text: str) -> SynthesisRequest:
     params = SamplingParams(noise_scale=0.0, noise_w_scale=0.0)  # VITS samples otherwise
-    return SynthesisRequest(RequestId(text[:8]), text, "joe", deadline=0.0, params=params)
+    return SynthesisRequest(RequestId(text[:8]), text, "joe", params=params)
 
 
 @pytest.fixture(scope="module")

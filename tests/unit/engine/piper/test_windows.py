@@ -30,7 +30,7 @@ SHORT = "Yes, okay."
 
 def request(text: str, voice: str = "joe", speed: float = 1.0, context: str = "") -> SynthesisRequest:
     params = SamplingParams(speed=speed, noise_scale=0.0, noise_w_scale=0.0)  # VITS samples otherwise
-    return SynthesisRequest(RequestId(text[:8]), text, voice, deadline=0.0, context_key=context,
+    return SynthesisRequest(RequestId(text[:8]), text, voice, context_key=context,
                             params=params)
 
 
@@ -145,8 +145,7 @@ def test_a_cancel_stops_a_segment_within_one_window() -> None:
         engine = Engine(piper, EngineConfig(warmup_text=""))
         await engine.start()
         got = 0
-        async for _chunk in engine.submit(SynthesisRequest(RequestId("long"), LONG * 3, "joe",
-                                                           deadline=time.monotonic())):
+        async for _chunk in engine.submit(SynthesisRequest(RequestId("long"), LONG * 3, "joe")):
             got += 1
             if got == 1:
                 engine.cancel(RequestId("long"))
@@ -277,16 +276,15 @@ def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> N
         engine = Engine(piper, EngineConfig(warmup_text=""))
         await engine.start()
         done = [chunk async for chunk in engine.submit(SynthesisRequest(
-            RequestId("a"), SHORT, "joe", deadline=time.monotonic(), context_key="s1"))]
+            RequestId("a"), SHORT, "joe", context_key="s1"))]
         assert done and done[-1].is_last
         async for _chunk in engine.submit(SynthesisRequest(
-                RequestId("b"), LONG * 2, "joe", deadline=time.monotonic(), context_key="s2")):
+                RequestId("b"), LONG * 2, "joe", context_key="s2")):
             engine.cancel(RequestId("b"))
         await async_wait_until(lambda: "b" in released, timeout=10.0, message="b was never released")
         # nothing is held: a third session's segment is planned as the only one talking
-        item = BackendRequest(SynthesisRequest(RequestId("c"), SHORT, "joe", deadline=time.monotonic(),
-                                               context_key="s3"))
-        engine._plan([item], {})
+        item = BackendRequest(SynthesisRequest(RequestId("c"), SHORT, "joe", context_key="s3"))
+        engine.loop.plan([item], {})
         await engine.stop()
         assert item.plan is not None
         return prepared, released, item.plan.is_lone
@@ -321,12 +319,10 @@ def test_the_engine_predicts_the_next_segment_from_the_backends_exact_length() -
         engine = Engine(piper, EngineConfig(warmup_text=""))
         await engine.start()
         now = time.monotonic()
-        first = engine.submit(SynthesisRequest(RequestId("a"), LONG, "joe", deadline=now,
-                                               context_key="s1"))
-        # The gateway's guess for the second: due at once (a guess far too early).
-        second = engine.submit(SynthesisRequest(RequestId("b"), SHORT, "joe", deadline=now,
-                                                context_key="s1"))
-        handles = engine._handles
+        first = engine.submit(SynthesisRequest(RequestId("a"), LONG, "joe", context_key="s1"))
+        # The second plays after the first in their context: due when the first's audio ends.
+        second = engine.submit(SynthesisRequest(RequestId("b"), SHORT, "joe", context_key="s1"))
+        handles = engine.requests.handles
         est_at_first_chunk = made = 0.0
         async for chunk in first:
             if not est_at_first_chunk:

@@ -1,11 +1,22 @@
-"""The handle hop's plain data: an engine chunk crosses whole, its step time with it."""
+"""The handle hop's plain data: an engine chunk crosses whole, its step time with it; a request
+crosses with where it plays and no time; the replicas' counters are summed."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 import numpy as np
 
-from engine.types import AudioChunk, RequestId, WordTiming
-from gateway.ray_serve.wire import chunk_from_wire, chunk_to_wire
+from engine.stats import EngineStats
+from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest, WordTiming
+from gateway.ray_serve.replicas import sum_reports
+from gateway.ray_serve.wire import (
+    chunk_from_wire,
+    chunk_to_wire,
+    request_from_wire,
+    request_to_wire,
+)
 
 
 def test_a_chunk_crosses_with_its_words_and_step_time() -> None:
@@ -20,3 +31,23 @@ def test_a_chunk_from_a_replica_that_sends_no_step_time_reads_as_zero() -> None:
     wire = chunk_to_wire(AudioChunk(RequestId("r1"), np.zeros(10, dtype=np.float32), 22050, is_last=False))
     del wire["step_ms"]  # a replica of the build before, during a rolling upgrade
     assert chunk_from_wire(RequestId("r1"), wire).step_ms == 0.0
+
+
+def test_a_request_crosses_with_where_it_plays_and_no_time() -> None:
+    request = SynthesisRequest(RequestId("s:3"), "Hello.", "joe", context_key="s/c2",
+                               plays_after="s/c1",
+                               params=SamplingParams(speed=1.25))
+    wire = request_to_wire(request, "gateway-1")
+    assert wire["deadline_in_s"] == 0.0  # for a replica of the build before only: due on arrival
+    assert request_from_wire(wire) == request
+    del wire["plays_after"]  # a gateway of the build before, during a rolling upgrade
+    assert request_from_wire(wire).plays_after == ""
+
+
+def test_the_replicas_waits_are_summed_by_reason() -> None:
+    def report(waits: dict[str, int]) -> dict[str, Any]:
+        return {"num_queued": 0, "num_contexts": 0, "max_contexts": 1, "scheduler": {},
+                "stats": asdict(EngineStats(waits=waits))}
+
+    _, stats = sum_reports([report({"flow_cache": 2}), report({"flow_cache": 1, "lm_slot": 4})])
+    assert stats.waits == {"flow_cache": 3, "lm_slot": 4}

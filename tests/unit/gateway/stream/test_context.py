@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
-import pytest
 
-from engine.types import AudioChunk, RequestId, WordTiming, estimate_audio_s
+from engine.types import RequestId, WordTiming
 from gateway.audio.codecs import make_encoder
 from gateway.stream.context import Context, ContextState, Segment
 from gateway.stream.options import SessionOptions
@@ -74,23 +71,6 @@ def test_what_was_heard_is_the_report_given_else_the_last_playback_and_never_pas
     assert context.heard_ms(None) == 300.0
     assert context.heard_ms(500.0) == 500.0
     assert context.heard_ms(5000.0) == 800.0
-
-
-def test_audio_length_is_estimated_from_text_until_synthesized_then_measured() -> None:
-    context = make_context(speed=2.0)
-    add_segment(context, "Measured already.", audio_ms=1200)
-    waiting = add_segment(context, "Not synthesized yet.")
-    assert context.audio_s(1) == pytest.approx(1.2)
-    assert context.audio_s() == pytest.approx(1.2 + estimate_audio_s(waiting.text, 2.0))
-    assert estimate_audio_s(waiting.text, 2.0) == pytest.approx(estimate_audio_s(waiting.text) / 2)
-    # synthesized but not framed yet: its chunks count
-    waiting.is_synthesized = True
-    pcm = np.zeros(RATE // 2, np.float32)
-    waiting.chunks = deque([AudioChunk(waiting.request_id, pcm, RATE, is_last=True)])
-    assert context.audio_s() == pytest.approx(1.7)
-    assert context.predicted_end(now=10.0) == pytest.approx(11.7)
-    context.playout.play_started_at = 4.0
-    assert context.predicted_end(now=10.0) == pytest.approx(5.7)
 
 
 def test_a_context_is_drained_only_when_flushed_spoken_finished_and_sent() -> None:

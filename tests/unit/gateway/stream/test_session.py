@@ -57,12 +57,17 @@ def test_session_ready_announces_options_and_limits() -> None:
     assert ready["options"]["codec"] == "opus"
 
 
-def test_first_segment_is_submitted_due_now_and_later_ones_due_later() -> None:
+def test_segments_go_to_the_engine_in_order_with_where_they_play_and_no_time() -> None:
+    # the engine times them (engine/clock.py): a context's segments play in the order submitted,
+    # and a context opened while another still plays plays after it
     session = make_session()
     requests = submits(text(session, "c", "The first sentence is here. Second one follows. Third", now=5.0))
     assert [r.text for r in requests] == ["The first sentence is here.", "Second one follows."]
-    assert requests[0].deadline == 5.0
-    assert requests[1].deadline > requests[0].deadline
+    assert len({r.context_key for r in requests}) == 1
+    assert [r.plays_after for r in requests] == ["", ""]
+    (queued,) = submits(text(session, "d", "Another turn begins here. And", now=6.0))
+    assert queued.context_key != requests[0].context_key
+    assert queued.plays_after == requests[0].context_key
 
 
 def test_audio_is_framed_in_order_and_context_done_follows_flush() -> None:
