@@ -15,7 +15,7 @@ Work is checked before it is done: the key and the Origin first (the access
 guard, before the route), then the body: `application/json` (415), no larger
 than MAX_BODY_BYTES by its Content-Length or as it streams (413, before it is
 read whole), whole within `slow_consumer_timeout_s` however it trickles in
-(408, gateway/http/bodies.py), and every field of the right type (400). Engine
+(408, gateway/bodies.py), and every field of the right type (400). Engine
 capacity counts against the caller's fair share (gateway/access/fair_share.py). Once
 streaming, a client that reads nothing for `slow_consumer_timeout_s` (the
 write timeout) or goes away ends its synthesis at once: every engine request
@@ -47,8 +47,8 @@ from gateway.access.guard import principal
 from gateway.access.keys import presented_key
 from gateway.audio.containers import ContainerStreamEncoder, available_formats
 from gateway.audio.formats import MAX_SPEED, MIN_SPEED, OPENAI_MAX_SPEED, OPENAI_MIN_SPEED
+from gateway.bodies import BodyTimeoutError, within
 from gateway.errors import http_error
-from gateway.http.bodies import BodyTimeoutError, within
 from gateway.stream.messages import decode_json
 from gateway.text.routing import Languages, VoiceScripts, route
 from gateway.text.segmenter import Segmenter
