@@ -10,9 +10,9 @@ re-encoded; and the native events the session returns come back through
 `_translate` as the vendor's frames (`SendFrame`, already encoded). A vendor
 frame costs one token of the native message rate, however many native
 messages it becomes, and the size limit applies to the frame as the client
-sent it. `CompatConnection` is the native I/O loop
-(gateway/stream/endpoint.py) with one difference in how a native event is
-encoded.
+sent it. The native I/O loop (gateway/stream/endpoint.py) runs it as it runs
+the native session; `encode` puts the events the loop makes itself in the
+vendor's shape.
 
 A vendor context maps onto native contexts one after another. A native
 context takes no text once flushed, while the vendors' `flush` only forces
@@ -38,7 +38,6 @@ from gateway.compat.steps import EngineTime
 from gateway.errors import CLOSE_POLICY_VIOLATION, ErrorEvent, ProtocolError
 from gateway.stream.actions import Action, Cancel, Close, Send, SendFrame, Submit
 from gateway.stream.context import Context
-from gateway.stream.endpoint import Connection
 from gateway.stream.events import AudioEvent, ContextDone, SegmentEvent, TextSkipped, encode_json
 from gateway.stream.messages import (
     CancelMessage,
@@ -148,7 +147,7 @@ class CompatSession(Session):
         """One vendor frame: one rate-limit token, decoded once, handled by the adapter."""
         self.last_activity = now
         try:
-            self.take_message_token(now)
+            self.take_frame(now)
             return self.handle(self._parse(raw), now)
         except ProtocolError as exc:
             return [self.error_frame(exc.code, exc.message, exc.context_id, exc.fatal)]
@@ -178,7 +177,7 @@ class CompatSession(Session):
             return wakeup
         return self.auth_deadline if wakeup is None else min(wakeup, self.auth_deadline)
 
-    def encode_native(self, action: Send) -> str:
+    def encode(self, action: Send) -> str:
         """A native event the I/O loop made itself (a slow consumer, an internal error) in
         vendor shape; an idle socket is closed by `idle_close` instead."""
         event = action.message
@@ -379,18 +378,3 @@ class CompatSession(Session):
         aligned = self._ready(vctx, everything=True)
         actions = self.audio_frames(vctx, tail, aligned) if tail or aligned else []
         return actions + self.done_frames(vctx)
-
-
-class CompatConnection(Connection):
-    """The native I/O loop; the adapter's frames come already shaped (`SendFrame`), and the
-    native events the loop makes itself are put in the vendor's shape here."""
-
-    def _encode(self, action: Send) -> str | bytes:
-        session = self.session
-        assert isinstance(session, CompatSession)
-        return session.encode_native(action)
-
-    def _idle_close(self, idle_s: float) -> list[Action]:
-        session = self.session
-        assert isinstance(session, CompatSession)
-        return session.idle_close(idle_s)

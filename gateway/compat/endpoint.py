@@ -6,7 +6,7 @@ checked with the native socket's own rules, in the same function
 cap per owner. Then the adapter's factory reads the socket's URL (output
 format, voice...) and makes its session on the catalog as the socket's tenant
 sees it (a key that comes in the first message moves the admission and that
-view to its tenant), and one `CompatConnection` runs it. A refusal at either
+view to its tenant), and the native I/O loop (`Connection`) runs it. A refusal at either
 step is the vendor's error frame and a close code.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from starlette.websockets import WebSocket
 
 from gateway.access.admission import Refused, admit
-from gateway.compat.core import CompatConnection, CompatSession
+from gateway.compat.core import CompatSession
 from gateway.errors import CLOSE_POLICY_VIOLATION, ProtocolError
-from gateway.stream.endpoint import refuse, serve_session
+from gateway.stream.endpoint import Connection, refuse, serve_session
 
 #: makes the adapter's session from the keywords every session takes (session_id, catalog,
 #: sample_rate, limits, admit, release, authorize, languages) and what the adapter reads from
@@ -64,5 +64,5 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol:
             await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code,
                          subprotocol=subprotocol)
             return
-        await serve_session(websocket, session, CompatConnection(websocket, session, engine, state),
+        await serve_session(websocket, session, Connection(websocket, session, engine, state),
                             state, subprotocol=subprotocol)

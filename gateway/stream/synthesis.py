@@ -23,7 +23,15 @@ from collections.abc import Callable
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
 from gateway.errors import error_message
-from gateway.stream.actions import Action, Cancel, Observe, Send, Submit
+from gateway.stream.actions import (
+    Action,
+    Cancel,
+    Observe,
+    SegmentFramed,
+    SegmentStarted,
+    Send,
+    Submit,
+)
 from gateway.stream.context import Context, Segment
 from gateway.stream.events import SegmentEvent, TextSkipped
 from gateway.text.routing import Languages, VoiceScripts, route
@@ -96,7 +104,7 @@ class Synthesis:
                     segment.request_id, segment.text, segment.voice, deadline, context_key=context.key,
                     language=options.language if is_own else None,
                     instructions=options.instructions if is_own else None,
-                    params=SamplingParams(speed=options.speed))))
+                    params=SamplingParams(speed=options.speed)), context.context_id))
         return refused
 
     def _admit_context(self, context: Context, actions: list[Action]) -> bool:
@@ -185,6 +193,8 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
                             else chunk.words[-1].end_ms if chunk.words else None)
                 actions.append(Send(SegmentEvent(context.context_id, segment.segment_id,
                                                  segment.text, segment.pts_ms, duration, chunk.words)))
+                actions.append(SegmentStarted(context.context_id, segment.segment_id,
+                                              segment.request_id, segment.pts_ms))
                 _announce_skipped(context, segment, actions)
                 if not context.has_started:
                     context.has_started = True
@@ -194,6 +204,10 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
         if not segment.is_synthesized:
             return  # later segments wait: audio stays in playback order
         segment.is_sent = True
+        if segment.is_started:
+            words = None if segment.words is None else tuple(segment.words)
+            actions.append(SegmentFramed(context.context_id, segment.segment_id, segment.text,
+                                         segment.pts_ms, segment.audio_ms, words))
     if context.is_spoken():
         playout.finish()
 
