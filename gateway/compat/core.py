@@ -96,14 +96,15 @@ class VendorSession(Generic[C, M]):
         the key was checked at the handshake; else the session is unauthorized until its
         first message brings a key that `authorize` takes, and is closed if none came within
         `limits.auth_timeout_s` (`tick`)."""
+        self.encoders = encoders or EncoderFactory()
         self.session = Session(session_id, catalog=catalog, sample_rate=sample_rate,
                                options=options, limits=limits, admit=admit, release=release,
-                               languages=languages, open_encoder=self._open_encoder)
+                               languages=languages, encoders=self.encoders,
+                               open_encoder=self._open_encoder)
         self.session_id = session_id
         self.limits = limits
         self.catalog = catalog
         self.output = output
-        self.encoders = encoders or EncoderFactory()
         self.sample_rate = sample_rate
         self.authorize = authorize
         self.auth_deadline: float | None = None  # set at `start` while unauthorized

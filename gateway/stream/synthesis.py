@@ -1,4 +1,8 @@
-"""A socket's synthesis: its contexts' segments out to the engine, their audio back in.
+"""A session's synthesis: its contexts' segments out to the engine, their audio back in.
+
+The one synthesis path: the native socket, the vendor sockets and the HTTP
+speech route all run it through their `Session` (docs/architecture.md, "The
+session"), so a rule fixed here holds on every route.
 
 `Synthesis` turns the segments each context's segmenter releases into engine
 requests: it names them, submits them in playback order within the socket's
@@ -10,7 +14,10 @@ announcing each segment as its audio starts. Each segment is routed by
 language first (gateway/text/routing.py): it keeps the context's voice or
 goes to the voice mapped for its language, and what no voice can say is
 skipped, announced with `text.skipped` where it falls and sent to no engine.
-Like the `Session` that holds it, it does no I/O and reads no clock; the
+A segment's due time is one function's (`_deadline`). As a segment's audio
+starts and when it is all framed, a note (`SegmentStarted`, `SegmentFramed`)
+says where it sits, for the routes that speak another wire. Like the
+`Session` that holds it, it does no I/O and reads no clock; the
 session decides what a refused admission or an engine error ends, and when
 audio is released to the socket.
 """
@@ -37,8 +44,8 @@ from gateway.stream.events import SegmentEvent, TextSkipped
 from gateway.text.routing import Languages, VoiceScripts, route
 
 #: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
-#: segments per socket with the engine or waiting to be framed; the engine's
-#: look-ahead on each request's playback clock does the pacing within it.
+#: segments per session (a socket, or a speech request) with the engine or waiting to be
+#: framed; the engine's look-ahead on each request's playback clock does the pacing within it.
 MAX_SEGMENTS_AHEAD = 4
 
 
