@@ -7,12 +7,12 @@ One server, one socket per protocol, one turn at a time (no load). Each turn
 streams a first sentence word by word, then ends it (native `flush`;
 ElevenLabs `{"context_id", "flush": true}`) and times, on the client, from
 that last send to the first audio frame received. Both sockets ask for the
-same audio (PCM16 at 24 kHz, which passes through the adapter untranscoded),
-so the difference is the adapter: message translation, base64 and JSON
-instead of binary msgpack, and the client's own decoding of them. Turns
+same audio (PCM16 at 24 kHz, encoded alike for both), so the difference is
+the adapter: message translation, base64 and JSON instead of binary msgpack,
+and the client's own decoding of them. Turns
 alternate between the protocols (seeded order), so drift on a shared machine
 falls on both. A third column is the ElevenLabs socket in mp3_44100_128 (the
-vendor's default), which adds the MP3 transcoder.
+vendor's default), which encodes MP3 instead.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def adapter_cost_us(turns: int) -> dict[str, list[float]]:
         for turn in range(turns + 20):  # 20 warm-up turns
             options = SessionOptions(voice="joe", codec="pcm16", sample_rate=24000)
             if kind == "native":
-                session: Session = Session("bench", catalog=VoiceCatalog({"joe"}), sample_rate=rate,
-                                           options=options)
+                session: Session | ElevenLabsMultiSession = Session(
+                    "bench", catalog=VoiceCatalog({"joe"}), sample_rate=rate, options=options)
                 words = [json.dumps({"type": "text", "context_id": "c", "text": w + " "})
                          for w in SENTENCES[turn % len(SENTENCES)].split(" ")]
                 flush = json.dumps({"type": "flush", "context_id": "c"})

@@ -1,5 +1,5 @@
 """What every route and socket of one app shares: the config, the engine, the open sockets,
-the voice catalog, the admission counters and the engine's fair share.
+the voice catalog, the admission counters, the engine's fair share and the audio encoders.
 
 Its own module so that the parts that read it (gateway/access/admission.py, the
 sockets, Ray's replicas) need not import the app that builds it (gateway/app.py).
@@ -8,17 +8,28 @@ sockets, Ray's replicas) need not import the app that builds it (gateway/app.py)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from engine.client import EngineClient
 from gateway.access.fair_share import FairShare, FairShareConfig
 from gateway.access.keyless import KeylessPool
 from gateway.access.keys import KeyCounter
 from gateway.access.tokens import SessionTokens
+from gateway.audio.encoders import EncoderFactory
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
 from gateway.text.routing import Languages
 from gateway.voices.catalog import VoiceCatalog
+
+
+class OpenSocket(Protocol):
+    """An open socket as the app sees it (gateway/stream/endpoint.py's `Connection`): counted
+    in the gauges, closed at shutdown."""
+
+    @property
+    def num_open_contexts(self) -> int: ...
+
+    def close_going_away(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -26,12 +37,13 @@ class AppState:
     config: GatewayConfig
     engine: EngineClient
     metrics: Metrics
-    connections: set[Any] = field(default_factory=set)
+    connections: set[OpenSocket] = field(default_factory=set)
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
     languages: Languages = field(init=False)  # what each voice speaks, for routing by language
     key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
     keyless: KeylessPool = field(init=False)  # sockets waiting for a first-message key (access/keyless.py)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
+    encoders: EncoderFactory = field(default_factory=EncoderFactory)  # every output's encoder
     is_shutting_down: bool = False
     fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
 
@@ -46,4 +58,4 @@ class AppState:
         self.metrics.track_state(lambda: len(self.connections), self.num_open_contexts)
 
     def num_open_contexts(self) -> int:
-        return sum(len(c.session.contexts) for c in self.connections)
+        return sum(c.num_open_contexts for c in self.connections)

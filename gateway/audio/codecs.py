@@ -1,10 +1,14 @@
-"""Per-context audio encoding for the WebSocket: resample, cut frames, encode.
+"""Per-context audio encoding into whole frames: resample, cut frames, encode.
 
-One `StreamEncoder` per context (docs/architecture.md, "Audio"). It takes the engine's mono
+One `StreamEncoder` per context (docs/architecture.md, "Audio"), for the framed
+kinds of `AudioFormat` (gateway/audio/formats.py). It takes the engine's mono
 float32 PCM at the voice's rate and returns whole `frame_ms` frames: Opus
-packets (libopus, bundled in PyAV's wheels), PCM16 little-endian bytes, or
-G.711 mu-law bytes at 8 kHz. `encode` returns only whole frames and keeps the
-remainder; `flush` pads the last partial frame with silence.
+packets (libopus, bundled in PyAV's wheels), PCM16 or float32 little-endian
+bytes at any PCM rate, or G.711 mu-law or A-law bytes at 8 kHz. `encode`
+returns only whole frames and keeps the remainder; `flush` pads the last
+partial frame with silence. Raw PCM may also go unframed (`frame_ms` 0: the
+bytes as they come, nothing held, nothing padded). gateway/audio/encoders.py
+opens it; the muxed kinds (MP3, Ogg, WAV...) are gateway/audio/containers.py's.
 
 The audio path, once. The PCM is checked and cast where it enters
 (`as_mono_float32`, a no-op for the engine's float32) and wrapped in one
@@ -12,9 +16,9 @@ The audio path, once. The PCM is checked and cast where it enters
 back to numpy. For Opus the codec context itself resamples (swresample) and
 cuts codec-sized frames: PyAV runs every frame it encodes through a filter graph
 set to the codec's rate and frame size, so a separate resampler before it
-would only convert twice. For PCM16 and mu-law one `AudioResampler` converts
-rate and sample format (float to s16, with swresample's rounding and clipping);
-PCM16 is the bytes of its output, mu-law FFmpeg's G.711 encoder run on that
+would only convert twice. For the raw kinds one `AudioResampler` converts
+rate and sample format (float to s16, with swresample's rounding and clipping,
+or to flt); PCM is the bytes of its output, G.711 FFmpeg's encoder run on that
 output, and whole frames are cut from those bytes.
 
 Opus lookahead. libopus delays its output by a fixed lookahead (6.5 ms in the
@@ -29,34 +33,38 @@ they are out, so the frame count is `ceil((n + pre_skip) / F)`: `ceil(n / F)`
 unless the last frame's silence padding is shorter than the lookahead, in which
 case one more (silent-tailed) frame follows. `opus_head` gives the 19-byte
 OpusHead (WebCodecs `description`) carrying that pre-skip (RFC 7845, 5.1).
-PCM16 and mu-law have no delay: `ceil(n / F)` frames exactly.
+The raw kinds have no delay: `ceil(n / F)` frames exactly.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import av
 import numpy as np
 
 from gateway.audio.formats import (
-    CODECS,
     DEFAULT_OPUS_BITRATE,
     DEFAULT_OPUS_COMPLEXITY,
-    FRAME_MS,
-    MAX_OPUS_BITRATE,
-    MIN_OPUS_BITRATE,
+    FRAMED_KINDS,
     MULAW_SAMPLE_RATE,
-    SAMPLE_RATES,
+    AudioFormat,
 )
 
-#: what a partial last frame is padded with: digital silence in each codec's bytes
-_SILENCE = {"pcm16": b"\x00\x00", "mulaw": b"\xff"}  # G.711 mu-law codes zero as 0xFF
+#: each raw kind's sample: (FFmpeg sample format, G.711 encoder or "", bytes of silence)
+_RAW = {
+    "pcm16": ("s16", "", b"\x00\x00"),
+    "pcm_f32": ("flt", "", b"\x00\x00\x00\x00"),
+    "mulaw": ("s16", "pcm_mulaw", b"\xff"),  # G.711 mu-law codes zero as 0xFF
+    "alaw": ("s16", "pcm_alaw", b"\xd5"),    # and A-law as 0xD5
+}
 
 
 @dataclass(slots=True, frozen=True)
 class EncodedFrame:
-    """One codec frame: an Opus packet, or PCM16 LE bytes, or mu-law bytes."""
+    """One piece of encoded audio: an Opus packet, a frame of PCM or G.711 bytes, or the bytes
+    a muxer wrote for `duration_ms` of input (gateway/audio/containers.py)."""
 
     data: bytes
     duration_ms: float
@@ -98,51 +106,59 @@ def to_frame(samples: np.ndarray, sample_rate: int) -> av.AudioFrame:
     return frame
 
 
-class StreamEncoder:
-    """Encodes one context's PCM into whole frames of one codec (see module doc).
+def check_rate_in(sample_rate_in: int) -> None:
+    if not isinstance(sample_rate_in, (int, np.integer)) or not 8000 <= sample_rate_in <= 192000:
+        raise ValueError(f"expected sample_rate_in within 8000-192000 Hz, got {sample_rate_in!r}")
 
-    Build it with `make_encoder`. Attributes: `codec`, `sample_rate` (output),
-    `sample_rate_in`, `frame_ms`, `frame_samples` (per frame at the output
-    rate), `bitrate` (Opus only, else None), `pre_skip` (output samples a
-    decoder drops; 0 for PCM), `opus_head` (OpusHead bytes or None).
+
+class StreamEncoder:
+    """Encodes one context's PCM into whole frames of one framed kind (see module doc).
+
+    Opened by gateway/audio/encoders.py (or `make_encoder`). Attributes: `format`,
+    `codec` (its kind), `sample_rate` (output), `sample_rate_in`, `frame_ms`,
+    `frame_samples` (per frame at the output rate; 0 unframed), `bitrate` (Opus only,
+    else None), `pre_skip` (output samples a decoder drops; 0 for the raw kinds),
+    `opus_head` (OpusHead bytes or None). `tally`, when given, counts each `encode`
+    call under the kind (the factory's counter).
     """
 
-    def __init__(
-        self,
-        codec: str,
-        sample_rate_out: int,
-        frame_ms: int,
-        bitrate: int | None,
-        sample_rate_in: int,
-        complexity: int = DEFAULT_OPUS_COMPLEXITY,
-    ) -> None:
-        _validate(codec, sample_rate_out, frame_ms, bitrate, sample_rate_in, complexity)
-        if codec == "mulaw":
-            sample_rate_out = MULAW_SAMPLE_RATE
-        self.codec = codec
-        self.sample_rate = sample_rate_out
+    def __init__(self, fmt: AudioFormat, sample_rate_in: int, *,
+                 complexity: int = DEFAULT_OPUS_COMPLEXITY,
+                 tally: Counter[str] | None = None) -> None:
+        if not fmt.is_framed:
+            raise ValueError(f"expected a framed kind in {FRAMED_KINDS}, got {fmt.kind!r}")
+        check_rate_in(sample_rate_in)
+        if not 0 <= complexity <= 10:
+            raise ValueError(f"expected complexity within 0-10, got {complexity!r}")
+        self.format = fmt
+        self.codec = fmt.kind
+        self.sample_rate = fmt.sample_rate
         self.sample_rate_in = int(sample_rate_in)
-        self.frame_ms = frame_ms
-        self.frame_samples = sample_rate_out * frame_ms // 1000
+        self.frame_ms = fmt.frame_ms
+        self.frame_samples = fmt.sample_rate * fmt.frame_ms // 1000
         self.bitrate: int | None = None
         self.pre_skip = 0
         self.opus_head: bytes | None = None
+        self._tally = tally
         self._num_frames = 0
         self._is_flushed = False
         self._context: av.AudioCodecContext | None = None
         self._resampler: av.AudioResampler | None = None
-        self._pending = b""  # PCM16 or mu-law bytes short of a whole frame
-        if codec == "opus":
-            self.bitrate = bitrate if bitrate is not None else DEFAULT_OPUS_BITRATE[sample_rate_out]
-            self._context = _open_opus(sample_rate_out, frame_ms, self.bitrate, complexity)
+        self._pending = b""  # raw bytes short of a whole frame
+        if fmt.kind == "opus":
+            self.bitrate = fmt.bitrate or DEFAULT_OPUS_BITRATE[fmt.sample_rate]
+            self._context = _open_opus(fmt.sample_rate, fmt.frame_ms, self.bitrate, complexity)
             self.opus_head = bytes(self._context.extradata or b"")
             # OpusHead bytes 10-11: pre-skip in 48 kHz samples (RFC 7845, 5.1).
             pre_skip_48k = int.from_bytes(self.opus_head[10:12], "little")
-            self.pre_skip = pre_skip_48k * sample_rate_out // 48000
-        else:
-            self._resampler = av.AudioResampler(format="s16", layout="mono", rate=sample_rate_out)
-            if codec == "mulaw":
-                self._context = _open_pcm_encoder("pcm_mulaw", sample_rate_out)
+            self.pre_skip = pre_skip_48k * fmt.sample_rate // 48000
+            return
+        sample_format, g711, self._silence = _RAW[fmt.kind]
+        self._resampler = av.AudioResampler(format=sample_format, layout="mono",
+                                            rate=fmt.sample_rate)
+        self._width = 4 if sample_format == "flt" else 2  # bytes per resampled sample
+        if g711:
+            self._context = _open_pcm_encoder(g711, fmt.sample_rate)
 
     @property
     def num_frames(self) -> int:
@@ -153,6 +169,8 @@ class StreamEncoder:
         """Take mono PCM at `sample_rate_in`; return the whole frames now complete."""
         if self._is_flushed:
             raise RuntimeError("expected encode() before flush(), got encode() after flush()")
+        if self._tally is not None:
+            self._tally[self.codec] += 1
         samples = as_mono_float32(pcm)
         if len(samples) == 0:
             return []
@@ -174,12 +192,16 @@ class StreamEncoder:
             self._num_frames += len(out)
             return out
         data = self._pending
-        for piece in self._resampler.resample(frame):  # s16 mono at the output rate
+        for piece in self._resampler.resample(frame):  # mono at the output rate
             if self._context is None:
-                data += bytes(piece.planes[0])[: 2 * piece.samples]
+                data += bytes(piece.planes[0])[: self._width * piece.samples]
             else:
                 data += b"".join(bytes(packet) for packet in self._context.encode(piece))
-        silence = _SILENCE[self.codec]  # one sample of it
+        silence = self._silence  # one sample of it
+        if not self.frame_samples:  # unframed: what came, as it came
+            self._pending = b""
+            seconds = len(data) / len(silence) / self.sample_rate
+            return [EncodedFrame(data, 1000.0 * seconds)] if data else []
         size = len(silence) * self.frame_samples  # bytes per frame
         if frame is None and len(data) % size:  # flush: pad the last partial frame
             data += silence * ((size - len(data) % size) // len(silence))
@@ -199,31 +221,13 @@ def make_encoder(
     *,
     complexity: int = DEFAULT_OPUS_COMPLEXITY,
 ) -> StreamEncoder:
-    """A new encoder for one context. mulaw always runs at 8 kHz (G.711)."""
-    return StreamEncoder(codec, sample_rate_out, frame_ms, bitrate, sample_rate_in, complexity)
-
-
-def _validate(
-    codec: str, rate_out: int, frame_ms: int, bitrate: int | None, rate_in: int, complexity: int
-) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"expected codec in {CODECS}, got {codec!r}")
-    if codec != "mulaw" and rate_out not in SAMPLE_RATES:
-        raise ValueError(f"expected sample_rate in {SAMPLE_RATES}, got {rate_out!r}")
-    if frame_ms not in FRAME_MS:
-        raise ValueError(f"expected frame_ms in {FRAME_MS}, got {frame_ms!r}")
-    if not isinstance(rate_in, (int, np.integer)) or not 8000 <= rate_in <= 192000:
-        raise ValueError(f"expected sample_rate_in within 8000-192000 Hz, got {rate_in!r}")
-    if (
-        codec == "opus"
-        and bitrate is not None
-        and not MIN_OPUS_BITRATE <= bitrate <= MAX_OPUS_BITRATE
-    ):
-        raise ValueError(
-            f"expected bitrate within {MIN_OPUS_BITRATE}-{MAX_OPUS_BITRATE} bit/s, got {bitrate!r}"
-        )
-    if not 0 <= complexity <= 10:
-        raise ValueError(f"expected complexity within 0-10, got {complexity!r}")
+    """A new encoder for one context from the native options' values (mulaw runs at 8 kHz)."""
+    if codec not in FRAMED_KINDS:
+        raise ValueError(f"expected codec in {FRAMED_KINDS}, got {codec!r}")
+    if codec in ("mulaw", "alaw"):
+        sample_rate_out = MULAW_SAMPLE_RATE
+    return StreamEncoder(AudioFormat(codec, sample_rate_out, frame_ms, bitrate), sample_rate_in,
+                         complexity=complexity)
 
 
 def _open_opus(rate: int, frame_ms: int, bitrate: int, complexity: int) -> av.AudioCodecContext:

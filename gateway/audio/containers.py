@@ -1,22 +1,22 @@
-"""Streaming audio containers for the OpenAI-compatible `POST /v1/audio/speech`.
+"""Streaming muxed audio: MP3, Ogg Opus, WAV, FLAC and AAC, written as the audio is made.
 
 `ContainerStreamEncoder(fmt, sample_rate_in)` turns PCM into the bytes of one
-response body as the audio is made: `encode(pcm)` returns the bytes ready to
-send now, `finish()` the rest. The muxer (PyAV's `av.open` in write mode)
-writes into a non-seekable in-memory sink that is drained after every write,
-so nothing is held back beyond what the codec and muxer need.
+stream for the muxed kinds of `AudioFormat` (gateway/audio/formats.py): the HTTP
+speech route's bodies and the vendor sockets' MP3 and Ogg Opus. `encode(pcm)`
+returns what the muxer wrote for it, `flush()` the rest, each as `EncodedFrame`s
+(gateway/audio/codecs.py) whose durations are the input's, so that they add up
+to the audio given, sample for sample. The muxer (PyAV's `av.open` in write mode)
+writes into a non-seekable in-memory sink that is drained after every write, so
+nothing is held back beyond what the codec and muxer need. A kind is offered only
+where this PyAV build has its encoder and muxer (`is_available`).
 
-Formats follow OpenAI's `response_format` names; a format is offered only if
-this PyAV build has its encoder and muxer (`available_formats()`):
-
-| format | body | rate |
+| kind | muxer | encoder |
 |---|---|---|
-| opus | Ogg Opus (pages of at most 100 ms, so it streams) | 48 kHz |
-| wav  | RIFF WAVE, PCM16 mono | 24 kHz |
-| pcm  | raw PCM16 little-endian mono, no header (as OpenAI) | 24 kHz |
-| mp3  | MPEG audio (LAME) | 24 kHz |
-| flac | FLAC | 24 kHz |
-| aac  | AAC in ADTS | 24 kHz |
+| mp3 | mp3 | libmp3lame (constant bitrate; 64 kbit/s by default) |
+| ogg_opus | ogg, a page at least every `frame_ms` | libopus (32 kbit/s by default) |
+| wav | wav (PCM16; streamed, lengths 0xFFFFFFFF) | pcm_s16le |
+| flac | flac | flac |
+| aac | adts | aac (64 kbit/s by default) |
 
 Streamed WAV: the length is unknown when the header goes out, so the RIFF and
 `data` sizes are 0xFFFFFFFF, as OpenAI's streamed WAV does; FFmpeg and browsers
@@ -25,69 +25,53 @@ runs with `bitexact`, which leaves out the LIST/INFO encoder tag).
 
 The PCM is wrapped in one `av.AudioFrame` at the engine's rate and handed
 straight to the stream's encoder, whose codec context resamples it, converts
-the sample format and cuts codec-sized frames in one pass (the raw `pcm` body,
-having no codec, takes the same pass through one `AudioResampler` to s16).
+the sample format and cuts codec-sized frames in one pass.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import cache
 
 import av
 import numpy as np
 
-from gateway.audio.codecs import as_mono_float32, to_frame
+from gateway.audio.codecs import EncodedFrame, as_mono_float32, check_rate_in, to_frame
+from gateway.audio.formats import MUXED_KINDS, AudioFormat
 
 
 @dataclass(slots=True, frozen=True)
-class ContainerSpec:
-    muxer: str  # FFmpeg muxer name; "" for a raw body
+class MuxSpec:
+    muxer: str  # FFmpeg muxer name
     codec: str  # FFmpeg encoder name
-    sample_rate: int
-    content_type: str
-    bitrate: int | None = None
+    bitrate: int | None = None  # the default; `AudioFormat.bitrate` overrides it
 
 
-SPECS: dict[str, ContainerSpec] = {
-    "opus": ContainerSpec("ogg", "libopus", 48000, "audio/ogg", 32000),
-    "wav": ContainerSpec("wav", "pcm_s16le", 24000, "audio/wav"),
-    "pcm": ContainerSpec("", "pcm_s16le", 24000, "audio/pcm"),
-    "mp3": ContainerSpec("mp3", "libmp3lame", 24000, "audio/mpeg", 64000),
-    "flac": ContainerSpec("flac", "flac", 24000, "audio/flac"),
-    "aac": ContainerSpec("adts", "aac", 24000, "audio/aac", 64000),
+SPECS: dict[str, MuxSpec] = {
+    "mp3": MuxSpec("mp3", "libmp3lame", 64000),
+    "ogg_opus": MuxSpec("ogg", "libopus", 32000),
+    "wav": MuxSpec("wav", "pcm_s16le"),
+    "flac": MuxSpec("flac", "flac"),
+    "aac": MuxSpec("adts", "aac", 64000),
 }
-OGG_PAGE_DURATION_US = 100_000  # flush an Ogg page at least every 100 ms of audio
 
 
-def _has_encoder(name: str) -> bool:
+@cache
+def is_available(kind: str) -> bool:
+    """This PyAV build has the kind's muxer and encoder."""
+    spec = SPECS.get(kind)
+    if spec is None or spec.muxer not in av.formats_available:
+        return False
     try:
-        av.Codec(name, "w")
+        av.Codec(spec.codec, "w")
     except ValueError:  # UnknownCodecError: absent, or present as a decoder only
         return False
     return True
 
 
-def _detect_formats() -> tuple[str, ...]:
-    return tuple(
-        name
-        for name, spec in SPECS.items()
-        if (spec.muxer == "" or spec.muxer in av.formats_available) and _has_encoder(spec.codec)
-    )
-
-
-_AVAILABLE = _detect_formats()
-
-
-def available_formats() -> tuple[str, ...]:
-    """The `response_format` values this build can produce, in OpenAI's order."""
-    return _AVAILABLE
-
-
 class MuxSink:
-    """A write-only, non-seekable file for the muxer; `drain` takes what it wrote.
-
-    Shared by the HTTP bodies here and the vendor sockets' transcoder (gateway/compat/formats.py).
-    """
+    """A write-only, non-seekable file for the muxer; `drain` takes what it wrote."""
 
     def __init__(self) -> None:
         self._chunks: list[bytes] = []
@@ -103,68 +87,62 @@ class MuxSink:
 
 
 class ContainerStreamEncoder:
-    """Encodes one response body in `fmt` from mono PCM at `sample_rate_in`."""
+    """Encodes one stream of a muxed kind from mono PCM at `sample_rate_in` (see the module doc).
 
-    def __init__(self, fmt: str, sample_rate_in: int) -> None:
-        if fmt not in _AVAILABLE:
-            raise ValueError(f"expected response_format in {_AVAILABLE}, got {fmt!r}")
-        if not isinstance(sample_rate_in, int) or not 8000 <= sample_rate_in <= 192000:
-            raise ValueError(
-                f"expected sample_rate_in within 8000-192000 Hz, got {sample_rate_in!r}"
-            )
-        spec = SPECS[fmt]
+    `tally`, when given, counts each `encode` call under the kind (the factory's counter).
+    """
+
+    def __init__(self, fmt: AudioFormat, sample_rate_in: int, *,
+                 tally: Counter[str] | None = None) -> None:
+        if fmt.kind not in MUXED_KINDS or not is_available(fmt.kind):
+            offered = tuple(k for k in MUXED_KINDS if is_available(k))
+            raise ValueError(f"expected a muxed kind in {offered}, got {fmt.kind!r}")
+        check_rate_in(sample_rate_in)
+        spec = SPECS[fmt.kind]
         self.format = fmt
-        self.content_type = spec.content_type
-        self.sample_rate = spec.sample_rate
-        self.sample_rate_in = sample_rate_in
+        self.codec = fmt.kind
+        self.sample_rate = fmt.sample_rate
+        self.sample_rate_in = int(sample_rate_in)
+        self._tally = tally
         self._is_finished = False
         self._sink = MuxSink()
-        self._container: av.container.OutputContainer | None = None
-        self._stream: av.AudioStream | None = None
-        if spec.muxer:
-            options = {"fflags": "+bitexact"}
-            if spec.muxer == "ogg":
-                options["page_duration"] = str(OGG_PAGE_DURATION_US)
-            container = av.open(self._sink, "w", format=spec.muxer, container_options=options)
-            stream = container.add_stream(spec.codec, rate=spec.sample_rate, layout="mono")
-            assert isinstance(stream, av.AudioStream)
-            if spec.bitrate is not None:
-                stream.codec_context.bit_rate = spec.bitrate
-            self._container, self._stream = container, stream
-        # a raw body has no codec to convert for it
-        self._resampler = (None if spec.muxer else
-                           av.AudioResampler(format="s16", layout="mono", rate=spec.sample_rate))
+        options = {"fflags": "+bitexact"}
+        if spec.muxer == "ogg" and fmt.frame_ms:
+            options["page_duration"] = str(1000 * fmt.frame_ms)  # in microseconds
+        self._container = av.open(self._sink, "w", format=spec.muxer, container_options=options)
+        stream = self._container.add_stream(spec.codec, rate=fmt.sample_rate, layout="mono")
+        assert isinstance(stream, av.AudioStream)
+        bitrate = fmt.bitrate or spec.bitrate
+        if bitrate is not None:
+            stream.codec_context.bit_rate = bitrate
+        self._stream = stream
 
-    def encode(self, pcm: np.ndarray) -> bytes:
-        """Take mono PCM at `sample_rate_in`; return the body bytes ready now."""
+    def encode(self, pcm: np.ndarray) -> list[EncodedFrame]:
+        """Take mono PCM at `sample_rate_in`; the bytes the stream has for it now."""
         if self._is_finished:
-            raise RuntimeError("expected encode() before finish(), got encode() after finish()")
+            raise RuntimeError("expected encode() before flush(), got encode() after flush()")
+        if self._tally is not None:
+            self._tally[self.codec] += 1
         samples = as_mono_float32(pcm)
         if len(samples) == 0:
-            return b""
-        return self._write(to_frame(samples, self.sample_rate_in))
+            return []
+        data = self._write(to_frame(samples, self.sample_rate_in))
+        return [EncodedFrame(data, 1000.0 * len(samples) / self.sample_rate_in)]
 
-    def finish(self) -> bytes:
-        """Drain the resampler, codec and muxer; return the last bytes of the body."""
+    def flush(self) -> list[EncodedFrame]:
+        """Drain the codec and muxer: the last bytes of the stream (its header alone when no
+        audio came: a header-only stream is still a valid, empty, file)."""
         if self._is_finished:
-            return b""
+            return []
         self._is_finished = True
-        body = self._write(None)
-        if self._container is None:
-            return body
-        # With no audio at all the header is not written yet; a header-only body
-        # is still a valid (empty) file.
+        data = self._write(None)
         self._container.start_encoding()
         self._container.close()
-        return body + self._sink.drain()
+        data += self._sink.drain()
+        return [EncodedFrame(data, 0.0)] if data else []
 
     def _write(self, frame: av.AudioFrame | None) -> bytes:
-        """Encode one frame at `sample_rate_in` (None: drain); the bytes the body has now."""
-        if self._resampler is not None:
-            # each piece: s16 mono at self.sample_rate
-            return b"".join(bytes(piece.planes[0])[: 2 * piece.samples]
-                            for piece in self._resampler.resample(frame))
-        assert self._container is not None and self._stream is not None
+        """Encode one frame at `sample_rate_in` (None: drain); the bytes the stream has now."""
         for packet in self._stream.encode(frame):
             self._container.mux(packet)
         return self._sink.drain()

@@ -17,20 +17,20 @@ stays in step with the audio).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.stream.context import Segment
+from engine.types import WordTiming
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Tracked:
-    """One native segment a vendor context is waiting to align.
+    """One spoken segment of a vendor context, its timings final (the session's
+    `SegmentFramed` note): `base_ms` is where its audio starts in the vendor context."""
 
-    `segment` is the session's own object: its words and `audio_ms` fill in as
-    synthesis goes; `base_ms` is where its audio starts in the vendor context.
-    """
-
-    segment: Segment
+    text: str
+    words: Sequence[WordTiming] | None
+    audio_ms: float
     base_ms: float
     is_first: bool  # the first segment of its vendor context (no joining space)
 
@@ -42,10 +42,10 @@ class CharTimings:
     duration_ms: list[float]
 
 
-def _word_spans(segment: Segment) -> list[tuple[str, float, float]]:
-    tokens = segment.text.split()
-    total = segment.audio_ms
-    words = segment.words
+def _word_spans(tracked: Tracked) -> list[tuple[str, float, float]]:
+    tokens = tracked.text.split()
+    total = tracked.audio_ms
+    words = tracked.words
     if words and len(words) == len(tokens):
         return [(t, min(w.start_ms, total), min(max(w.end_ms, w.start_ms), total))
                 for t, w in zip(tokens, words)]
@@ -54,7 +54,7 @@ def _word_spans(segment: Segment) -> list[tuple[str, float, float]]:
 
 def segment_chars(tracked: Tracked) -> CharTimings:
     """The segment's characters, times relative to the segment's start (see module doc)."""
-    spans = _word_spans(tracked.segment)
+    spans = _word_spans(tracked)
     out = CharTimings([], [], [])
     if not tracked.is_first and spans:
         out.chars.append(" ")
@@ -73,13 +73,13 @@ def segment_chars(tracked: Tracked) -> CharTimings:
             out.duration_ms.append(step)
         previous_end = end
     if out.chars:  # tile the segment's audio: the last character ends where its audio does
-        out.duration_ms[-1] = max(out.duration_ms[-1], tracked.segment.audio_ms - out.start_ms[-1])
+        out.duration_ms[-1] = max(out.duration_ms[-1], tracked.audio_ms - out.start_ms[-1])
     return out
 
 
 def segment_words(tracked: Tracked) -> tuple[list[str], list[float], list[float]]:
     """(words, start s, end s) from the vendor context's start (Cartesia's timestamps)."""
-    spans = _word_spans(tracked.segment)
+    spans = _word_spans(tracked)
     base = tracked.base_ms
     return ([w for w, _, _ in spans], [round((base + s) / 1000.0, 4) for _, s, _ in spans],
             [round((base + e) / 1000.0, 4) for _, _, e in spans])

@@ -23,21 +23,23 @@ from __future__ import annotations
 
 import base64
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.websockets import WebSocket
 
 from gateway.compat.alignment import Tracked, segment_words
-from gateway.compat.core import CompatSession, VendorContext, vendor_json
+from gateway.compat.contexts import VendorContext
+from gateway.compat.core import VendorSession, vendor_json
 from gateway.compat.endpoint import serve
-from gateway.compat.formats import OutputFormat, native_format
+from gateway.compat.formats import OutputFormat
+from gateway.compat.messages import CartesiaMessage, decode_cartesia
 from gateway.errors import CLOSE_NORMAL, ProtocolError
 from gateway.stream.actions import Action, Close
 from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import unknown_voice_message
 
-ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw",
-             "pcm_alaw": "alaw"}
 IMMEDIATE_DELAY_MS = 50
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 60000
@@ -46,33 +48,25 @@ _STATUS = {"bad_message": 400, "unsupported_option": 400, "unknown_voice": 404,
            "message_too_large": 413, "too_many_contexts": 429, "context_closed": 400}
 
 
-def parse_output_format(value: Any) -> OutputFormat:
-    if not isinstance(value, dict):
-        raise ProtocolError("bad_message", "output_format must be an object {container, encoding, "
-                            "sample_rate}")
-    if value.get("container", "raw") != "raw":
-        raise ProtocolError("unsupported_option", f"output_format.container {value.get('container')!r} "
-                            "is not offered; expected raw")
-    encoding, rate = value.get("encoding"), value.get("sample_rate")
-    if encoding not in ENCODINGS or isinstance(rate, bool) or not isinstance(rate, int):
-        raise ProtocolError("unsupported_option", "output_format needs encoding in "
-                            f"{', '.join(ENCODINGS)} and an integer sample_rate")
-    try:
-        return OutputFormat(ENCODINGS[encoding], rate)
-    except ValueError as exc:
-        raise ProtocolError("unsupported_option", f"output_format: {exc}") from None
+@dataclass(slots=True)
+class CartesiaContext(VendorContext):
+    voice: str = ""
+    max_buffer_delay_ms: int = DEFAULT_BUFFER_DELAY_MS
+    has_timestamps: bool = False
+    flush_id: int = 1  # the group the next input joins
+    flush_of: dict[str, int] = field(default_factory=dict)  # native context -> its group, until
+    #                                                         its audio is out
+    flushed: deque[int] = field(default_factory=deque)  # groups flushed, flush_done to come
+    last_flush_id: int = 1  # the group of the last chunk sent
 
 
-def _buffer_delay(message: dict[str, Any]) -> int:
-    value = message.get("max_buffer_delay_ms")
+def _buffer_delay(value: int | None) -> int:
     if value is None:
         return DEFAULT_BUFFER_DELAY_MS
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ProtocolError("bad_message", "max_buffer_delay_ms must be an integer >= 0")
     return IMMEDIATE_DELAY_MS if value == 0 else min(value, MAX_BUFFER_DELAY_MS)
 
 
-class CartesiaSession(CompatSession):
+class CartesiaSession(VendorSession[CartesiaContext, CartesiaMessage]):
     protocol = "cartesia"
     reports_engine_time = True
 
@@ -86,81 +80,70 @@ class CartesiaSession(CompatSession):
         Pipecat's Cartesia service reads as that timeout and reconnects."""
         return [Close(CLOSE_NORMAL, f"idle for {idle_s:g} s")]
 
-    def handle(self, message: dict[str, Any], now: float) -> list[Action]:
-        context_id = message.get("context_id")
-        if not isinstance(context_id, str) or not context_id or len(context_id) > 256:
-            raise ProtocolError("bad_message", "context_id must be a string of 1-256 characters")
-        if message.get("cancel") is True:
-            vctx = self.vendor_contexts.get(context_id)
-            return self.cancel_vendor(vctx, now) if vctx is not None else []
-        transcript = message.get("transcript", "")
-        if not isinstance(transcript, str):
-            raise ProtocolError("bad_message", "transcript must be a string", context_id=context_id)
-        is_continued = message.get("continue", False) is True
+    def decode(self, obj: Mapping[str, Any]) -> CartesiaMessage:
+        return decode_cartesia(obj)
+
+    def handle(self, message: CartesiaMessage, now: float) -> list[Action]:
+        context_id = message.context_id
         vctx = self.vendor_contexts.get(context_id)
+        if message.is_cancel:
+            return self.cancel_vendor(vctx, now) if vctx is not None else []
         if vctx is None:
-            vctx = self._open(context_id, message)
+            vctx = self._open(message)
         actions: list[Action] = []
-        if transcript:
-            actions += self.push_text(vctx, transcript, now, options=vctx.state["options"])
-            flush_of = vctx.state["flush_of"]
+        if message.transcript:
+            options = {"voice": vctx.voice, "max_buffer_delay_ms": vctx.max_buffer_delay_ms}
+            actions += self.push_text(vctx, message.transcript, now, options=options)
             for native_id in vctx.live:  # the native contexts this input opened join its group
-                flush_of.setdefault(native_id, vctx.state["flush_id"])
-        if message.get("flush") is True:
+                vctx.flush_of.setdefault(native_id, vctx.flush_id)
+        if message.flush:
             actions += self._flush(vctx, now)
-        if not is_continued:
+        if not message.is_continued:
             actions += self.end_vendor(vctx, now)
         return actions
 
-    def _flush(self, vctx: VendorContext, now: float) -> list[Action]:
+    def _flush(self, vctx: CartesiaContext, now: float) -> list[Action]:
         """Speak the current group's text now; the next input starts group `flush_id` + 1."""
         actions = self.flush_vendor(vctx, now)
-        vctx.state["flushed"].append(vctx.state["flush_id"])
-        vctx.state["flush_id"] += 1
+        vctx.flushed.append(vctx.flush_id)
+        vctx.flush_id += 1
         return actions + self._flushes_done(vctx)
 
-    def native_done(self, vctx: VendorContext, native_id: str) -> list[Action]:
-        vctx.state["flush_of"].pop(native_id, None)
+    def native_done(self, vctx: CartesiaContext, native_id: str) -> list[Action]:
+        vctx.flush_of.pop(native_id, None)
         return self._flushes_done(vctx)
 
-    def _flushes_done(self, vctx: VendorContext) -> list[Action]:
+    def _flushes_done(self, vctx: CartesiaContext) -> list[Action]:
         """`flush_done` for each flushed group, in order, whose audio is all out."""
-        flushed: deque[int] = vctx.state["flushed"]
-        speaking = set(vctx.state["flush_of"].values())
+        speaking = set(vctx.flush_of.values())
         actions: list[Action] = []
-        while flushed and flushed[0] not in speaking:
+        while vctx.flushed and vctx.flushed[0] not in speaking:
             actions.append(vendor_json({"type": "flush_done", "context_id": vctx.vendor_id,
                                         "status_code": 206, "done": False, "flush_done": True,
-                                        "flush_id": flushed.popleft()}))
+                                        "flush_id": vctx.flushed.popleft()}))
         return actions
 
-    def _open(self, context_id: str, message: dict[str, Any]) -> VendorContext:
-        try:
-            output = parse_output_format(message.get("output_format"))
-            voice = message.get("voice")
-            voice_id = voice.get("id") if isinstance(voice, dict) else None
-            if not isinstance(voice, dict) or voice.get("mode", "id") != "id" or not isinstance(voice_id, str):
-                raise ProtocolError("unsupported_option", "voice must be {mode: \"id\", id: <voice>}; "
-                                    "embeddings are not offered")
-            if voice_id not in self.catalog.listed:  # the answer lists no voice: they may be a tenant's
-                raise ProtocolError("unknown_voice", unknown_voice_message(voice_id))
-            delay = _buffer_delay(message)
-        except ProtocolError as exc:
-            exc.context_id = context_id
-            raise
-        vctx = self.open_vendor(context_id, output)
-        codec, rate, _ = native_format(output)
-        vctx.state["options"] = {"voice": voice_id, "codec": codec, "sample_rate": rate,
-                                 "max_buffer_delay_ms": delay}
-        vctx.state["timestamps"] = message.get("add_timestamps") is True
-        vctx.state["flush_id"] = 1      # the group the next input joins
-        vctx.state["flush_of"] = {}     # native context -> its group, until its audio is out
-        vctx.state["flushed"] = deque()  # groups flushed whose flush_done is still to come
-        return vctx
+    def _open(self, message: CartesiaMessage) -> CartesiaContext:
+        """A context's first message fixes its output format and voice."""
+        context_id = message.context_id
+        if message.output is None:
+            raise ProtocolError("bad_message", "output_format must be an object {container, "
+                                "encoding, sample_rate}", context_id=context_id)
+        if message.voice is None:
+            raise ProtocolError("unsupported_option", "voice must be {mode: \"id\", id: <voice>}; "
+                                "embeddings are not offered", context_id=context_id)
+        if message.voice not in self.catalog.listed:  # the answer lists no voice: they may be a
+            raise ProtocolError("unknown_voice", unknown_voice_message(message.voice),  # tenant's
+                                context_id=context_id)
+        return self.open_vendor(CartesiaContext(
+            context_id, message.output, voice=message.voice,
+            max_buffer_delay_ms=_buffer_delay(message.max_buffer_delay_ms),
+            has_timestamps=message.add_timestamps))
 
-    def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
+    def audio_frames(self, vctx: CartesiaContext, data: bytes,
+                     aligned: list[Tracked]) -> list[Action]:
         actions: list[Action] = []
-        if vctx.state.get("timestamps"):
+        if vctx.has_timestamps:
             for tracked in aligned:
                 words, starts, ends = segment_words(tracked)
                 if words:
@@ -168,16 +151,16 @@ class CartesiaSession(CompatSession):
                         "type": "timestamps", "context_id": vctx.vendor_id, "status_code": 206,
                         "done": False, "word_timestamps": {"words": words, "start": starts, "end": ends}}))
         if data:
-            # a transcoder's tail comes after its native context ended: it is the last group's
-            flush_id = vctx.state["flush_of"].get(vctx.speaking, vctx.state.get("last_flush_id", 1))
-            vctx.state["last_flush_id"] = flush_id
+            # audio after its native context ended (a stream's tail) is the last group's
+            flush_id = vctx.flush_of.get(vctx.speaking or "", vctx.last_flush_id)
+            vctx.last_flush_id = flush_id
             actions.append(vendor_json({"type": "chunk", "context_id": vctx.vendor_id, "status_code": 206,
                                         "done": False, "step_time": round(vctx.step_ms, 3),
                                         "flush_id": flush_id,
                                         "data": base64.b64encode(data).decode("ascii")}))
         return actions
 
-    def done_frames(self, vctx: VendorContext) -> list[Action]:
+    def done_frames(self, vctx: CartesiaContext) -> list[Action]:
         return [vendor_json({"type": "done", "context_id": vctx.vendor_id, "status_code": 200,
                              "done": True})]
 

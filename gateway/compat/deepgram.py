@@ -17,39 +17,33 @@ Deepgram's does.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket
 
 from gateway.compat.alignment import Tracked
-from gateway.compat.core import CompatSession, VendorContext, vendor_json
+from gateway.compat.contexts import VendorContext
+from gateway.compat.core import VendorSession, vendor_json
 from gateway.compat.endpoint import serve
-from gateway.compat.formats import OutputFormat
-from gateway.errors import CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, ProtocolError
+from gateway.compat.formats import deepgram_format
+from gateway.compat.messages import (
+    DeepgramClear,
+    DeepgramFlush,
+    DeepgramMessage,
+    DeepgramSpeak,
+    decode_deepgram,
+)
+from gateway.errors import CLOSE_INTERNAL_ERROR, CLOSE_NORMAL
 from gateway.stream.actions import Action, Close, SendFrame
 from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import VoiceChoices
 
-ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
-DEFAULT_SAMPLE_RATE = 24000
 #: Deepgram's code for a socket closed for sending nothing, in its close frame's reason
 NET_0001 = "NET-0001"
 
 
-def parse_output(query: dict[str, str]) -> OutputFormat:
-    encoding = query.get("encoding", "linear16")
-    if encoding not in ENCODINGS:
-        raise ProtocolError("unsupported_option", f"encoding {encoding[:40]!r} is not offered; expected "
-                            "linear16, mulaw or alaw", fatal=True)
-    default = 8000 if encoding != "linear16" else DEFAULT_SAMPLE_RATE
-    try:
-        rate = int(query.get("sample_rate", default))
-        return OutputFormat(ENCODINGS[encoding], rate)
-    except ValueError as exc:
-        raise ProtocolError("unsupported_option", f"sample_rate: {exc}", fatal=True) from None
-
-
-class DeepgramSession(CompatSession):
+class DeepgramSession(VendorSession[VendorContext, DeepgramMessage]):
     protocol = "deepgram"
     warning: str | None = None  # said once at the start (an unknown model)
 
@@ -81,36 +75,28 @@ class DeepgramSession(CompatSession):
         return [Close(CLOSE_INTERNAL_ERROR, f"{NET_0001}: no message came within the timeout "
                       f"window ({idle_s:g} s)")]
 
-    def handle(self, message: dict[str, Any], now: float) -> list[Action]:
-        kind = message.get("type")
-        if kind == "Speak":
-            text = message.get("text")
-            if not isinstance(text, str):
-                raise ProtocolError("bad_message", "Speak needs a string field 'text'")
+    def decode(self, obj: Mapping[str, Any]) -> DeepgramMessage:
+        return decode_deepgram(obj)
+
+    def handle(self, message: DeepgramMessage, now: float) -> list[Action]:
+        if isinstance(message, DeepgramSpeak):
             if self._current is None:
                 self._turns += 1
-                self._current = self.open_vendor(f"t{self._turns}")
-            return self.push_text(self._current, text, now)
-        if kind == "Flush":
+                self._current = self.open_vendor(VendorContext(f"t{self._turns}", self.output))
+            return self.push_text(self._current, message.text, now)
+        if isinstance(message, DeepgramFlush):
             vctx, self._current = self._current, None
             if vctx is None:
                 self._num_flushed += 1
                 return [self._flushed()]
             return self.end_vendor(vctx, now)
-        if kind == "Clear":
-            actions: list[Action] = []
-            for vctx in list(self.vendor_contexts.values()):
-                actions += self.cancel_vendor(vctx, now)
-            self._current = None
+        actions: list[Action] = []  # Clear or Close: every turn's engine work cancelled
+        for vctx in list(self.vendor_contexts.values()):
+            actions += self.cancel_vendor(vctx, now)
+        self._current = None
+        if isinstance(message, DeepgramClear):
             return actions + [vendor_json({"type": "Cleared", "sequence_id": self._num_flushed})]
-        if kind == "Close":
-            actions = []
-            for vctx in list(self.vendor_contexts.values()):
-                actions += self.cancel_vendor(vctx, now)
-            self._current = None
-            return actions + [Close(CLOSE_NORMAL, "closed by client")]
-        raise ProtocolError("bad_message", f"unknown message type {str(kind)[:40]!r}; expected Speak, "
-                            "Flush, Clear or Close")
+        return actions + [Close(CLOSE_NORMAL, "closed by client")]
 
     def _flushed(self) -> Action:
         return vendor_json({"type": "Flushed", "sequence_id": self._num_flushed - 1})
@@ -150,7 +136,7 @@ async def speak_endpoint(websocket: WebSocket) -> None:
 
     def make(**kwargs: Any) -> DeepgramSession:
         query = dict(websocket.query_params)
-        output = parse_output(query)
+        output = deepgram_format(query)
         model = query.get("model")
         voices: VoiceChoices = kwargs["catalog"]  # the socket's tenant's, and the shared ones
         voice: str = model if model is not None and model in voices.listed else state.config.voice

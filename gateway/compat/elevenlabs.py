@@ -27,20 +27,23 @@ from the vendor. The rules that are ours:
 from __future__ import annotations
 
 import base64
-from dataclasses import replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.websockets import WebSocket
 
 from gateway.access.admission import Refused
-from gateway.audio.formats import MAX_SPEED, MIN_SPEED
 from gateway.compat.alignment import Tracked, segment_chars
-from gateway.compat.core import Authorize, CompatSession, VendorContext, vendor_json
+from gateway.compat.contexts import VendorContext
+from gateway.compat.core import Authorize, VendorSession, vendor_json
 from gateway.compat.endpoint import serve
-from gateway.compat.formats import MP3_BITRATES, OPUS_BITRATES, PCM_RATES, OutputFormat
+from gateway.compat.formats import OutputFormat
+from gateway.compat.formats import elevenlabs_format as parse_output_format
+from gateway.compat.messages import ElevenLabsMessage, decode_elevenlabs
 from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, ProtocolError
 from gateway.stream.actions import Action, Close
-from gateway.stream.options import SessionOptions, finite_number
+from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import unknown_voice_message
 
 AUTO_MODE_DELAY_MS = 50
@@ -50,42 +53,19 @@ DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # the vendor's default
 INPUT_TIMEOUT = "input_timeout_exceeded"
 
 
-def parse_output_format(name: str) -> OutputFormat:
-    """`pcm_N`, `ulaw_8000`, `alaw_8000`, `mp3_R_B`, `opus_48000_B` -> OutputFormat."""
-    parts = name.split("_")
-    try:
-        if parts[0] == "pcm" and len(parts) == 2 and int(parts[1]) in PCM_RATES:
-            return OutputFormat("pcm_s16le", int(parts[1]))
-        if name in ("ulaw_8000", "alaw_8000"):
-            return OutputFormat("mulaw" if parts[0] == "ulaw" else "alaw", 8000)
-        if parts[0] == "mp3" and len(parts) == 3 and int(parts[2]) in MP3_BITRATES \
-                and (name == "mp3_22050_32" or parts[1] == "44100"):
-            return OutputFormat("mp3", int(parts[1]), 1000 * int(parts[2]))
-        if parts[0] == "opus" and len(parts) == 3 and parts[1] == "48000" \
-                and int(parts[2]) in OPUS_BITRATES:
-            return OutputFormat("ogg_opus", 48000, 1000 * int(parts[2]))
-    except ValueError:
-        pass
-    raise ProtocolError("unsupported_option", f"output_format {name[:40]!r} is not offered; expected "
-                        f"pcm_8000|16000|22050|24000|44100|48000, ulaw_8000, alaw_8000, mp3_22050_32, "
-                        f"mp3_44100_32..192, opus_48000_32..192", fatal=True)
+@dataclass(slots=True)
+class ElevenLabsContext(VendorContext):
+    speed: float = 1.0
+    is_bare_flush: bool = False  # the last message was a flush with no new text
+    is_closing: bool = False     # `close_context` after a bare flush: finishing, takes no text
 
 
-def _flag(query: dict[str, str], name: str, default: bool) -> bool:
+def _flag(query: Mapping[str, str], name: str, default: bool) -> bool:
     value = query.get(name)
     return default if value is None else value.lower() in ("1", "true", "yes")
 
 
-def _speed(message: dict[str, Any]) -> float | None:
-    settings = message.get("voice_settings")
-    if not isinstance(settings, dict) or settings.get("speed") is None:
-        return None
-    # a 400-digit integer would overflow float(): refused like NaN, as the native options are
-    speed = finite_number(settings["speed"], "voice_settings.speed")
-    return min(MAX_SPEED, max(MIN_SPEED, speed))
-
-
-class ElevenLabsSession(CompatSession):
+class ElevenLabsSession(VendorSession[ElevenLabsContext, ElevenLabsMessage]):
     """One ElevenLabs socket; `is_multi` for multi-stream-input."""
 
     protocol = "elevenlabs"
@@ -108,59 +88,47 @@ class ElevenLabsSession(CompatSession):
         return [vendor_json({"message": message, "error": INPUT_TIMEOUT, "code": CLOSE_POLICY_VIOLATION}),
                 Close(CLOSE_POLICY_VIOLATION, f"{INPUT_TIMEOUT}: no text within {idle_s:g} s")]
 
-    def handle(self, message: dict[str, Any], now: float) -> list[Action]:
+    def decode(self, obj: Mapping[str, Any]) -> ElevenLabsMessage:
+        return decode_elevenlabs(obj, is_multi=self.is_multi)
+
+    def handle(self, message: ElevenLabsMessage, now: float) -> list[Action]:
         if self.authorize is not None:
             return self._authorize(self.authorize, message, now)
-        if message.get("close_socket") is True:
+        if message.close_socket:
             actions: list[Action] = []
             for vctx in list(self.vendor_contexts.values()):
                 actions += self.cancel_vendor(vctx, now) + self.done_frames(vctx)
             return actions + self.close_session(now)
-        if self.is_multi:
-            raw_id = message.get("context_id", "default")
-            if not isinstance(raw_id, str) or not raw_id or len(raw_id) > 256:
-                raise ProtocolError("bad_message", "context_id must be a string of 1-256 characters")
-            vendor_id = raw_id
-        else:
-            vendor_id = ""
-        text = message.get("text", "")
-        if not isinstance(text, str):
-            raise ProtocolError("bad_message", f"text must be a string, got {type(text).__name__}",
-                                context_id=vendor_id)
-        flush = message.get("flush") is True
-        if self.is_multi and message.get("close_context") is True:
+        vendor_id = message.context_id
+        text = message.text or ""
+        if self.is_multi and message.close_context:
             return self._close_context(vendor_id, now)
-        speed = _speed(message)
-        if self.is_multi and text == "" and not flush:
+        if self.is_multi and text == "" and not message.flush:
             return []  # a keepalive, for the socket or one context: it opens nothing
         known = self.vendor_contexts.get(vendor_id)
         if known is None:
-            vctx = self.open_vendor(vendor_id)
-            vctx.state["speed"] = speed if speed is not None else self.options.speed
+            speed = message.speed if message.speed is not None else self.options.speed
+            vctx = self.open_vendor(ElevenLabsContext(vendor_id, self.output, speed=speed))
         else:
             vctx = known
-            if speed is not None:
-                vctx.state["speed"] = speed
-        if vctx.state.get("is_closing"):
-            raise ProtocolError("context_closed", f"context {vendor_id[:64]!r} is closing; its text is "
-                                "dropped", context_id=vendor_id)
-        if text == "" and not flush:  # stream-input: the end of the input
+            if message.speed is not None:
+                vctx.speed = message.speed
+        if vctx.is_closing:
+            raise ProtocolError("context_closed", f"context {vendor_id[:64]!r} is closing; its "
+                                "text is dropped", context_id=vendor_id)
+        if text == "" and not message.flush:  # stream-input: the end of the input
             return self.end_vendor(vctx, now)
-        vctx.state["bare_flush"] = flush and not text.strip()
+        vctx.is_bare_flush = message.flush and not text.strip()
         if not text.strip() and vctx.current is None:
             return self.flush_vendor(vctx, now)  # the init " ", or a flush with nothing open
-        return self.push_text(vctx, text, now, flush=flush,
-                              options={"speed": vctx.state["speed"]})
+        return self.push_text(vctx, text, now, flush=message.flush, options={"speed": vctx.speed})
 
-    def _authorize(self, authorize: Authorize, message: dict[str, Any], now: float) -> list[Action]:
+    def _authorize(self, authorize: Authorize, message: ElevenLabsMessage,
+                   now: float) -> list[Action]:
         """No key at the handshake: the first message must carry one (`xi_api_key`), which
         the socket's admission checks and counts the socket against from now on."""
-        key = message.get("xi_api_key")
-        bearer = message.get("authorization")
-        if not isinstance(key, str) and isinstance(bearer, str) and bearer.lower().startswith("bearer "):
-            key = bearer[7:].strip()
         try:
-            authorize(key if isinstance(key, str) else None)
+            authorize(message.key)
         except Refused as refusal:
             return [self.error_frame(refusal.code, refusal.message, None, True),
                     Close(refusal.close_code, refusal.code)]
@@ -178,12 +146,13 @@ class ElevenLabsSession(CompatSession):
         vctx = self.vendor_contexts.get(vendor_id)
         if vctx is None:  # never opened or already over: nothing to stop
             return self.done_frames_for(vendor_id)
-        if vctx.state.get("bare_flush") and not vctx.state.get("is_closing"):
-            vctx.state["is_closing"] = True
+        if vctx.is_bare_flush and not vctx.is_closing:
+            vctx.is_closing = True
             return self.end_vendor(vctx, now)
         return self.cancel_vendor(vctx, now) + self.done_frames(vctx)
 
-    def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
+    def audio_frames(self, vctx: ElevenLabsContext, data: bytes,
+                     aligned: list[Tracked]) -> list[Action]:
         message: dict[str, Any] = {"audio": base64.b64encode(data).decode("ascii") if data else None,
                                    "isFinal": None, **self._ids(vctx.vendor_id)}
         alignment = _alignment(aligned)
@@ -197,7 +166,7 @@ class ElevenLabsSession(CompatSession):
             actions.append(Close(CLOSE_NORMAL, "end of input"))
         return actions
 
-    def done_frames(self, vctx: VendorContext) -> list[Action]:
+    def done_frames(self, vctx: ElevenLabsContext) -> list[Action]:
         return self.done_frames_for(vctx.vendor_id)
 
 

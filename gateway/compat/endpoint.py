@@ -6,7 +6,7 @@ checked with the native socket's own rules, in the same function
 cap per owner. Then the adapter's factory reads the socket's URL (output
 format, voice...) and makes its session on the catalog as the socket's tenant
 sees it (a key that comes in the first message moves the admission and that
-view to its tenant), and one `CompatConnection` runs it. A refusal at either
+view to its tenant), and the native I/O loop (`Connection`) runs it. A refusal at either
 step is the vendor's error frame and a close code.
 """
 
@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from starlette.websockets import WebSocket
 
 from gateway.access.admission import Refused, admit
-from gateway.compat.core import CompatConnection, CompatSession
+from gateway.compat.core import VendorSession
 from gateway.errors import CLOSE_POLICY_VIOLATION, ProtocolError
-from gateway.stream.endpoint import refuse, serve_session
+from gateway.state import AppState
+from gateway.stream.endpoint import Connection, refuse, serve_session
 
 #: makes the adapter's session from the keywords every session takes (session_id, catalog,
-#: sample_rate, limits, admit, release, authorize, languages) and what the adapter reads from
+#: sample_rate, limits, admit, release, authorize, languages, encoders) and what it reads from
 #: the socket's URL itself; raises ProtocolError for a URL it cannot serve
-SessionFactory = Callable[..., CompatSession]
+SessionFactory = Callable[..., VendorSession[Any, Any]]
 
 
 async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol: str,
@@ -38,7 +40,7 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol:
     `subprotocol`: the WebSocket subprotocol answered, refusals included (Deepgram's
     `token`, whose offer carried the key).
     """
-    state = websocket.app.state.voxgate
+    state: AppState = websocket.app.state.voxgate
     try:
         admission = admit(state, websocket, key, protocol=protocol, key_hint=key_hint,
                           defer_auth=defer_auth)
@@ -59,10 +61,10 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol:
                                    sample_rate=engine.sample_rate, limits=state.config.limits,
                                    admit=admission.admit_context, release=admission.release_context,
                                    authorize=None if admission.is_authorized else authorize,
-                                   languages=state.languages)
+                                   languages=state.languages, encoders=state.encoders)
         except ProtocolError as exc:
             await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code,
                          subprotocol=subprotocol)
             return
-        await serve_session(websocket, session, CompatConnection(websocket, session, engine, state),
+        await serve_session(websocket, session, Connection(websocket, session, engine, state),
                             state, subprotocol=subprotocol)

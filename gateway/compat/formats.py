@@ -1,40 +1,48 @@
-"""Vendor audio formats: what each compatible socket may ask for, and the one transcoder.
+"""Vendor audio formats: what each compatible socket may ask for, and what the encoder makes.
 
-The native session (gateway/stream/session.py) encodes PCM16 at 48/24/16/8 kHz or
-G.711 mu-law. A vendor format that is one of those passes through untouched
-(`native_format`); any other (PCM at 22050/44100 Hz, 32-bit float PCM, A-law,
-MP3, Ogg Opus) is made from native PCM16 at 48 kHz by one `Transcoder` per
+Each vendor names its formats its own way (ElevenLabs `output_format=mp3_44100_128`,
+Cartesia an `output_format` object, Deepgram `encoding` and `sample_rate` in the
+query); each parser here reads one of them into an `OutputFormat`, and
+`OutputFormat.audio` is the `AudioFormat` the encoder factory opens
+(gateway/audio/encoders.py). Every format is made once, from the engine's PCM,
+in one pass: the raw kinds cut in 20 ms frames like the native socket's PCM16
+(a vendor message carries five of them), MP3 and Ogg Opus as one stream per
 vendor context, so that a compressed stream stays one stream across the
 context's sentences: LiveKit's decoder reads a context's MP3 or Ogg bytes as
 one file.
 
-| kind | FFmpeg | rates |
+| kind | encoder kind | rates |
 |---|---|---|
-| pcm_s16le | swresample to s16 | 8000-48000 |
-| pcm_f32le | swresample to flt | 8000-48000 |
-| mulaw, alaw | pcm_mulaw / pcm_alaw | 8000 |
-| mp3 | libmp3lame in the mp3 muxer, constant bitrate | 22050, 44100 |
-| ogg_opus | libopus in the ogg muxer, 20 ms pages | 48000 |
+| pcm_s16le | pcm16 | 8000-48000 |
+| pcm_f32le | pcm_f32 | 8000-48000 |
+| mulaw, alaw | mulaw, alaw | 8000 |
+| mp3 | mp3, constant bitrate | 22050, 44100 |
+| ogg_opus | ogg_opus, a page per 20 ms packet | 48000 |
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import av
 import numpy as np
 
-from gateway.audio.codecs import decode_pcm16, to_frame
-from gateway.audio.containers import MuxSink
-from gateway.audio.formats import SAMPLE_RATES
+from gateway.audio.codecs import decode_pcm16
+from gateway.audio.formats import AudioFormat
+from gateway.errors import ProtocolError
 
 KINDS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw", "mp3", "ogg_opus")
 PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 MP3_RATES = (22050, 44100)
 MP3_BITRATES = (32, 64, 96, 128, 192)
 OPUS_BITRATES = (32, 64, 96, 128, 192)
-TRANSCODE_FROM_RATE = 48000  # the native PCM16 rate non-native formats are made from
-OGG_PAGE_DURATION_US = 20_000  # a page per Opus packet: a decoder hears each 20 ms at once
+#: the raw kinds' frame; for Ogg Opus, a page per packet: a decoder hears each 20 ms at once
+FRAME_MS = 20
+#: the vendor's kinds as the encoder factory names them
+_AUDIO_KINDS = {"pcm_s16le": "pcm16", "pcm_f32le": "pcm_f32", "mulaw": "mulaw", "alaw": "alaw",
+                "mp3": "mp3", "ogg_opus": "ogg_opus"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,89 +66,79 @@ class OutputFormat:
             raise ValueError(f"PCM is offered at {PCM_RATES} Hz, got {self.sample_rate}")
 
     @property
+    def audio(self) -> AudioFormat:
+        """What the encoder factory opens for it."""
+        # 20 ms: the raw kinds' frame, as the native socket's; Ogg's longest page
+        return AudioFormat(_AUDIO_KINDS[self.kind], self.sample_rate, FRAME_MS, self.bitrate)
+
+    @property
+    def is_stream(self) -> bool:
+        """Compressed: one encoder for the whole vendor context, not one per sentence group."""
+        return self.kind in ("mp3", "ogg_opus")
+
+    @property
     def bytes_per_second(self) -> float | None:
         """For raw formats (duration = bytes / this); None for compressed ones."""
         width = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}.get(self.kind)
         return None if width is None else float(width * self.sample_rate)
 
 
-def native_format(fmt: OutputFormat) -> tuple[str, int, bool]:
-    """(native codec, native sample rate, needs a Transcoder) for a vendor format."""
-    if fmt.kind == "pcm_s16le" and fmt.sample_rate in SAMPLE_RATES:
-        return "pcm16", fmt.sample_rate, False
-    if fmt.kind == "mulaw":
-        return "mulaw", 8000, False
-    return "pcm16", TRANSCODE_FROM_RATE, True
+def elevenlabs_format(name: str) -> OutputFormat:
+    """ElevenLabs' `output_format`: `pcm_N`, `ulaw_8000`, `alaw_8000`, `mp3_R_B`, `opus_48000_B`."""
+    parts = name.split("_")
+    try:
+        if parts[0] == "pcm" and len(parts) == 2 and int(parts[1]) in PCM_RATES:
+            return OutputFormat("pcm_s16le", int(parts[1]))
+        if name in ("ulaw_8000", "alaw_8000"):
+            return OutputFormat("mulaw" if parts[0] == "ulaw" else "alaw", 8000)
+        if parts[0] == "mp3" and len(parts) == 3 and int(parts[2]) in MP3_BITRATES \
+                and (name == "mp3_22050_32" or parts[1] == "44100"):
+            return OutputFormat("mp3", int(parts[1]), 1000 * int(parts[2]))
+        if parts[0] == "opus" and len(parts) == 3 and parts[1] == "48000" \
+                and int(parts[2]) in OPUS_BITRATES:
+            return OutputFormat("ogg_opus", 48000, 1000 * int(parts[2]))
+    except ValueError:
+        pass
+    raise ProtocolError("unsupported_option", f"output_format {name[:40]!r} is not offered; "
+                        "expected pcm_8000|16000|22050|24000|44100|48000, ulaw_8000, alaw_8000, "
+                        "mp3_22050_32, mp3_44100_32..192, opus_48000_32..192", fatal=True)
 
 
-class Transcoder:
-    """Native PCM16 at `TRANSCODE_FROM_RATE` in, one vendor format's bytes out (streaming)."""
+CARTESIA_ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw",
+                      "pcm_alaw": "alaw"}
 
-    def __init__(self, fmt: OutputFormat) -> None:
-        self.format = fmt
-        self._is_finished = False
-        self._sink = MuxSink()
-        self._container: av.container.OutputContainer | None = None
-        self._stream: av.AudioStream | None = None
-        self._codec: av.AudioCodecContext | None = None
-        self._resampler: av.AudioResampler | None = None
-        if fmt.kind in ("mp3", "ogg_opus"):
-            muxer, codec = ("mp3", "libmp3lame") if fmt.kind == "mp3" else ("ogg", "libopus")
-            options = {"fflags": "+bitexact"}
-            if muxer == "ogg":
-                options["page_duration"] = str(OGG_PAGE_DURATION_US)
-            self._container = av.open(self._sink, "w", format=muxer, container_options=options)
-            stream = self._container.add_stream(codec, rate=fmt.sample_rate, layout="mono")
-            assert isinstance(stream, av.AudioStream)
-            stream.codec_context.bit_rate = fmt.bitrate or 32000
-            self._stream = stream
-            return
-        sample_format = "flt" if fmt.kind == "pcm_f32le" else "s16"
-        self._resampler = av.AudioResampler(format=sample_format, layout="mono", rate=fmt.sample_rate)
-        if fmt.kind in ("mulaw", "alaw"):
-            codec_context = av.CodecContext.create("pcm_" + fmt.kind, "w")
-            assert isinstance(codec_context, av.AudioCodecContext)
-            codec_context.sample_rate = 8000
-            codec_context.layout = "mono"
-            codec_context.format = "s16"
-            codec_context.open()
-            self._codec = codec_context
 
-    def encode(self, pcm16: bytes) -> bytes:
-        """Native PCM16 LE bytes at `TRANSCODE_FROM_RATE`; the output bytes ready now."""
-        if self._is_finished:
-            raise RuntimeError("expected encode() before finish(), got encode() after finish()")
-        if not pcm16:
-            return b""
-        return self._write(to_frame(decode_pcm16(pcm16), TRANSCODE_FROM_RATE))
+def cartesia_format(value: Mapping[str, Any]) -> OutputFormat:
+    """Cartesia's `output_format`: `{container: "raw", encoding, sample_rate}`."""
+    if value.get("container", "raw") != "raw":
+        raise ProtocolError("unsupported_option", f"output_format.container "
+                            f"{str(value.get('container'))[:40]!r} is not offered; expected raw")
+    encoding, rate = value.get("encoding"), value.get("sample_rate")
+    if encoding not in CARTESIA_ENCODINGS or isinstance(rate, bool) or not isinstance(rate, int):
+        raise ProtocolError("unsupported_option", "output_format needs encoding in "
+                            f"{', '.join(CARTESIA_ENCODINGS)} and an integer sample_rate")
+    try:
+        return OutputFormat(CARTESIA_ENCODINGS[encoding], rate)
+    except ValueError as exc:
+        raise ProtocolError("unsupported_option", f"output_format: {exc}") from None
 
-    def finish(self) -> bytes:
-        """Drain resampler, codec and muxer: the last bytes of the stream."""
-        if self._is_finished:
-            return b""
-        self._is_finished = True
-        body = self._write(None)
-        if self._container is not None:
-            self._container.start_encoding()  # a stream with no audio still gets its header
-            self._container.close()
-            body += self._sink.drain()
-        return body
 
-    def _write(self, frame: av.AudioFrame | None) -> bytes:
-        if self._container is not None:
-            assert self._stream is not None
-            for packet in self._stream.encode(frame):
-                self._container.mux(packet)
-            return self._sink.drain()
-        assert self._resampler is not None
-        out: list[bytes] = []
-        for piece in self._resampler.resample(frame):
-            width = 4 if self.format.kind == "pcm_f32le" else 2
-            if self._codec is None:
-                out.append(bytes(piece.planes[0])[: width * piece.samples])
-            else:
-                out.extend(bytes(packet) for packet in self._codec.encode(piece))
-        return b"".join(out)
+DEEPGRAM_ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
+DEEPGRAM_SAMPLE_RATE = 24000
+
+
+def deepgram_format(query: Mapping[str, str]) -> OutputFormat:
+    """Deepgram's query: `encoding` (linear16, mulaw, alaw) and `sample_rate`."""
+    encoding = query.get("encoding", "linear16")
+    if encoding not in DEEPGRAM_ENCODINGS:
+        raise ProtocolError("unsupported_option", f"encoding {encoding[:40]!r} is not offered; "
+                            "expected linear16, mulaw or alaw", fatal=True)
+    default = 8000 if encoding != "linear16" else DEEPGRAM_SAMPLE_RATE
+    try:
+        rate = int(query.get("sample_rate", default))
+        return OutputFormat(DEEPGRAM_ENCODINGS[encoding], rate)
+    except ValueError as exc:
+        raise ProtocolError("unsupported_option", f"sample_rate: {exc}", fatal=True) from None
 
 
 def decode_raw(data: bytes, fmt: OutputFormat) -> np.ndarray:

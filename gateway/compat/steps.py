@@ -10,11 +10,12 @@ vendor chunk gets the share of every engine chunk it overlaps on that
 timeline. The shares of a context's chunks add up to the engine time its
 audio took, whatever the framing.
 
-Where a request's audio sits on its context's timeline comes from the
-session's `segment` event (its `pts_ms`); its chunks arrive in order. Audio
-only moves forward, so a request whose audio is all behind the last chunk
-asked about is dropped: the ledger holds the requests in flight and the few
-still being framed, not the whole answer.
+Which context a request speaks for comes with its `Submit`; where its audio
+sits on that context's timeline comes from the session's `SegmentStarted`
+note (its `pts_ms`); its chunks arrive in order. Audio only moves forward, so
+a request whose audio is all behind the last chunk asked about is dropped:
+the ledger holds the requests in flight and the few still being framed, not
+the whole answer, and a context's end (or a cancel) drops what is left of it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine.types import AudioChunk, RequestId
 
 @dataclass(slots=True)
 class _Request:
+    context_id: str
     spans: list[tuple[float, float]] = field(default_factory=list)  # (audio ms, step ms), in order
     carry_ms: float = 0.0          # step time of chunks with no audio, given to the next span
     start_ms: float | None = None  # where its audio starts on its context's timeline
@@ -44,9 +46,9 @@ class EngineTime:
         self._requests: dict[RequestId, _Request] = {}
         self._timelines: dict[str, deque[RequestId]] = {}  # context -> its started requests, in order
 
-    def submitted(self, request_id: RequestId) -> None:
-        """A request went to the engine: its chunks are counted from now on."""
-        self._requests.setdefault(request_id, _Request())
+    def submitted(self, request_id: RequestId, context_id: str) -> None:
+        """A request for `context_id` went to the engine: its chunks are counted from now on."""
+        self._requests.setdefault(request_id, _Request(context_id))
 
     def made(self, chunk: AudioChunk) -> None:
         request = self._requests.get(chunk.request_id)
@@ -100,12 +102,15 @@ class EngineTime:
                     break
         return total
 
-    def forget(self, request_ids: list[RequestId], context_id: str | None = None) -> None:
-        """Requests that will bring no more audio (cancelled, or their context is over)."""
-        for request_id in request_ids:
-            self._requests.pop(request_id, None)
-        if context_id is not None:
-            self._timelines.pop(context_id, None)
+    def cancelled(self, request_id: RequestId) -> None:
+        """A request that will bring no more audio."""
+        self._requests.pop(request_id, None)
+
+    def forget_context(self, context_id: str) -> None:
+        """`context_id` is over (done or cancelled): every request of it is dropped."""
+        self._timelines.pop(context_id, None)
+        for request_id in [r for r, q in self._requests.items() if q.context_id == context_id]:
+            del self._requests[request_id]
 
     def __len__(self) -> int:
         """Requests held (for tests: the ledger must not grow with the answer)."""

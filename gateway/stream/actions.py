@@ -2,13 +2,18 @@
 
 `Session` returns a list of these from every call; `gateway/stream/endpoint.py` carries
 them out in order (`Connection._execute`), and tests read them directly.
+
+Two are notes, not work: `SegmentStarted` and `SegmentFramed` say where a
+segment's audio sits in its context, for the shells that speak another wire
+(the vendor sockets' alignments and engine time, gateway/compat). The native
+loop has nothing to do for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.types import RequestId, SynthesisRequest
+from engine.types import RequestId, SynthesisRequest, WordTiming
 from gateway.stream.events import AudioEvent, Event
 
 
@@ -32,9 +37,11 @@ class SendFrame:
 
 @dataclass(slots=True, frozen=True)
 class Submit:
-    """Start an engine request and feed its chunks back to `Session.receive_audio`."""
+    """Start an engine request for context `context_id` and feed its chunks back to
+    `Session.receive_audio`."""
 
     request: SynthesisRequest
+    context_id: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,4 +67,30 @@ class Observe:
     value: float
 
 
-Action = Send | SendFrame | Submit | Cancel | Close | Observe
+@dataclass(slots=True, frozen=True)
+class SegmentStarted:
+    """A note: segment `segment_id`'s audio starts at `pts_ms` of its context (its `segment`
+    event goes out with it), made by engine request `request_id`."""
+
+    context_id: str
+    segment_id: int
+    request_id: RequestId
+    pts_ms: float
+
+
+@dataclass(slots=True, frozen=True)
+class SegmentFramed:
+    """A note: all of a spoken segment's audio went to its context's playout, so its
+    timings are final: from `pts_ms`, `audio_ms` long (sample for sample), `words` the
+    engine's."""
+
+    context_id: str
+    segment_id: int
+    text: str
+    pts_ms: float
+    audio_ms: float
+    words: tuple[WordTiming, ...] | None
+
+
+Action = (Send | SendFrame | Submit | Cancel | Close | Observe | SegmentStarted
+          | SegmentFramed)

@@ -6,7 +6,9 @@ the writer (a byte-bounded send queue -> socket). A timer wakes the session
 for time-based text release and realtime pacing. Every action the session
 returns is carried out in `_execute`, the only place that touches the socket
 or the engine. Before any of it, `stream_endpoint` admits the socket through
-the one door every socket shares (gateway/access/admission.py).
+the one door every socket shares (gateway/access/admission.py). The loop runs
+any `SocketSession`: the native `Session`, or a vendor adapter's
+(gateway/compat), which shapes its own frames.
 """
 
 from __future__ import annotations
@@ -17,18 +19,17 @@ import logging
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.client import EngineClient
 from engine.errors import VoxgateError
-from engine.types import RequestId, SynthesisRequest
+from engine.types import AudioChunk, RequestId, SynthesisRequest
 from gateway.access.admission import Refused, admit
 from gateway.access.keys import presented_key
 from gateway.errors import (
     CLOSE_GOING_AWAY,
-    CLOSE_IDLE_TIMEOUT,
     CLOSE_INTERNAL_ERROR,
     CLOSE_POLICY_VIOLATION,
     CLOSE_SLOW_CONSUMER,
@@ -36,17 +37,64 @@ from gateway.errors import (
     error_message,
 )
 from gateway.stream.actions import Action, Cancel, Close, Observe, Send, SendFrame, Submit
-from gateway.stream.events import AudioEvent, encode_audio, encode_event, encode_json
-from gateway.stream.options import SessionOptions, options_from_query
+from gateway.stream.events import encode_json
+from gateway.stream.options import Limits, SessionOptions, options_from_query
 from gateway.stream.session import Session
 
+if TYPE_CHECKING:  # types only: the app state holds the config, which reads stream's Limits
+    from gateway.state import AppState
+
 log = logging.getLogger("voxgate.gateway")
+
+
+class SocketSession(Protocol):
+    """The sans-I/O session a `Connection` runs: the native `Session`, or a vendor adapter's."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def last_activity(self) -> float:
+        """When the client's last frame came (its idle clock)."""
+        ...
+
+    @property
+    def num_open_contexts(self) -> int: ...
+
+    def start(self, now: float) -> list[Action]: ...
+
+    def receive_frame(self, raw: str | bytes, now: float) -> list[Action]: ...
+
+    def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]: ...
+
+    def receive_engine_error(self, request_id: RequestId, exc: BaseException,
+                             now: float) -> list[Action]: ...
+
+    def tick(self, now: float) -> list[Action]: ...
+
+    def next_wakeup(self) -> float | None: ...
+
+    def is_idle(self, now: float) -> bool: ...
+
+    def disconnect(self) -> list[Action]: ...
+
+    def idle_close(self, idle_s: float) -> list[Action]:
+        """How this wire closes a socket idle for `idle_s`."""
+        ...
+
+    def encode(self, action: Send) -> str | bytes:
+        """The frame of a Send, the session's own or one the loop made (slow consumer)."""
+        ...
 
 
 class Connection:
     """One accepted socket and its session."""
 
-    def __init__(self, websocket: WebSocket, session: Session, engine: EngineClient, app_state: Any) -> None:
+    def __init__(self, websocket: WebSocket, session: SocketSession, engine: EngineClient,
+                 app_state: AppState) -> None:
         self.ws = websocket
         self.session = session
         self.engine = engine
@@ -102,6 +150,10 @@ class Connection:
             self._close(Close(CLOSE_INTERNAL_ERROR, "internal error"))
             return
 
+    @property
+    def num_open_contexts(self) -> int:
+        return self.session.num_open_contexts
+
     def close_going_away(self) -> None:
         """Server shutdown: close with 1001 after what is queued."""
         self._close(Close(CLOSE_GOING_AWAY, "server is shutting down"))
@@ -120,7 +172,7 @@ class Connection:
             except asyncio.TimeoutError:
                 if not self.session.is_idle(time.monotonic()):
                     continue
-                self._execute(self._idle_close(idle))
+                self._execute(self.session.idle_close(idle))
                 return
             except (WebSocketDisconnect, RuntimeError):
                 return
@@ -132,13 +184,6 @@ class Connection:
             self._execute(self.session.receive_frame(raw, time.monotonic()))
             if self._closing is not None:
                 return
-
-    def _idle_close(self, idle_s: float) -> list[Action]:
-        """What closes a socket idle for `idle_s` (docs/protocol.md); a vendor socket closes
-        the way its vendor does (gateway/compat)."""
-        return [Send(error_message(ProtocolError(
-            "bad_message", f"closing after {idle_s:.0f} s without messages", fatal=True))),
-            Close(CLOSE_IDLE_TIMEOUT, "idle timeout")]
 
     # -- engine requests ---------------------------------------------------------
     def _start_request(self, request: SynthesisRequest) -> None:
@@ -207,7 +252,7 @@ class Connection:
 
     def _send(self, action: Send) -> None:
         if self._closing is None:
-            self._send_frame(self._encode(action))
+            self._send_frame(self.session.encode(action))
 
     def _send_frame(self, frame: str | bytes) -> None:
         if self._closing is not None:
@@ -217,13 +262,6 @@ class Connection:
         self._wake_writer.set()
         if self._outbox_bytes > self.session.limits.max_send_buffer_bytes:
             self._slow_consumer(f"over {self.session.limits.max_send_buffer_bytes} bytes queued")
-
-    def _encode(self, action: Send) -> str | bytes:
-        """One frame for a Send (the compatible sockets, gateway/compat, shape their own)."""
-        options = self.session.options
-        if isinstance(action.message, AudioEvent):
-            return encode_audio(action.message, options)
-        return encode_event(action.message, options.encoding)
 
     def _slow_consumer(self, why: str) -> None:
         """A client that stops reading may not grow server memory (docs/architecture.md,
@@ -236,7 +274,7 @@ class Connection:
         self._outbox_bytes = 0
         slow = error_message(ProtocolError("slow_consumer", "the client is not reading its audio "
                                            f"({why}); closing", fatal=True))
-        self._outbox.append(self._encode(Send(slow)))
+        self._outbox.append(self.session.encode(Send(slow)))
         self.metrics.observe("error:slow_consumer", 1)
         self._close(Close(CLOSE_SLOW_CONSUMER, "slow consumer"))
         log.warning("session %s: slow consumer (%s), closing", self.session.session_id, why)
@@ -302,7 +340,7 @@ KEY_HINT = "Authorization: Bearer <key>, or ?api_key= (or a ?token=) for browser
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
-    state = websocket.app.state.voxgate
+    state: AppState = websocket.app.state.voxgate
     config = state.config
     engine: EngineClient = state.engine
     query = dict(websocket.query_params)
@@ -325,12 +363,13 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         # Made before the first await, so the voice just validated is held at once.
         session = Session(uuid.uuid4().hex[:16], catalog=voices, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits, admit=admission.admit_context,
-                          release=admission.release_context, languages=state.languages)
+                          release=admission.release_context, languages=state.languages,
+                          encoders=state.encoders)
         await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
 
 
-async def serve_session(websocket: WebSocket, session: Session, connection: Connection,
-                        state: Any, *, subprotocol: str | None = None) -> None:
+async def serve_session(websocket: WebSocket, session: SocketSession, connection: Connection,
+                        state: AppState, *, subprotocol: str | None = None) -> None:
     """Accept the socket and run `connection` (native or a vendor adapter's) until it ends.
 
     The connection is counted in the app's open connections while it runs (the

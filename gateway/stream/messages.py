@@ -105,24 +105,33 @@ def decode_json(raw: str | bytes) -> Any:
     return json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
-def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
-    """Parse one client frame into an object with a string `type` (not yet a message)."""
+def decode_object(raw: str | bytes, max_bytes: int, *,
+                  is_binary_json: bool = False) -> dict[str, Any]:
+    """Parse one frame into an object, its size checked first: JSON text, msgpack binary
+    (or JSON binary, `is_binary_json`: the vendor sockets, gateway/compat)."""
     size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
     if size > max_bytes:
         raise ProtocolError("message_too_large", f"message is {size} bytes; the limit is {max_bytes}")
-    kind = "JSON" if isinstance(raw, str) else "msgpack"
+    is_json = isinstance(raw, str) or is_binary_json
     try:
-        if isinstance(raw, str):
+        if is_json:
             # A frame nested thousands deep makes the parser raise RecursionError
             # (msgpack: StackError); both are bad frames, not server faults.
             message = decode_json(raw)
         else:
             message = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except (ValueError, RecursionError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
-            TypeError) as exc:
+            TypeError) as exc:  # UnicodeDecodeError is a ValueError
+        kind = "JSON" if is_json else "msgpack"
         raise ProtocolError("bad_message", f"frame is not valid {kind}: {str(exc)[:200]}") from None
     if not isinstance(message, dict):
         raise ProtocolError("bad_message", f"a message must be an object, got {type(message).__name__}")
+    return message
+
+
+def decode_frame(raw: str | bytes, max_bytes: int) -> dict[str, Any]:
+    """Parse one client frame into an object with a string `type` (not yet a message)."""
+    message = decode_object(raw, max_bytes)
     if not isinstance(message.get("type"), str):
         raise ProtocolError("bad_message", "a message needs a string field 'type'")
     return message

@@ -1,12 +1,14 @@
 """One context's audio on its way out: PCM chunks in, paced `audio` messages out (sans-I/O).
 
 `Playout` owns the media half of a context, so that `Session` keeps only the
-protocol half (which segment speaks next, what was heard). It encodes PCM
-with the context's `StreamEncoder`, packs the codec frames into `audio`
-messages of up to `FRAMES_PER_MESSAGE` frames with gapless `seq` and
-`pts_ms` (docs/protocol.md, "Rules the server keeps"), and holds them in an outbox
-until pacing lets them go. Like the session it reads no clock: `release`
-takes `now`.
+protocol half (which segment speaks next, what was heard). It hands PCM to
+the context's encoder (gateway/audio/encoders.py: one encode per chunk, in
+the context's output format), packs what comes out into `audio` messages of
+up to `FRAMES_PER_MESSAGE` frames with gapless `seq` and `pts_ms`
+(docs/protocol.md, "Rules the server keeps"), and holds them in an outbox
+until pacing lets them go. Encoding is one self-contained call (`push` is
+`encode`, then `pack`), so the two halves could run apart. Like the session it
+reads no clock: `release` takes `now`.
 
 Pacing. `asap` releases every message at once. `realtime` keeps the client at
 most `REALTIME_LEAD_MS` of audio ahead of its playback clock, which starts
@@ -25,7 +27,8 @@ from collections import deque
 
 import numpy as np
 
-from gateway.audio.codecs import EncodedFrame, StreamEncoder
+from gateway.audio.codecs import EncodedFrame
+from gateway.audio.encoders import AudioEncoder
 from gateway.stream.events import AudioEvent
 
 FRAMES_PER_MESSAGE = 5
@@ -42,7 +45,7 @@ class Playout:
     caller's monotonic clock; None before the first release).
     """
 
-    def __init__(self, context_id: str, encoder: StreamEncoder, *, is_realtime: bool) -> None:
+    def __init__(self, context_id: str, encoder: AudioEncoder, *, is_realtime: bool) -> None:
         self.context_id = context_id
         self.encoder = encoder
         self.is_realtime = is_realtime
@@ -62,13 +65,13 @@ class Playout:
     def push(self, pcm: np.ndarray) -> None:
         """Encode mono PCM at the encoder's input rate; its whole frames join the outbox."""
         self.pcm_ms_framed += 1000.0 * len(pcm) / self.encoder.sample_rate_in
-        self._pack(self.encoder.encode(pcm))
+        self.pack(self.encoder.encode(pcm))
 
     def finish(self) -> None:
         """No more PCM: the encoder's padded tail joins the outbox (once)."""
         if not self.is_finished:
             self.is_finished = True
-            self._pack(self.encoder.flush())
+            self.pack(self.encoder.flush())
 
     def clear(self) -> None:
         """Drop what waits (cancel): no audio of this context leaves after this."""
@@ -105,7 +108,8 @@ class Playout:
             return 0.0  # the first message leaves at once and starts the clock
         return start + (pts_ms - REALTIME_LEAD_MS) / 1000.0
 
-    def _pack(self, frames: list[EncodedFrame]) -> None:
+    def pack(self, frames: list[EncodedFrame]) -> None:
+        """Encoded frames join the outbox, `FRAMES_PER_MESSAGE` to a message, in order."""
         for start in range(0, len(frames), FRAMES_PER_MESSAGE):
             group = frames[start:start + FRAMES_PER_MESSAGE]
             duration = sum(f.duration_ms for f in group)

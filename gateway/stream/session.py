@@ -22,6 +22,12 @@ synthesis.py, the media half in playout.py, the actions in actions.py, the
 client messages in messages.py (decoded once, typed: `receive_message` takes
 them), the server events in events.py, options and limits in options.py, a
 turn's bookkeeping in context.py.
+
+Every route runs this one session: the native socket, the vendor sockets
+(gateway/compat composes it and feeds it typed messages) and the HTTP speech
+route (gateway/http/turn.py: a request is one flushed context). Each context's
+encoder comes from `open_encoder`, in the route's output format
+(gateway/audio/encoders.py), so its audio is encoded once, where it is framed.
 """
 
 from __future__ import annotations
@@ -32,11 +38,20 @@ from collections.abc import Callable
 
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId
-from gateway.audio.codecs import make_encoder
-from gateway.errors import ProtocolError, error_message
+from gateway.audio.encoders import AudioEncoder, EncoderFactory
+from gateway.audio.formats import MULAW_SAMPLE_RATE, AudioFormat
+from gateway.errors import CLOSE_IDLE_TIMEOUT, ProtocolError, error_message
 from gateway.stream.actions import Action, Cancel, Close, Observe, Send, Submit
 from gateway.stream.context import Context, ContextState
-from gateway.stream.events import Cancelled, ContextDone, SessionReady, SessionUpdated
+from gateway.stream.events import (
+    AudioEvent,
+    Cancelled,
+    ContextDone,
+    SessionReady,
+    SessionUpdated,
+    encode_audio,
+    encode_event,
+)
 from gateway.stream.messages import (
     CancelMessage,
     ClientMessage,
@@ -59,7 +74,11 @@ log = logging.getLogger("voxgate.gateway")
 MAX_REMEMBERED_CLOSED = 4096
 MAX_RECENT_DONE = 8
 
-__all__ = ["Action", "Cancel", "Close", "Observe", "Send", "Session", "Submit"]
+#: opens the encoder of a new context (its id, the session's options then): the session's
+#: output stage (gateway/audio/encoders.py); the HTTP route and vendor sockets pass their own
+OpenEncoder = Callable[[str, SessionOptions], AudioEncoder]
+
+__all__ = ["Action", "Cancel", "Close", "Observe", "OpenEncoder", "Send", "Session", "Submit"]
 
 
 class Session:
@@ -69,9 +88,12 @@ class Session:
                  options: SessionOptions | None = None, limits: Limits | None = None,
                  admit: Callable[[str], None] = lambda key: None,
                  release: Callable[[str], None] = lambda key: None,
-                 languages: Languages | None = None) -> None:
+                 languages: Languages | None = None, encoders: EncoderFactory | None = None,
+                 open_encoder: OpenEncoder | None = None) -> None:
         """Holds its voices in `catalog` until `disconnect` (the caller validated them);
-        `languages` routes segments by language (None: every one to the context's voice)."""
+        `languages` routes segments by language (None: every one to the context's voice);
+        `open_encoder` makes each context's encoder (None: the native codec of the options,
+        opened by `encoders`, the app's factory)."""
         self.session_id = session_id
         self.catalog = catalog
         self.engine_sample_rate = sample_rate
@@ -80,6 +102,8 @@ class Session:
         hold_voices(catalog, hold=self.options.voices)
         self._is_holding_voice = True
         self._synthesis = Synthesis(session_id, admit=admit, release=release, languages=languages)
+        self.encoders = encoders or EncoderFactory()
+        self._open_encoder = open_encoder or self._open_native_encoder
         self.contexts: dict[str, Context] = {}     # open, in creation order
         self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
         self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
@@ -95,14 +119,33 @@ class Session:
         self.last_activity = now
         return [Send(SessionReady(self.session_id, self.options, self.limits))]
 
+    def encode(self, action: Send) -> str | bytes:
+        """The frame of a Send: an event in the session's encoding, audio as audio frames."""
+        if isinstance(action.message, AudioEvent):
+            return encode_audio(action.message, self.options)
+        return encode_event(action.message, self.options.encoding)
+
+    def idle_close(self, idle_s: float) -> list[Action]:
+        """What closes a socket idle for `idle_s` (docs/protocol.md): `error`, then 4000."""
+        return [Send(error_message(ProtocolError(
+            "bad_message", f"closing after {idle_s:.0f} s without messages", fatal=True))),
+            Close(CLOSE_IDLE_TIMEOUT, "idle timeout")]
+
+    def has_context(self, context_id: str) -> bool:
+        """`context_id` is open: it takes text or still speaks."""
+        return context_id in self.contexts
+
+    @property
+    def num_open_contexts(self) -> int:
+        return len(self.contexts)
+
     def receive_frame(self, raw: str | bytes, now: float) -> list[Action]:
         """One client frame: a rate-limit token, then decoded once and handled as its message.
 
         Bad input yields an `error`; the session goes on.
         """
-        self.last_activity = now
         try:
-            self.take_message_token(now)
+            self.take_frame(now)
             message = decode_message(raw, self.limits.max_message_bytes)
         except ProtocolError as exc:
             return self._refused(exc)
@@ -120,8 +163,10 @@ class Session:
         except VoxgateError as exc:
             return self._refused(exc, getattr(message, "context_id", None))
 
-    def take_message_token(self, now: float) -> None:
-        """One client frame's place in the message rate; raises `rate_limited` when none is left."""
+    def take_frame(self, now: float) -> None:
+        """A client frame came (the socket is not idle): its place in the message rate; raises
+        `rate_limited` when none is left."""
+        self.last_activity = now
         if not self._message_rate.take(1, now):
             raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
                                 "messages per second; the message was dropped")
@@ -315,14 +360,18 @@ class Session:
         key = f"{self.session_id}/{context_id}"
         options = self.options
         config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
-        encoder = make_encoder(options.codec, options.sample_rate, options.frame_ms,
-                               options.bitrate, self.engine_sample_rate)
-        playout = Playout(context_id, encoder, is_realtime=options.pacing == "realtime")
+        playout = Playout(context_id, self._open_encoder(context_id, options),
+                          is_realtime=options.pacing == "realtime")
         context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now,
                           voice_for=merge_voice_for(self._synthesis.voice_for, options.voice_for))
         self.contexts[context_id] = context
         hold_voices(self.catalog, hold=context.voices)
         return context
+
+    def _open_native_encoder(self, context_id: str, options: SessionOptions) -> AudioEncoder:
+        rate = MULAW_SAMPLE_RATE if options.codec == "mulaw" else options.sample_rate
+        fmt = AudioFormat(options.codec, rate, options.frame_ms, options.bitrate)
+        return self.encoders.open(fmt, self.engine_sample_rate)
 
     def _closed_answer(self, context_id: str) -> list[Action]:
         if self._closed.get(context_id):

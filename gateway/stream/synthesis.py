@@ -1,4 +1,8 @@
-"""A socket's synthesis: its contexts' segments out to the engine, their audio back in.
+"""A session's synthesis: its contexts' segments out to the engine, their audio back in.
+
+The one synthesis path: the native socket, the vendor sockets and the HTTP
+speech route all run it through their `Session` (docs/architecture.md, "The
+session"), so a rule fixed here holds on every route.
 
 `Synthesis` turns the segments each context's segmenter releases into engine
 requests: it names them, submits them in playback order within the socket's
@@ -12,7 +16,10 @@ announcing each segment as its audio starts. Each segment is routed by
 language first (gateway/text/routing.py): it keeps the context's voice or
 goes to the voice mapped for its language, and what no voice can say is
 skipped, announced with `text.skipped` where it falls and sent to no engine.
-Like the `Session` that holds it, it does no I/O and reads no clock; the
+The gateway computes no due time. As a segment's audio
+starts and when it is all framed, a note (`SegmentStarted`, `SegmentFramed`)
+says where it sits, for the routes that speak another wire. Like the
+`Session` that holds it, it does no I/O and reads no clock; the
 session decides what a refused admission or an engine error ends, and when
 audio is released to the socket.
 """
@@ -25,14 +32,22 @@ from collections.abc import Callable
 from engine.errors import VoxgateError
 from engine.types import AudioChunk, RequestId, SamplingParams, SynthesisRequest
 from gateway.errors import error_message
-from gateway.stream.actions import Action, Cancel, Observe, Send, Submit
+from gateway.stream.actions import (
+    Action,
+    Cancel,
+    Observe,
+    SegmentFramed,
+    SegmentStarted,
+    Send,
+    Submit,
+)
 from gateway.stream.context import Context, Segment
 from gateway.stream.events import SegmentEvent, TextSkipped
 from gateway.text.routing import Languages, VoiceScripts, route
 
 #: Backpressure (docs/architecture.md, "The backpressure story"): a fixed bound,
-#: segments per socket with the engine or waiting to be framed; the engine's
-#: look-ahead on each request's playback clock does the pacing within it.
+#: segments per session (a socket, or a speech request) with the engine or waiting to be
+#: framed; the engine's look-ahead on each request's playback clock does the pacing within it.
 MAX_SEGMENTS_AHEAD = 4
 
 
@@ -98,7 +113,7 @@ class Synthesis:
                     plays_after=_plays_after(contexts, context),
                     language=options.language if is_own else None,
                     instructions=options.instructions if is_own else None,
-                    params=SamplingParams(speed=options.speed))))
+                    params=SamplingParams(speed=options.speed)), context.context_id))
         return refused
 
     def _admit_context(self, context: Context, actions: list[Action]) -> bool:
@@ -180,6 +195,8 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
                             else chunk.words[-1].end_ms if chunk.words else None)
                 actions.append(Send(SegmentEvent(context.context_id, segment.segment_id,
                                                  segment.text, segment.pts_ms, duration, chunk.words)))
+                actions.append(SegmentStarted(context.context_id, segment.segment_id,
+                                              segment.request_id, segment.pts_ms))
                 _announce_skipped(context, segment, actions)
                 if not context.has_started:
                     context.has_started = True
@@ -189,6 +206,10 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
         if not segment.is_synthesized:
             return  # later segments wait: audio stays in playback order
         segment.is_sent = True
+        if segment.is_started:
+            words = None if segment.words is None else tuple(segment.words)
+            actions.append(SegmentFramed(context.context_id, segment.segment_id, segment.text,
+                                         segment.pts_ms, segment.audio_ms, words))
     if context.is_spoken():
         playout.finish()
 

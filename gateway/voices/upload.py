@@ -8,7 +8,7 @@ is decoded, and decoding stops as soon as it passes the allowed rate x
 duration, so a small compressed file that claims 655 kHz x 8 channels, or
 expands to hours, costs no more than a header read. The body must arrive
 whole within the upload deadline, however slowly it trickles (408,
-gateway/http/bodies.py); file parts past 1 MiB spool to a temporary file while
+gateway/bodies.py); file parts past 1 MiB spool to a temporary file while
 it is read. Decoding runs off the event loop; how many run at once is the
 voice service's bound, taken once the body is complete (gateway/voices/routes.py).
 """
@@ -27,7 +27,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import ClientDisconnect, Request
 
 from engine.errors import VoxgateError
-from gateway.http.bodies import BodyTimeoutError, within
+from gateway.bodies import BodyTimeoutError, within
 
 FIELDS = ("audio", "text", "name", "language", "id", "base_voice")
 VOICE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

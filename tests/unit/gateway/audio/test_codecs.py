@@ -13,7 +13,8 @@ from gateway.audio.codecs import (
     make_encoder,
     pcm_to_float,
 )
-from gateway.audio.containers import ContainerStreamEncoder, available_formats
+from gateway.audio.containers import ContainerStreamEncoder, is_available
+from gateway.audio.formats import MUXED_KINDS, AudioFormat
 
 PIPER_RATE = 22050
 
@@ -174,6 +175,7 @@ def test_pcm_helpers_convert_both_ways_and_clip() -> None:
     ("args", "message"),
     [
         (("flac", 48000, 20, None, 22050), "expected codec in"),
+        (("mulaw", 8000, 25, None, 22050), "expected frame_ms in"),
         (("opus", 44100, 20, None, 22050), "expected sample_rate in"),
         (("opus", 48000, 25, None, 22050), "expected frame_ms in"),
         (("opus", 48000, 20, 1000, 22050), "expected bitrate within 6000-510000 bit/s, got 1000"),
@@ -203,12 +205,11 @@ def test_encode_after_flush_is_an_error() -> None:
         encoder.encode(np.zeros(10, np.float32))
 
 
-def decode_container(body: bytes, fmt: str) -> tuple[np.ndarray, int]:
+def decode_container(body: bytes, kind: str) -> tuple[np.ndarray, int]:
     import io
 
-    demux_format = {"pcm": "s16le", "aac": "aac", "opus": "ogg"}.get(fmt, fmt)
-    options = {"sample_rate": "24000", "ch_layout": "mono"} if fmt == "pcm" else {}
-    with av.open(io.BytesIO(body), format=demux_format, options=options) as container:
+    demux_format = {"aac": "aac", "ogg_opus": "ogg"}.get(kind, kind)
+    with av.open(io.BytesIO(body), format=demux_format) as container:
         stream = container.streams.audio[0]
         rate = stream.codec_context.sample_rate
         resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
@@ -220,53 +221,62 @@ def decode_container(body: bytes, fmt: str) -> tuple[np.ndarray, int]:
     return np.concatenate(parts), rate
 
 
-def test_every_available_container_format_is_one_of_the_openai_names() -> None:
-    assert {"opus", "wav", "pcm"} <= set(available_formats())
-    assert set(available_formats()) <= {"opus", "wav", "pcm", "mp3", "flac", "aac"}
+def body_of(frames: list) -> bytes:
+    return b"".join(frame.data for frame in frames)
 
 
-@pytest.mark.parametrize("fmt", available_formats())
-def test_every_container_streams_and_decodes_back_to_the_right_duration(fmt: str) -> None:
+MUXED = [kind for kind in MUXED_KINDS if is_available(kind)]
+RATE_OF = {"ogg_opus": 48000}
+
+
+def test_this_build_muxes_at_least_ogg_opus_and_wav() -> None:
+    assert {"ogg_opus", "wav"} <= set(MUXED)
+
+
+@pytest.mark.parametrize("kind", MUXED)
+def test_every_container_streams_and_decodes_back_to_the_right_duration(kind: str) -> None:
     pcm = sine(440, 1.5, PIPER_RATE, amplitude=0.3)
-    encoder = ContainerStreamEncoder(fmt, PIPER_RATE)
+    encoder = ContainerStreamEncoder(AudioFormat(kind, RATE_OF.get(kind, 24000)), PIPER_RATE)
     pieces = [encoder.encode(pcm[i : i + 2205]) for i in range(0, len(pcm), 2205)]
-    pieces.append(encoder.finish())
-    assert sum(len(piece) > 0 for piece in pieces[:-1]) >= len(pieces) // 2  # it streams
-    decoded, rate = decode_container(b"".join(pieces), fmt)
+    # one piece per call, as long as its input: the durations add up to the audio given
+    assert all(len(piece) == 1 for piece in pieces)
+    assert sum(piece[0].duration_ms for piece in pieces) == pytest.approx(1500.0)
+    pieces.append(encoder.flush())
+    assert sum(len(body_of(piece)) > 0 for piece in pieces[:-1]) >= len(pieces) // 2  # it streams
+    decoded, rate = decode_container(b"".join(body_of(piece) for piece in pieces), kind)
     assert len(decoded) / rate == pytest.approx(1.5, abs=0.08)
     assert tone_level(decoded[rate // 4 : -rate // 4], 440, rate) == pytest.approx(0.3, abs=0.05)
-    assert encoder.content_type.startswith("audio/")
 
 
 def test_streamed_wav_header_has_maximal_lengths_and_pcm16_at_24_khz() -> None:
-    encoder = ContainerStreamEncoder("wav", 24000)
-    body = encoder.encode(np.zeros(2400, np.float32)) + encoder.finish()
+    encoder = ContainerStreamEncoder(AudioFormat("wav", 24000), 24000)
+    body = body_of(encoder.encode(np.zeros(2400, np.float32)) + encoder.flush())
     assert body[:4] == b"RIFF" and body[4:8] == b"\xff\xff\xff\xff"
     assert body[36:44] == b"data\xff\xff\xff\xff"
     assert int.from_bytes(body[24:28], "little") == 24000
     assert len(body) == 44 + 2 * 2400
 
 
-def test_pcm_response_is_raw_24_khz_pcm16() -> None:
-    encoder = ContainerStreamEncoder("pcm", 24000)
+def test_unframed_pcm16_is_raw_pcm_as_it_comes_with_nothing_padded() -> None:
+    encoder = make_encoder("pcm16", 24000, 0, None, 24000)
     pcm = chirp(0.25, 24000)
-    body = encoder.encode(pcm) + encoder.finish()
-    np.testing.assert_allclose(decode_pcm16(body), pcm, atol=1 / 32767)
-    assert encoder.content_type == "audio/pcm"
+    frames = encoder.encode(pcm[:1001]) + encoder.encode(pcm[1001:]) + encoder.flush()
+    assert [f.duration_ms for f in frames] == pytest.approx([1001 / 24, (len(pcm) - 1001) / 24])
+    np.testing.assert_allclose(decode_pcm16(body_of(frames)), pcm, atol=1 / 32767)
 
 
-def test_unknown_container_format_says_what_was_expected() -> None:
-    with pytest.raises(ValueError, match=r"expected response_format in .*, got 'ogg'"):
-        ContainerStreamEncoder("ogg", 24000)
+def test_a_kind_that_is_not_muxed_says_what_was_expected() -> None:
+    with pytest.raises(ValueError, match=r"expected a muxed kind in .*, got 'pcm16'"):
+        ContainerStreamEncoder(AudioFormat("pcm16", 24000), 24000)
 
 
 def test_a_wav_body_without_audio_is_the_bare_header() -> None:
-    body = ContainerStreamEncoder("wav", 22050).finish()
+    body = body_of(ContainerStreamEncoder(AudioFormat("wav", 24000), 22050).flush())
     assert len(body) == 44 and body[:4] == b"RIFF"
 
 
-def test_container_encode_after_finish_is_an_error() -> None:
-    encoder = ContainerStreamEncoder("opus", 24000)
-    encoder.finish()
+def test_container_encode_after_flush_is_an_error() -> None:
+    encoder = ContainerStreamEncoder(AudioFormat("ogg_opus", 48000), 24000)
+    encoder.flush()
     with pytest.raises(RuntimeError, match="expected encode"):
         encoder.encode(np.zeros(10, np.float32))

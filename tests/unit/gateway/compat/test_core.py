@@ -8,16 +8,18 @@ received it, so the engine drops them before its next step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import numpy as np
+import pytest
 
 from engine.errors import EngineBusyError
-from engine.types import AudioChunk, WordTiming
+from engine.types import AudioChunk, VoiceInfo, WordTiming
 from gateway.access.admission import Refused
 from gateway.compat.cartesia import CartesiaSession
-from gateway.compat.core import CompatSession
+from gateway.compat.core import VendorSession
 from gateway.compat.deepgram import DeepgramSession
 from gateway.compat.elevenlabs import ElevenLabsMultiSession, ElevenLabsSession, parse_output_format
 from gateway.compat.formats import OutputFormat
@@ -28,7 +30,7 @@ from gateway.voices.catalog import VoiceCatalog, unknown_voice_message
 RATE = 22050
 
 
-def _make(kind: type[CompatSession], output: OutputFormat, limits: Limits | None = None,
+def _make(kind: type[VendorSession[Any, Any]], output: OutputFormat, limits: Limits | None = None,
           **kwargs: Any) -> Any:
     session = kind("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, options=SessionOptions(voice="joe"),
                    limits=limits or Limits(), output=output, admit=lambda key: None,
@@ -264,3 +266,47 @@ def test_the_url_voice_of_a_first_message_key_is_resolved_in_that_keys_tenant() 
     spoken = _submits(session_for(alice).receive_frame(json.dumps(first), 0.0))
     assert spoken and {s.request.voice for s in spoken} == {"alice-voice"}
     assert catalog.num_holders("alice-voice") >= 1
+
+
+def _english_catalog_session(caplog: pytest.LogCaptureFixture) -> Any:
+    from gateway.text.routing import Languages
+
+    languages = Languages.from_listing(
+        lambda: [VoiceInfo("joe", "joe", "en", "piper", RATE, languages=("en",))], {})
+    session = ElevenLabsMultiSession("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE,
+                                     options=SessionOptions(voice="joe"), limits=Limits(),
+                                     output=parse_output_format("pcm_16000"),
+                                     admit=lambda key: None, release=lambda key: None,
+                                     languages=languages)
+    session.start(0.0)
+    caplog.set_level("INFO", logger="voxgate.gateway")
+    return session
+
+
+def test_a_vendor_context_says_what_it_skipped_in_one_log_line_with_counts_not_text(
+        caplog: pytest.LogCaptureFixture) -> None:
+    session = _english_catalog_session(caplog)
+    text = "Hello there. " + "Привет. " * 300 + "中。" * 200 + "Goodbye now. "
+    actions = session.receive_frame(json.dumps({"text": text, "context_id": "a"}), 0.0)
+    actions += session.receive_frame(json.dumps({"context_id": "a", "flush": True}), 0.0)
+    actions += session.receive_frame(json.dumps({"context_id": "a", "close_context": True}), 0.0)
+    for submit in _submits(actions):
+        session.receive_audio(_chunk(submit, 0.2, is_last=True), 0.1)
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert lines == [("session s1 (elevenlabs): skipped 2100 characters of und-Cyrl in 300 "
+                      "pieces, 400 characters of zh in 200 pieces: no voice for it")]
+
+
+def test_a_vendor_context_holds_no_more_state_however_many_flush_groups_it_speaks() -> None:
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"))
+    for n in range(200):  # each flush ends a native context; the vendor context goes on
+        actions = session.receive_frame(json.dumps(
+            {"text": f"Sentence {n} is here. ", "context_id": "a", "flush": True}), float(n))
+        (submit,) = _submits(actions)
+        assert _frames(session.receive_audio(_chunk(submit, 0.1, is_last=True), n + 0.5))
+    vctx = session.vendor_contexts["a"]
+    values = {f.name: getattr(vctx, f.name) for f in dataclasses.fields(vctx)}
+    held = {name: len(value) for name, value in values.items()
+            if hasattr(value, "__len__") and not isinstance(value, str)}
+    assert held and max(held.values()) == 0, held  # nothing kept per native context that ended
+    assert vctx.num_segments == 200 and session.num_open_contexts == 0

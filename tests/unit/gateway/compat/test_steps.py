@@ -19,7 +19,7 @@ def _chunk(request: str, audio_ms: int, step_ms: float, *, is_last: bool = True)
 def test_each_stretch_gets_the_share_of_the_chunks_it_overlaps() -> None:
     ledger = EngineTime()
     for request in ("r1", "r2"):
-        ledger.submitted(RequestId(request))
+        ledger.submitted(RequestId(request), "v1")
     ledger.made(_chunk("r1", 200, 20.0, is_last=False))  # 0.1 ms of engine time per ms of audio
     ledger.made(_chunk("r1", 100, 30.0))                  # 0.3
     ledger.started("v1", RequestId("r1"), 0.0)
@@ -36,7 +36,7 @@ def test_the_shares_add_up_to_the_engine_time_however_the_audio_is_framed() -> N
     ledger = EngineTime()
     steps = [(137, 11.0), (263, 47.5), (90, 3.25)]
     for n, (audio_ms, step_ms) in enumerate(steps):
-        ledger.submitted(RequestId(f"r{n}"))
+        ledger.submitted(RequestId(f"r{n}"), "v1")
         ledger.made(_chunk(f"r{n}", audio_ms, step_ms))
     start = 0.0
     for n, (audio_ms, _) in enumerate(steps):
@@ -48,7 +48,7 @@ def test_the_shares_add_up_to_the_engine_time_however_the_audio_is_framed() -> N
 
 def test_an_empty_last_chunk_adds_its_step_to_the_audio_before_it() -> None:
     ledger = EngineTime()
-    ledger.submitted(RequestId("r1"))
+    ledger.submitted(RequestId("r1"), "v1")
     ledger.made(_chunk("r1", 100, 10.0, is_last=False))
     ledger.made(_chunk("r1", 0, 5.0))
     ledger.started("v1", RequestId("r1"), 0.0)
@@ -58,8 +58,8 @@ def test_an_empty_last_chunk_adds_its_step_to_the_audio_before_it() -> None:
 def test_chunks_of_requests_never_submitted_or_already_cancelled_are_not_held() -> None:
     ledger = EngineTime()
     ledger.made(_chunk("stranger", 100, 10.0))
-    ledger.submitted(RequestId("r1"))
-    ledger.forget([RequestId("r1")])
+    ledger.submitted(RequestId("r1"), "v1")
+    ledger.cancelled(RequestId("r1"))
     ledger.made(_chunk("r1", 100, 10.0))
     assert len(ledger) == 0
 
@@ -68,10 +68,22 @@ def test_a_long_answer_is_not_held_whole_only_what_is_still_being_framed() -> No
     ledger = EngineTime()
     for n in range(500):
         request = RequestId(f"r{n}")
-        ledger.submitted(request)
+        ledger.submitted(request, "v1")
         ledger.made(_chunk(f"r{n}", 100, 10.0))
         ledger.started("v1", request, 100.0 * n)
         assert ledger.spent("v1", 100.0 * n, 100.0) == pytest.approx(10.0)
         assert len(ledger) <= 2
-    ledger.forget([], "v1")
+    ledger.forget_context("v1")
     assert ledger.spent("v1", 0.0, 100.0) == 0.0
+
+
+def test_a_context_that_ends_drops_every_request_of_it_made_or_not() -> None:
+    ledger = EngineTime()
+    for n in range(3):  # made and never started, made and started, not made at all
+        ledger.submitted(RequestId(f"r{n}"), "v1")
+    ledger.submitted(RequestId("other"), "v2")
+    ledger.made(_chunk("r0", 100, 10.0))
+    ledger.made(_chunk("r1", 100, 10.0))
+    ledger.started("v1", RequestId("r1"), 0.0)
+    ledger.forget_context("v1")
+    assert len(ledger) == 1  # v2's request only

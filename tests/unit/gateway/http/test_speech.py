@@ -195,3 +195,30 @@ def test_another_tenants_voice_is_unknown_to_a_key_and_the_error_lists_no_voice(
         mine = client.post("/v1/audio/speech", json={"input": "Hello.", "voice": "v"},
                            headers={"Authorization": f"Bearer {key_b}"})
         assert mine.status_code == 200  # the built-in voice is everyone's
+
+
+def test_text_skipped_in_thousands_of_pieces_is_one_log_line_with_counts_not_text(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from engine.types import VoiceInfo
+
+    class EnglishBackend(RecordingBackend):
+        def voices(self) -> list[VoiceInfo]:
+            return [VoiceInfo("v", "scripted", "en", self.name, self.sample_rate,
+                              languages=("en",))]
+
+    backend = EnglishBackend()
+    config = GatewayConfig(voice="v", data_dir=tmp_path, web_dir=tmp_path / "no-web")
+    application = create_app(config, engine=Engine(backend, EngineConfig(warmup_text="")))
+    with TestClient(application, base_url="http://localhost") as client, \
+            caplog.at_level("INFO", logger="voxgate.gateway"):
+        only = client.post("/v1/audio/speech", json={"input": "中。" * 2000, "voice": "v"})
+        assert only.status_code == 400 and "nothing voice 'v' can say" in only.json()["message"]
+        mixed = speak(client, input="Hello there. " + "中。" * 1500 + " Goodbye now.",
+                      response_format="pcm")
+        assert mixed.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 2  # one per request, not one per piece
+    assert lines[0].endswith("skipped 4000 characters of zh in 2000 pieces: no voice for it")
+    assert "3000 characters of zh in 1500 pieces" in lines[1]
+    assert "中" not in "".join(lines)
+    assert [r.text for r in backend.requests] == ["Hello there.", "Goodbye now."]

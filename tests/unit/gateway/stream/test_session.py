@@ -279,3 +279,34 @@ def test_a_typed_message_error_names_its_context() -> None:
     session = make_session(limits=Limits(max_text_per_context=5))
     (error,) = sent(session.receive_message(TextMessage("c", "far too long"), 0.0), "error")
     assert (error["code"], error["context_id"]) == ("text_too_long", "c")
+
+
+def test_notes_say_where_each_segment_starts_and_when_its_timings_are_final() -> None:
+    from gateway.stream.actions import SegmentFramed, SegmentStarted
+
+    session = make_session()
+    actions = text(session, "c", "One two three. Four five six. ", flush=True)
+    r1, r2 = submits(actions)
+    assert [a.context_id for a in actions if isinstance(a, Submit)] == ["c", "c"]
+    words = [WordTiming("One", 0.0, 100.0), WordTiming("two", 100.0, 200.0),
+             WordTiming("three.", 200.0, 400.0)]
+    first = session.receive_audio(chunk(r1.request_id, 0.4, words), 0.1)
+    second = session.receive_audio(chunk(r2.request_id, 0.3), 0.2)
+    notes = [a for a in first + second if isinstance(a, (SegmentStarted, SegmentFramed))]
+    assert notes == [
+        SegmentStarted("c", 0, r1.request_id, 0.0),
+        SegmentFramed("c", 0, "One two three.", 0.0, pytest.approx(400.0), tuple(words)),
+        SegmentStarted("c", 1, r2.request_id, pytest.approx(400.0)),
+        SegmentFramed("c", 1, "Four five six.", pytest.approx(400.0), pytest.approx(300.0), None),
+    ]
+
+
+def test_each_chunk_is_encoded_once_in_the_sessions_codec() -> None:
+    from gateway.audio.encoders import EncoderFactory
+
+    encoders = EncoderFactory()
+    session = make_session(options=SessionOptions(codec="opus"), encoders=encoders)
+    r1, r2 = submits(text(session, "c", "One two three. Four five six. ", flush=True))
+    for request in (r1, r2):
+        session.receive_audio(chunk(request.request_id, 0.2), 0.1)
+    assert encoders.num_opened == {"opus": 1} and encoders.num_encodes == {"opus": 2}

@@ -6,7 +6,8 @@ took for it, for ever: one byte every few seconds is never a stalled read.
 the deadline and raises `BodyTimeoutError` once it is over, however the bytes
 trickle in. `POST /v1/audio/speech` (gateway/http/speech.py) and
 `POST /v1/voices` (gateway/voices/upload.py) read their bodies through it; the
-request head has its own timer (gateway/http/timeouts.py).
+request head has its own timer (gateway/http/timeouts.py). A leaf, as
+errors.py is: the rooms that take bodies import it, it imports none of them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A request body read against one deadline for all of it (gateway/http/bodies.py).
+"""A request body read against one deadline for all of it (gateway/bodies.py).
 
 The body is a real Starlette Request fed by an ASGI `receive` that trickles
 bytes in; the deadline is short so that the test is quick, and the trickle is
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from gateway.http.bodies import BodyTimeoutError, within
+from gateway.bodies import BodyTimeoutError, within
 
 
 def trickling_request(num_chunks: int | None, interval_s: float) -> Request:
