@@ -5,6 +5,10 @@ what the listener heard. docs/client.md is the guide; docs/protocol.md the wire 
         turn = vg.speak(deltas)
         async for chunk in turn:
             ...
+
+Modules: session (AsyncVoxgate), turn (Turn, Heard, TurnListener), wire (frames and
+events), audio (AudioChunk, decoders), player (Player, sinks), speakers (the sound
+device, key_press), clock (PlaybackClock), backoff (Reconnect), errors, sync (Voxgate).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from voxgate_client.errors import (
     Unauthorized,
     VoxgateError,
 )
+from voxgate_client.player import ListSink, Player, Sink
 from voxgate_client.session import AsyncVoxgate
+from voxgate_client.speakers import Speakers, key_press
+from voxgate_client.sync import SyncTurn, Voxgate
 from voxgate_client.turn import Heard, Turn, TurnListener, TurnState
 from voxgate_client.wire import Audio, Cancelled, Done, Segment, TextSkipped, Word
 
@@ -38,18 +45,25 @@ __all__ = [
     "ContextClosed",
     "Done",
     "Heard",
+    "ListSink",
     "MissingExtra",
     "NoAnswer",
     "PlaybackClock",
+    "Player",
     "RateLimited",
     "Reconnect",
     "Segment",
     "ServerError",
+    "Sink",
+    "Speakers",
+    "SyncTurn",
     "TextSkipped",
     "Turn",
     "TurnListener",
     "TurnState",
     "Unauthorized",
+    "Voxgate",
     "VoxgateError",
     "Word",
+    "key_press",
 ]

@@ -297,17 +297,6 @@ class AsyncVoxgate:
         except ConnectionClosed as exc:
             raise self._lost or ConnectionLost(f"the connection closed ({exc})") from None
 
-    async def _send_for(self, turn: Turn, message: dict[str, Any]) -> None:
-        """Send one of `turn`'s messages on the connection its text went out on."""
-        if turn.generation is None:
-            if self._ws is None:
-                await self._ensure_connected()
-            turn.generation = self._generation
-        elif turn.generation != self._generation or self._ws is None:
-            raise turn.error or self._lost or ConnectionLost(
-                f"turn {turn.context_id}'s connection closed")
-        await self._send(message)
-
     def _cancel_quietly(self, turn: Turn) -> None:
         """Stop a failed turn on the server too, answer or not (its text source raised)."""
         if turn.generation == self._generation and self._ws is not None:
@@ -358,23 +347,21 @@ class AsyncVoxgate:
             self._connecting = None
 
     async def _read(self, ws: ClientConnection) -> None:
-        loop = asyncio.get_running_loop()
+        clock = asyncio.get_running_loop().time
         turns, recent = self._turns, self._recent
         code: int | None = None
         reason = ""
         try:
             async for frame in ws:
                 try:
-                    event = decode(frame, loop.time())
+                    event = decode(frame, clock())
                 except BadFrame as exc:
                     log.warning("voxgate: %s", exc)
                     continue
                 if type(event) is Audio:  # the hot path: one per frame of audio
                     turn = turns.get(event.context_id) or recent.get(event.context_id)
-                    if turn is not None:
-                        turn._on_audio(event)
-                        if turn._is_full:
-                            await turn._wait_room()
+                    if turn is not None and turn._on_audio(event):  # its queue is full
+                        await turn._wait_room()
                 elif event is not None:
                     self._dispatch(event)
         except ConnectionClosed:

@@ -101,7 +101,7 @@ class Turn:
         self.state = TurnState.OPEN
         self.segments: list[Segment] = []
         self.skipped: list[TextSkipped] = []
-        self.audio_ms = 0.0  # received
+        self.audio_ms = 0.0  # received (without a listener)
         self.done: Done | None = None
         self.cancelled: Cancelled | None = None
         self.error: BaseException | None = None
@@ -118,7 +118,6 @@ class Turn:
         self._room.set()
         self.ended = asyncio.Event()
         self._answer: asyncio.Future[Cancelled] | None = None
-        self._send_lock = asyncio.Lock()
         self._is_stopped = False  # no more text goes out (cancel, failure)
         self._num_sent = 0
         self._text: list[str] = []
@@ -127,6 +126,11 @@ class Turn:
         self._words: deque[Any] = deque()
         self._pending_skipped: list[TextSkipped] = []
         self._is_flushed_out = False
+        if listener is not None:
+            # The reader's hot path calls the listener itself, one call per frame of audio
+            # less (the load tool's 128-256 sessions); `audio_ms` is then the listener's
+            # to count.
+            self._on_audio = listener.on_audio  # type: ignore[method-assign,assignment]
 
     def __repr__(self) -> str:
         return f"<Turn {self.context_id} {self.state.value}>"
@@ -141,31 +145,45 @@ class Turn:
         """Send a text delta (any fragment); `flush=True`: it is the last one."""
         if not isinstance(text, str):
             raise TypeError(f"expected text as str, got {type(text).__name__}")
-        async with self._send_lock:
-            self._check_open()
-            message: dict[str, Any] = {"type": "text", "context_id": self.context_id,
-                                       "text": text}
-            if flush:
-                message["flush"] = True
-            await self._send(message)
-            self._num_sent += 1
-            self._text.append(text)
-            if flush:
-                self.state = TurnState.FLUSHED
+        self._check_open()
+        message: dict[str, Any] = {"type": "text", "context_id": self.context_id, "text": text}
+        if flush:
+            message["flush"] = True
+            self.state = TurnState.FLUSHED
+        self._text.append(text)
+        await self._send(message, is_text=True)
 
     async def flush(self) -> None:
         """No more text comes: what is buffered is spoken, then the turn is done."""
         if self._num_sent == 0:
             await self.push("", flush=True)  # the server knows no context before its text
             return
-        async with self._send_lock:
-            self._check_open()
-            await self._send({"type": "flush", "context_id": self.context_id})
-            self.state = TurnState.FLUSHED
+        self._check_open()
+        self.state = TurnState.FLUSHED
+        await self._send({"type": "flush", "context_id": self.context_id})
 
-    async def _send(self, message: dict[str, Any]) -> None:
+    async def _send(self, message: dict[str, Any], *, is_text: bool = False) -> None:
+        """Send one of this turn's messages on the connection its first text went out on.
+
+        No lock: websockets writes a frame to the socket when `send` is called, before
+        it awaits anything, so frames go out in the order of the calls. Between the
+        check that the turn still takes text and the write, only connecting awaits: the
+        check is made again after it, and `_num_sent` counts a text before its frame is
+        written, so that a `cancel` knows whether the server has the context.
+        """
+        session = self._session
         try:
-            await self._session._send_for(self, message)
+            if self.generation != session._generation or session._ws is None:
+                if self.generation is not None:  # its connection went: the turn went with it
+                    raise self.error or session._lost or ConnectionLost(
+                        f"turn {self.context_id}'s connection closed")
+                await session._ensure_connected()
+                if message["type"] != "cancel" and (self._is_stopped or self.state.is_ended):
+                    self._check_open()  # cancelled (or failed) while connecting: raises
+                self.generation = session._generation
+            if is_text:
+                self._num_sent += 1
+            await session._send(message)
         except ConnectionLost as exc:  # no connection for this turn: it cannot go on
             self._fail(exc)
             raise
@@ -213,6 +231,12 @@ class Turn:
             if closer is not None:
                 await asyncio.shield(closer())
 
+    async def report(self, played_ms: float) -> None:
+        """Tell the server how much of the turn's audio was heard (a `playback` report)."""
+        if self._num_sent and self.state is not TurnState.FAILED:
+            await self._send({"type": "playback", "context_id": self.context_id,
+                              "played_ms": round(played_ms, 1)})
+
     # -- barge-in ------------------------------------------------------------------------
     async def cancel(self, played_ms: float | None = None, *, timeout: float = 10.0) -> Heard:
         """Stop the turn now and return what was heard, from the server's `cancelled`.
@@ -224,22 +248,22 @@ class Turn:
         """
         if self.state is TurnState.FAILED and self.error is not None:
             raise self.error
-        self._is_stopped = True
+        self._is_stopped = True  # from here no text goes out (see _send)
         self._drop_queue()
-        async with self._send_lock:  # a delta being sent goes out first, whole
-            if self._feeder is not None and not self._feeder.done():
-                self._feeder.cancel()
-            if self._answer is None:
-                self._answer = asyncio.get_running_loop().create_future()
-                if self._num_sent == 0:  # the server has no such context yet
-                    self._answer.set_result(Cancelled(self.context_id, 0.0, played_ms, "",
-                                                      "", asyncio.get_running_loop().time()))
-                    self._end(TurnState.CANCELLED)
-                else:
-                    message: dict[str, Any] = {"type": "cancel", "context_id": self.context_id}
-                    if played_ms is not None:
-                        message["played_ms"] = round(played_ms, 1)
-                    await self._send(message)
+        if self._feeder is not None and not self._feeder.done():
+            self._feeder.cancel()
+        if self._answer is None:
+            loop = asyncio.get_running_loop()
+            self._answer = loop.create_future()
+            if self._num_sent == 0:  # the server has no such context: nothing to stop
+                self._answer.set_result(Cancelled(self.context_id, 0.0, played_ms, "", "",
+                                                  loop.time()))
+                self._end(TurnState.CANCELLED)
+            else:
+                message: dict[str, Any] = {"type": "cancel", "context_id": self.context_id}
+                if played_ms is not None:
+                    message["played_ms"] = round(played_ms, 1)
+                await self._send(message)
         try:
             answer = await asyncio.wait_for(asyncio.shield(self._answer), timeout)
         except asyncio.TimeoutError:
@@ -267,12 +291,13 @@ class Turn:
         elif not self._is_stopped:
             self._put(event, 0.0)
 
-    def _on_audio(self, event: Audio) -> None:
+    def _on_audio(self, event: Audio) -> bool:
+        """Take a frame of audio; True when the queue is full and the reader must wait.
+        (A listener's turn has its listener's `on_audio` here instead: see __init__.)"""
         self.audio_ms += event.duration_ms
-        if self.listener is not None:
-            self.listener.on_audio(event)
-        elif not self._is_stopped and not self.state.is_ended:
+        if not self._is_stopped and not self.state.is_ended:
             self._put(event, event.duration_ms)
+        return not self._room.is_set()
 
     def _on_skipped(self, event: TextSkipped) -> None:
         self.skipped.append(event)
@@ -329,10 +354,6 @@ class Turn:
         if self._queued_ms > self._max_queued_ms or len(self._queue) > self._max_queued:
             self._room.clear()
         self._wakeup.set()
-
-    @property
-    def _is_full(self) -> bool:
-        return not self._room.is_set()
 
     async def _wait_room(self) -> None:
         await self._room.wait()

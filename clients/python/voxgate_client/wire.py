@@ -26,6 +26,7 @@ except ImportError:  # the client works without it: events in JSON, audio as bas
     msgpack = None
 
 HAS_MSGPACK = msgpack is not None
+_unpackb = None if msgpack is None else msgpack.unpackb
 
 
 @dataclass(slots=True)
@@ -141,21 +142,22 @@ def decode(frame: str | bytes, received_at: float) -> Event | None:
     (a newer server's), so that it is skipped, not fatal. Raises BadFrame."""
     try:
         if isinstance(frame, bytes):
-            if msgpack is None:
+            if _unpackb is None:
                 raise BadFrame("a binary (msgpack) frame came, and msgpack is not installed: "
                                "pip install msgpack, or ask for encoding json, audio_as base64")
-            m = msgpack.unpackb(frame)
+            m = _unpackb(frame)
+            if m["type"] == "audio":  # the hot path: nearly every frame is binary audio
+                return Audio(m["context_id"], m["seq"], m["pts_ms"], m["duration_ms"],
+                             m["codec"], m.get("packets"), m.get("data"), received_at)
         else:
             m = json.loads(frame)
-        kind = m["type"]
-        if kind == "audio":  # first: nearly every frame is audio
-            packets, data = m.get("packets"), m.get("data")
-            if isinstance(frame, str):  # audio_as base64
-                packets = None if packets is None else [base64.b64decode(p) for p in packets]
-                data = None if data is None else base64.b64decode(data)
-            return Audio(m["context_id"], m["seq"], m["pts_ms"], m["duration_ms"], m["codec"],
-                         packets, data, received_at)
-        return _decode_event(kind, m, received_at)
+            if m["type"] == "audio":  # audio_as base64
+                packets, data = m.get("packets"), m.get("data")
+                return Audio(m["context_id"], m["seq"], m["pts_ms"], m["duration_ms"],
+                             m["codec"],
+                             None if packets is None else [base64.b64decode(p) for p in packets],
+                             None if data is None else base64.b64decode(data), received_at)
+        return _decode_event(m["type"], m, received_at)
     except BadFrame:
         raise
     except (KeyError, TypeError, ValueError) as exc:
