@@ -122,15 +122,21 @@ def key_press() -> asyncio.Future[str]:
 
 
 def _read_lines() -> None:
-    for line in sys.stdin:
-        with _waiting_lock:
-            waiting = [(loop, f) for loop, f in _waiting if not f.done()]
-            _waiting.clear()
-        for loop, future in waiting:
-            try:
-                loop.call_soon_threadsafe(_resolve, future, line)
-            except RuntimeError:  # that loop is closed: nobody waits any more
-                pass
+    global _reader
+    try:
+        for line in sys.stdin:
+            with _waiting_lock:
+                waiting = [(loop, f) for loop, f in _waiting if not f.done()]
+                _waiting.clear()
+            for loop, future in waiting:
+                try:
+                    loop.call_soon_threadsafe(_resolve, future, line)
+                except RuntimeError:  # that loop is closed: nobody waits any more
+                    pass
+    except (OSError, ValueError):  # stdin closed, or not readable (a test runner's)
+        pass
+    with _waiting_lock:
+        _reader = None  # end of input: a later caller looks again (and finds it ended)
 
 
 def _resolve(future: asyncio.Future[str], line: str) -> None:
