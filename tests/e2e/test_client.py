@@ -28,6 +28,7 @@ from voxgate_client import (
     Reconnect,
     Turn,
     TurnState,
+    Unauthorized,
     Voxgate,
 )
 
@@ -276,3 +277,23 @@ def test_a_player_plays_a_turn_out_and_barges_in_at_what_it_played(server: Serve
             assert written_ms <= heard.played_ms + 100 + largest_ms  # no more than its lead ahead
 
     run(scenario())
+
+
+def test_a_key_goes_in_the_header_and_a_missing_one_raises_unauthorized(tmp_path: Path) -> None:
+    key = "sk-client-0123456789"
+    proc = start_server(tmp_path, env={"VOXGATE_API_KEYS": key})
+
+    async def scenario() -> None:
+        with pytest.raises(Unauthorized) as caught:
+            async with AsyncVoxgate(proc.ws_url):
+                pass
+        assert caught.value.code == "unauthorized" and caught.value.fatal
+        async with AsyncVoxgate(proc.ws_url, api_key=key) as vg:
+            turn = vg.speak("With a key.")
+            assert await collect(turn) and turn.state is TurnState.DONE
+
+    try:
+        run(scenario())
+    finally:
+        proc.stop()
+    assert key not in proc.log()  # the header's key is never logged

@@ -245,9 +245,11 @@ class AsyncVoxgate:
 
         `listener`: see `TurnListener` (no queue, no decoding; the turn yields nothing).
         """
-        self._num_turns += 1
-        context_id = context_id or f"t{self._num_turns}"
-        if context_id in self._turns or context_id in self._recent:
+        if context_id is None:
+            while context_id is None or context_id in self._turns or context_id in self._recent:
+                self._num_turns += 1
+                context_id = f"t{self._num_turns}"
+        elif context_id in self._turns or context_id in self._recent:
             raise ValueError(f"context_id {context_id!r} was used on this session; a context "
                              "id is used once")
         decoder = None
@@ -279,8 +281,13 @@ class AsyncVoxgate:
         self.options = effective
         return effective
 
-    def _on_turn_end(self, turn: Turn) -> None:
-        if self._turns.pop(turn.context_id, None) is not None:
+    def _keep_routed(self, turn: Turn) -> None:
+        """An ended turn waiting for an answer (a late cancel) is routed again, whatever its age."""
+        if turn.context_id not in self._turns and turn.context_id not in self._recent:
+            self._on_turn_end(turn, force=True)
+
+    def _on_turn_end(self, turn: Turn, *, force: bool = False) -> None:
+        if self._turns.pop(turn.context_id, None) is not None or force:
             self._recent[turn.context_id] = turn
             while len(self._recent) > MAX_RECENT_TURNS:
                 self._recent.popitem(last=False)

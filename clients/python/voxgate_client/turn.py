@@ -260,6 +260,8 @@ class Turn:
                                                   loop.time()))
                 self._end(TurnState.CANCELLED)
             else:
+                if self.state.is_ended:
+                    self._session._keep_routed(self)  # its answer must find it
                 message: dict[str, Any] = {"type": "cancel", "context_id": self.context_id}
                 if played_ms is not None:
                     message["played_ms"] = round(played_ms, 1)

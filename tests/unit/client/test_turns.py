@@ -208,3 +208,26 @@ def test_a_fatal_session_error_fails_the_open_turns_and_reaches_on_error() -> No
 
     play(script, client)
     assert seen == ["slow_consumer"]
+
+
+def test_a_late_cancel_of_a_long_finished_turn_finds_its_answer() -> None:
+    async def script(ws: ServerConnection, received: list[dict[str, Any]]) -> None:
+        for _ in range(12):
+            text = await next_message(ws, received)
+            await ws.send(audio(text["context_id"], 0))
+            await ws.send(event("context.done", context_id=text["context_id"], audio_ms=20.0,
+                                segments=1))
+        cancel = await next_message(ws, received)  # the server no longer remembers it either
+        await ws.send(event("cancelled", context_id=cancel["context_id"], audio_ms_sent=None,
+                            played_ms=None, spoken_text=None, unspoken_text=None))
+
+    async def client(vg: AsyncVoxgate) -> None:
+        first = vg.speak("Hello there.", context_id="t2")
+        turns = [first] + [vg.speak("Hello there.") for _ in range(11)]
+        assert len({t.context_id for t in turns}) == 12  # "t2" was taken: the counter skips it
+        for turn in turns:
+            assert [c.pts_ms async for c in turn] == [0.0]
+        heard = await asyncio.wait_for(first.cancel(), 5)
+        assert heard.is_cancelled and heard.unspoken_text == ""
+
+    play(script, client)
