@@ -36,7 +36,8 @@ def test_the_wheel_holds_every_package_the_web_client_and_the_load_corpus(wheel:
              "voxgate_client": REPO / "clients/python"}  # the client ships inside voxgate too
     for root, home in homes.items():
         for init in (home / root).rglob("__init__.py"):
-            assert str(init.relative_to(home)) in names  # a new subpackage must join pyproject's list
+            # a new subpackage must join pyproject's list
+            assert str(init.relative_to(home)) in names
     web = {f"gateway/web/{p.name}" for p in (REPO / "web").iterdir() if p.suffix in (".html", ".js", ".css")}
     assert "gateway/web/index.html" in web and web <= names
     assert "loadtest/data/corpus.jsonl" in names and "gateway/py.typed" in names

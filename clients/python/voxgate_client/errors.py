@@ -4,7 +4,7 @@
     ├── ServerError              an `error` event from the server (`code`, `message`,
     │   │                        `context_id`, `fatal`; docs/protocol.md, "Errors")
     │   ├── Busy                 `busy`: the engine is full; `retry_after_s` advises a wait
-    │   ├── RateLimited          `rate_limited`: this client's share is taken; `retry_after_s`
+    │   ├── RateLimited          `rate_limited`: this client's share is taken (a Busy)
     │   ├── Unauthorized         `unauthorized`: no valid key or token (close 4401)
     │   └── ContextClosed        `context_closed`: the turn is done or cancelled
     ├── ConnectionLost           the socket could not open, or closed with the turn in flight

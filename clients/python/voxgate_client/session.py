@@ -109,7 +109,8 @@ class AsyncVoxgate:
         if encoding not in ("auto", "msgpack", "json"):
             raise ValueError(f"expected encoding 'auto', 'msgpack' or 'json', got {encoding!r}")
         if encoding == "msgpack" and not HAS_MSGPACK:
-            raise ValueError("encoding='msgpack' needs msgpack: pip install 'voxgate-client[msgpack]'")
+            raise ValueError("encoding='msgpack' needs msgpack: "
+                                             "pip install 'voxgate-client[msgpack]'")
         if max_queued_ms <= 0 or max_queued < 1:
             raise ValueError(f"expected max_queued_ms > 0 and max_queued >= 1, got "
                              f"{max_queued_ms}, {max_queued}")

@@ -54,7 +54,8 @@ class Speakers:
             raise ValueError(f"expected audio at {self._rate} Hz, got {chunk.sample_rate} Hz")
         with self._lock:
             room = int(self.max_buffer_s * self._rate) * 2 - len(self._buffer)
-            self._buffer += data[:max(0, room)]  # bounded: past it (never near, under a Player) audio is dropped
+            # bounded: past it audio is dropped (a Player never comes near it)
+            self._buffer += data[:max(0, room)]
 
     def clear(self) -> None:
         with self._lock:

@@ -54,7 +54,8 @@ def test_speakers_play_pcm16_through_a_portaudio_callback_and_clear_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     streams: list[_Stream] = []
     fake = types.ModuleType("sounddevice")
-    fake.RawOutputStream = lambda **kw: streams.append(_Stream(**kw)) or streams[-1]  # type: ignore[attr-defined]
+    fake.RawOutputStream = (  # type: ignore[attr-defined]
+        lambda **kw: streams.append(_Stream(**kw)) or streams[-1])
     monkeypatch.setitem(sys.modules, "sounddevice", fake)
     speakers = Speakers()
     speakers.write(_chunk(np.array([1, 2, 3], dtype=np.int16)))

@@ -31,7 +31,8 @@ def test_binary_audio_decodes_to_its_packets_and_json_audio_from_base64() -> Non
             "codec": "opus", "packets": [b"\x01\x02", b"\x03"]}
     audio = decode(msgpack.packb(wire), 7.5)
     assert audio == Audio("t1", 3, 60.0, 20.0, "opus", [b"\x01\x02", b"\x03"], None, 7.5)
-    as_json = {**wire, "codec": "pcm16", "packets": None, "data": base64.b64encode(b"\x00\x01").decode()}
+    as_json = {**wire, "codec": "pcm16", "packets": None,
+               "data": base64.b64encode(b"\x00\x01").decode()}
     del as_json["packets"]
     pcm = decode(json.dumps(as_json), 8.0)
     assert isinstance(pcm, Audio) and pcm.data == b"\x00\x01" and pcm.packets is None

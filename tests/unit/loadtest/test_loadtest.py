@@ -184,7 +184,8 @@ def test_segments_and_skipped_text_are_counted_by_script_and_language() -> None:
     state = TurnState(record, 0.0)
     state.on_segment(Segment("c", 0, "My friend said hi.", 0.0, None, None, 1.0))
     state.on_skipped(TextSkipped("c", 0, 9, "王小明", "language_unsupported", "zh", 1.0))
-    state.on_skipped(TextSkipped("c", 1, None, "Привет", "language_unsupported", "und-Cyrl", 1.1))
+    state.on_skipped(TextSkipped("c", 1, None, "Привет", "language_unsupported", "und-Cyrl",
+                                 1.1))
     assert record.spoken_letters == {"Latn": 14}
     assert record.skipped_chars == {"zh": 3, "und-Cyrl": 6}
     text = summarize([record, record], RunStats(10.0, 0.5, 1))["text"]
