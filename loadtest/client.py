@@ -5,25 +5,43 @@ an answer as token deltas (like an LLM), its listener "plays" the audio on a
 virtual playback clock, may barge in after a random share of the audio, waits
 for playback to end, thinks, and starts the next turn. Everything the listener
 would feel lands in a `TurnRecord`.
+
+The protocol is the client's (`voxgate_client`, docs/client.md): its socket,
+frames, routing, `cancel` and its answer. The load tool asks it for raw audio
+(no decoding: durations come from the frames) and listens to each turn's
+events as they are read (a `TurnListener`), so that it costs no more per
+frame than a client written for it, and drives 128-256 sessions.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
 
-import msgpack
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from voxgate_client import (
+    AsyncVoxgate,
+    Audio,
+    Cancelled,
+    ConnectionLost,
+    Done,
+    NoAnswer,
+    PlaybackClock,
+    Segment,
+    ServerError,
+    TextSkipped,
+    Turn,
+    TurnListener,
+    VoxgateError,
+)
 
 from gateway.text.language import runs_of
 from loadtest.config import LoadConfig
 from loadtest.corpus import Answer, first_segment_token, tokenize
-from loadtest.metrics import Outcome, PlaybackClock, TurnRecord
+from loadtest.metrics import Outcome, TurnRecord
 
 _CANCEL_TIMEOUT_S = 5.0
 _RETRY_PAUSE_S = 1.0
@@ -72,8 +90,13 @@ class SpeechRate:
             self.ms_per_char[answer.lang] = 0.8 * old + 0.2 * audio_ms / len(answer.text)
 
 
-class TurnState:
-    """The live side of a TurnRecord while its context is open."""
+class TurnState(TurnListener):
+    """The live side of a TurnRecord while its context is open.
+
+    The client's reader calls it for each of the turn's events as the frame is
+    read (`voxgate_client.TurnListener`): raw, no queue, no decoding, each event
+    stamped with the loop's time at arrival (`received_at`).
+    """
 
     __slots__ = (
         "cancel_answered",
@@ -86,11 +109,13 @@ class TurnState:
         "frame_arrived",
         "last_frame_at",
         "next_seq",
+        "on_lost",
         "record",
         "segment_complete_at",
     )
 
-    def __init__(self, record: TurnRecord, playout_delay_ms: float) -> None:
+    def __init__(self, record: TurnRecord, playout_delay_ms: float,
+                 on_lost: Callable[[TurnState], None] | None = None) -> None:
         self.record = record
         self.clock = PlaybackClock(playout_delay_ms)
         self.ended = asyncio.Event()
@@ -103,6 +128,7 @@ class TurnState:
         self.cancel_sent_at: float | None = None
         self.cancelled_at: float | None = None
         self.next_seq = 0
+        self.on_lost = on_lost  # the connection went: the session decides what it means
 
     def end(self, outcome: Outcome) -> None:
         if not self.ended.is_set():
@@ -110,15 +136,15 @@ class TurnState:
             self.ended.set()
             self.frame_arrived.set()  # wakes a barge-in waiting for audio that will not come
 
-    def on_audio(self, now: float, message: dict[str, Any]) -> None:
+    def on_audio(self, event: Audio) -> None:
         record = self.record
         if self.cancelled_at is not None:
             record.violations.append("audio_after_cancelled")
             return
-        if message.get("seq") != self.next_seq:
+        if event.seq != self.next_seq:
             record.violations.append("seq_gap")
-        self.next_seq = int(message.get("seq", self.next_seq)) + 1
-        duration_ms = float(message.get("duration_ms", 0.0))
+        self.next_seq = event.seq + 1
+        now, duration_ms = event.received_at, event.duration_ms
         record.audio_ms += duration_ms
         record.num_frames += 1
         self.last_frame_at = now
@@ -127,6 +153,37 @@ class TurnState:
         if self.cancel_sent_at is None:  # the listener stops listening at barge-in
             self.clock.on_frame(now, duration_ms)
         self.frame_arrived.set()
+
+    def on_segment(self, event: Segment) -> None:
+        letters = self.record.spoken_letters
+        for run in runs_of(event.text):
+            letters[run.script] = letters.get(run.script, 0) + run.end - run.start
+
+    def on_skipped(self, event: TextSkipped) -> None:
+        skipped = self.record.skipped_chars
+        skipped[event.language] = skipped.get(event.language, 0) + len(event.text)
+
+    def on_done(self, event: Done) -> None:
+        self.record.server_audio_ms = event.audio_ms
+        self.end(Outcome.COMPLETED)
+
+    def on_cancelled(self, event: Cancelled) -> None:
+        self.cancelled_at = event.received_at
+        if self.record.is_cancelled_after_done:
+            self.record.outcome = Outcome.CANCELLED
+        else:
+            self.record.server_audio_ms = event.audio_ms_sent
+            self.end(Outcome.CANCELLED)
+        self.cancel_answered.set()
+
+    def on_error(self, error: ServerError) -> None:
+        self.record.error_codes.append(error.code)
+        if error.fatal or error.code not in _NON_ENDING:
+            self.end(Outcome.FAILED)
+
+    def on_failed(self, error: BaseException) -> None:
+        if isinstance(error, ConnectionLost) and self.on_lost is not None:
+            self.on_lost(self)
 
     def finalize(self) -> TurnRecord:
         """Fold the timestamps into the record's milliseconds (idempotent)."""
@@ -147,15 +204,6 @@ class TurnState:
         return r
 
 
-def stream_url(base: str, config: LoadConfig) -> str:
-    """ws(s)://host:port/v1/stream?encoding=...&codec=... from an http(s) or ws(s) base."""
-    parts = urlsplit(base)
-    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
-    path = parts.path if parts.path not in ("", "/") else "/v1/stream"
-    query = {"encoding": config.encoding, **config.query}
-    return urlunsplit((scheme, parts.netloc, path, urlencode(query), ""))
-
-
 class VoxgateSession:
     """One connection playing turns until its deadline, its turn budget, or a stop."""
 
@@ -169,10 +217,9 @@ class VoxgateSession:
         self.turn_budget = turn_budget  # [turns left] shared by all sessions of a run
         self.rng = random.Random(config.seed * 1_000_003 + index)
         self.num_connect_failures = 0
-        self._ws: ClientConnection | None = None
+        self._vg: AsyncVoxgate | None = None
         self._turns: dict[str, TurnState] = {}
         self._num_turns = 0
-        self._reader: asyncio.Task[None] | None = None
         self._is_closing = False
 
     async def run(self, deadline: float, max_turns: int | None = None,
@@ -185,11 +232,16 @@ class VoxgateSession:
             while loop.time() < deadline and (max_turns is None or self._num_turns < max_turns):
                 if self.turn_budget[0] <= 0:
                     break
-                if self._ws is None and not await self._connect():
-                    await asyncio.sleep(1.0)
-                    continue
+                refused: ServerError | None = None
+                if self._vg is None or not self._vg.is_connected:
+                    try:
+                        if not await self._connect():
+                            await asyncio.sleep(1.0)
+                            continue
+                    except ServerError as exc:  # turned away at the door: a failed turn
+                        refused = exc
                 self.turn_budget[0] -= 1
-                state = await self._play_turn(deadline)
+                state = await self._play_turn(deadline, refused)
                 if max_turns is not None and self._num_turns >= max_turns:
                     break
                 if state is not None and state.record.outcome is Outcome.COMPLETED:
@@ -202,68 +254,69 @@ class VoxgateSession:
             await self._close()
 
     async def _connect(self) -> bool:
+        """A new socket (the client's, raw audio: nothing is decoded); False when none
+        could be opened. A socket refused with an `error` (busy, unauthorized) raises it."""
+        if self._vg is not None:
+            await self._vg.close()  # the connection was lost: its turns have failed
+        self._vg = None
+        config = self.config
+        options: dict[str, Any] = {**config.query, **config.session_options}
+        vg = AsyncVoxgate(config.url, audio="raw", encoding=config.encoding, max_size=None,
+                          on_error=self._on_session_error, **options)
         try:
-            self._ws = await asyncio.wait_for(
-                connect(stream_url(self.config.url, self.config), compression=None,
-                        max_size=None, open_timeout=None, close_timeout=2.0), timeout=10.0)
-        except (OSError, asyncio.TimeoutError, ConnectionClosed, Exception):  # noqa: BLE001
+            await vg.connect()
+        except ServerError:
+            raise
+        except VoxgateError:
             self.num_connect_failures += 1
-            self._ws = None
             return False
-        self._reader = asyncio.create_task(self._read_loop(self._ws))
-        if self.config.session_options:
-            await self._send({"type": "session.update", **self.config.session_options})
+        self._vg = vg
         return True
 
     async def _close(self) -> None:
         self._is_closing = True  # turns still open now are aborted by the run, not failed
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
+        vg, self._vg = self._vg, None
+        if vg is not None:
+            await vg.close()
         for state in self._turns.values():
             state.finalize()
 
-    async def _send(self, message: dict[str, Any]) -> None:
-        ws = self._ws
-        if ws is None:
-            raise ConnectionError("expected an open connection, got none (it was lost)")
-        if self.config.encoding == "msgpack":
-            await ws.send(msgpack.packb(message))
-        else:
-            await ws.send(json.dumps(message, ensure_ascii=False))
-
-    async def _play_turn(self, deadline: float) -> TurnState | None:
+    async def _play_turn(self, deadline: float, refused: ServerError | None = None,
+                         ) -> TurnState | None:
         loop = asyncio.get_running_loop()
         plan = plan_turn(self.rng.choice(self.corpus), self.config, self.rng)
         context_id = f"s{self.index}-t{self._num_turns}"
         self._num_turns += 1
         record = TurnRecord(self.index, context_id, len(plan.tokens), len(plan.answer.text))
         self.records.append(record)
-        state = TurnState(record, self.config.playout_delay_ms)
+        state = TurnState(record, self.config.playout_delay_ms, self._on_lost)
         self._turns[context_id] = state
-        if len(self._turns) > _MAX_KEPT_TURNS:  # keep recent ones to catch late frames
+        if len(self._turns) > _MAX_KEPT_TURNS:  # keep recent ones for session-level errors
             del self._turns[next(iter(self._turns))]
+        if refused is not None:  # the socket was refused: the turn fails with its error
+            state.on_error(refused)
+            state.finalize()
+            return state
+        assert self._vg is not None
+        turn = self._vg.speak(context_id=context_id, listener=state)
         barge = None
         if plan.barge_in_share is not None:
-            barge = asyncio.create_task(self._barge_in(state, plan))
+            barge = asyncio.create_task(self._barge_in(state, plan, turn))
         try:
-            await self._stream_text(state, plan, context_id)
+            await self._stream_text(state, plan, turn)
             remaining = self.config.turn_timeout_s - (loop.time() - (state.first_token_at or 0))
             try:
                 await asyncio.wait_for(state.ended.wait(), timeout=max(0.0, remaining))
             except asyncio.TimeoutError:
                 state.end(Outcome.TIMED_OUT)
-                if self._ws is not None:  # free the server's work for it
-                    await self._send({"type": "cancel", "context_id": context_id})
+                with contextlib.suppress(VoxgateError):  # free the server's work for it
+                    await turn.cancel(timeout=_CANCEL_TIMEOUT_S)
             if record.outcome is Outcome.COMPLETED:
                 self.rate.learn(plan.answer, record.audio_ms)
                 if barge is not None:  # all audio is sent, the listener may still interrupt
                     await asyncio.wait_for(barge, max(0.0, state.clock.run_out_at - loop.time())
                                            + _CANCEL_TIMEOUT_S)
-        except (ConnectionClosed, ConnectionError):
+        except ConnectionLost:
             self._fail(state, "connection_closed")
         except asyncio.TimeoutError:  # no answer to a cancel sent after context.done
             record.error_codes.append("cancel_unanswered")
@@ -273,25 +326,30 @@ class VoxgateSession:
             state.finalize()
         return state
 
-    async def _stream_text(self, state: TurnState, plan: TurnPlan, context_id: str) -> None:
+    async def _stream_text(self, state: TurnState, plan: TurnPlan, turn: Turn) -> None:
         loop = asyncio.get_running_loop()
-        for i, token in enumerate(plan.tokens):
+        try:
+            for i, token in enumerate(plan.tokens):
+                if state.ended.is_set() or state.cancel_sent_at is not None:
+                    return  # an interrupted LLM stops generating
+                await turn.push(token)
+                now = loop.time()
+                if i == 0:
+                    state.first_token_at = now
+                if i == plan.first_segment_index:
+                    state.segment_complete_at = now
+                await asyncio.sleep(plan.intervals_s[i])
             if state.ended.is_set() or state.cancel_sent_at is not None:
-                return  # an interrupted LLM stops generating
-            await self._send({"type": "text", "context_id": context_id, "text": token})
-            now = loop.time()
-            if i == 0:
-                state.first_token_at = now
-            if i == plan.first_segment_index:
-                state.segment_complete_at = now
-            await asyncio.sleep(plan.intervals_s[i])
-        if state.ended.is_set() or state.cancel_sent_at is not None:
-            return
-        await self._send({"type": "flush", "context_id": context_id})
+                return
+            await turn.flush()
+        except ConnectionLost:
+            raise
+        except VoxgateError:
+            return  # the turn ended (an error, a cancel) while a delta was going out
         if state.segment_complete_at is None:
             state.segment_complete_at = loop.time()
 
-    async def _barge_in(self, state: TurnState, plan: TurnPlan) -> None:
+    async def _barge_in(self, state: TurnState, plan: TurnPlan, turn: Turn) -> None:
         """Cancel once the listener has heard `share` of the (estimated) audio.
 
         The listener may interrupt while audio still arrives, or after
@@ -319,13 +377,13 @@ class VoxgateSession:
         state.cancel_sent_at = loop.time()
         state.record.played_ms_at_cancel = played
         state.record.is_cancelled_after_done = state.ended.is_set()
-        try:
-            await self._send({"type": "cancel", "context_id": state.record.context_id,
-                              "played_ms": round(played)})
-        except (ConnectionClosed, ConnectionError):
-            return  # the reader fails the turn
-        if state.record.is_cancelled_after_done:
-            await state.cancel_answered.wait()
+        try:  # answered: the turn's listener took the `cancelled` as it was read
+            await turn.cancel(played_ms=round(played), timeout=self.config.turn_timeout_s)
+        except NoAnswer:
+            if state.record.is_cancelled_after_done:
+                raise asyncio.TimeoutError from None  # counted as cancel_unanswered
+        except VoxgateError:
+            return  # the connection went, or the turn failed: counted where that happened
 
     async def _listen_out(self, state: TurnState, deadline: float) -> None:
         """The user hears the answer to its end before replying."""
@@ -339,63 +397,16 @@ class VoxgateSession:
             state.record.error_codes.append(code)
             state.end(Outcome.FAILED)
 
-    async def _read_loop(self, ws: ClientConnection) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            async for frame in ws:
-                now = loop.time()
-                message = msgpack.unpackb(frame) if isinstance(frame, bytes) else json.loads(frame)
-                if isinstance(message, dict):
-                    self._dispatch(now, message)
-        except ConnectionClosed:
-            pass
-        finally:
-            if self._ws is ws:
-                self._ws = None
-            if not self._is_closing:
-                for state in self._turns.values():
-                    self._fail(state, "connection_closed")
+    def _on_lost(self, state: TurnState) -> None:
+        if not self._is_closing:  # turns open when the run closes are aborted, not failed
+            self._fail(state, "connection_closed")
 
-    def _dispatch(self, now: float, message: dict[str, Any]) -> None:
-        kind = message.get("type")
-        state = self._turns.get(str(message.get("context_id")))
-        if kind == "audio":
-            if state is not None:
-                state.on_audio(now, message)
-        elif kind == "segment":
-            if state is not None:
-                letters = state.record.spoken_letters
-                for run in runs_of(str(message.get("text", ""))):
-                    letters[run.script] = letters.get(run.script, 0) + run.end - run.start
-        elif kind == "text.skipped":
-            if state is not None:
-                skipped = state.record.skipped_chars
-                language = str(message.get("language"))
-                skipped[language] = skipped.get(language, 0) + len(str(message.get("text", "")))
-        elif kind == "context.done":
-            if state is not None:
-                state.record.server_audio_ms = message.get("audio_ms")
-                state.end(Outcome.COMPLETED)
-        elif kind == "cancelled":
-            if state is not None:
-                state.cancelled_at = now
-                if state.record.is_cancelled_after_done:
-                    state.record.outcome = Outcome.CANCELLED
-                else:
-                    state.record.server_audio_ms = message.get("audio_ms_sent")
-                    state.end(Outcome.CANCELLED)
-                state.cancel_answered.set()
-        elif kind == "error":
-            self._on_error(message, state)
-
-    def _on_error(self, message: dict[str, Any], state: TurnState | None) -> None:
-        code = str(message.get("code", "unknown"))
-        if state is None:  # a session-level error: charge it to the open turns
-            targets = [s for s in self._turns.values() if not s.ended.is_set()]
-        else:
-            targets = [state]
+    def _on_session_error(self, error: ServerError) -> None:
+        """An error naming no open turn: charged to the first open turn (or the last
+        one), and a fatal one ends every open turn."""
+        targets = [s for s in self._turns.values() if not s.ended.is_set()]
         for target in targets[:1] or list(self._turns.values())[-1:]:
-            target.record.error_codes.append(code)
-        if message.get("fatal") or (state is not None and code not in _NON_ENDING):
+            target.record.error_codes.append(error.code)
+        if error.fatal:
             for target in targets:
                 target.end(Outcome.FAILED)

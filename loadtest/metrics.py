@@ -1,10 +1,11 @@
-"""What a listener feels, as numbers: the playback clock, turn records, summaries.
+"""What a listener feels, as numbers: turn records and summaries.
 
 Pure arithmetic with time passed in (seconds on the client's monotonic clock),
 so every rule here is unit-tested with a fake clock and no server.
 
-The playback clock models the listener's player: audio starts playing in real
-time when the first frame of a turn arrives (plus an optional playout delay, a
+The playback clock that models the listener's player is the client's
+(`voxgate_client.clock.PlaybackClock`): audio starts playing in real time
+when the first frame of a turn arrives (plus an optional playout delay, a
 player's jitter buffer; 0 by default) and plays each frame for its
 `duration_ms`. When a frame arrives after the audio already received has run
 out, the listener hears silence: that is a gap, of length arrival minus
@@ -50,68 +51,6 @@ def distribution(values: list[float]) -> dict[str, float | int]:
     for q in PERCENTILES:
         out[f"p{q:g}"] = percentile(values, q)
     return out
-
-
-class PlaybackClock:
-    """A listener's player for one turn: where playback is, and every underrun."""
-
-    __slots__ = (
-        "audio_ms",
-        "gap_ms",
-        "gaps",
-        "gaps_at",
-        "num_frames",
-        "num_gaps",
-        "playout_delay_s",
-        "run_out_at",
-        "started_at",
-    )
-
-    def __init__(self, playout_delay_ms: float = 0.0) -> None:
-        if playout_delay_ms < 0:
-            raise ValueError(f"expected playout_delay_ms >= 0, got {playout_delay_ms}")
-        self.playout_delay_s = playout_delay_ms / 1000.0
-        self.started_at: float | None = None
-        self.run_out_at = 0.0  # wall time at which the audio received so far has all played
-        self.audio_ms = 0.0
-        self.num_frames = 0
-        self.num_gaps = 0
-        self.gap_ms = 0.0
-        self.gaps: list[float] = []
-        self.gaps_at: list[float] = []  # where each gap fell: ms of the turn's audio before it
-
-    def on_frame(self, now: float, duration_ms: float) -> float:
-        """Account a frame that arrived at `now`; return the gap it ended (0 if none)."""
-        if duration_ms < 0:
-            raise ValueError(f"expected duration_ms >= 0, got {duration_ms}")
-        gap_ms = 0.0
-        if self.started_at is None:
-            self.started_at = now
-            self.run_out_at = now + self.playout_delay_s
-        elif now > self.run_out_at:
-            gap_ms = (now - self.run_out_at) * 1000.0
-            self.num_gaps += 1
-            self.gap_ms += gap_ms
-            self.gaps.append(gap_ms)
-            self.gaps_at.append(self.audio_ms)
-            self.run_out_at = now
-        self.run_out_at += duration_ms / 1000.0
-        self.audio_ms += duration_ms
-        self.num_frames += 1
-        return gap_ms
-
-    def played_ms(self, now: float) -> float:
-        """How much audio the listener has heard by `now` (stalls during a gap)."""
-        if self.started_at is None:
-            return 0.0
-        buffered_ms = max(0.0, (self.run_out_at - now) * 1000.0)
-        return max(0.0, self.audio_ms - buffered_ms)
-
-    def time_at_played(self, played_ms: float) -> float | None:
-        """The wall time playback reaches `played_ms`, if that audio was received."""
-        if self.started_at is None or played_ms > self.audio_ms:
-            return None
-        return self.run_out_at - (self.audio_ms - played_ms) / 1000.0
 
 
 class Outcome(str, Enum):

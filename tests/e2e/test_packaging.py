@@ -32,14 +32,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_every_package_the_web_client_and_the_load_corpus(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for root in ("gateway", "engine", "loadtest"):
-        for init in (REPO / root).rglob("__init__.py"):
-            assert str(init.relative_to(REPO)) in names  # a new subpackage must join pyproject's list
+    homes = {"gateway": REPO, "engine": REPO, "loadtest": REPO,
+             "voxgate_client": REPO / "clients/python"}  # the client ships inside voxgate too
+    for root, home in homes.items():
+        for init in (home / root).rglob("__init__.py"):
+            # a new subpackage must join pyproject's list
+            assert str(init.relative_to(home)) in names
     web = {f"gateway/web/{p.name}" for p in (REPO / "web").iterdir() if p.suffix in (".html", ".js", ".css")}
     assert "gateway/web/index.html" in web and web <= names
     assert "loadtest/data/corpus.jsonl" in names and "gateway/py.typed" in names
+    assert "voxgate_client/session.py" in names and "voxgate_client/py.typed" in names
     assert "engine/backends/cosyvoice/assets/default_voice.wav" in names  # the default voice's reference
-    assert not any(n.startswith(("tests/", "bench/", "web/")) for n in names)
+    assert not any(n.startswith(("tests/", "bench/", "web/", "clients/")) for n in names)
 
 
 def test_an_installed_wheel_serves_the_web_client_without_the_source_tree(wheel: Path, tmp_path: Path) -> None:

@@ -72,9 +72,11 @@ class ServerProcess:
 
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 90.0, app_factory: str | None = None) -> ServerProcess:
-    """Start `voxgate serve` (or uvicorn on `app_factory`) on a free port; wait for /readyz."""
-    port = free_port()
+                 ready_timeout: float = 90.0, app_factory: str | None = None,
+                 port: int | None = None) -> ServerProcess:
+    """Start `voxgate serve` (or uvicorn on `app_factory`) on `port` (a free one by default);
+    wait for /readyz."""
+    port = port or free_port()
     log_path = tmp_path / f"server-{port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("VOXGATE_DATA_DIR", str(tmp_path / "data"))

@@ -15,16 +15,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from voxgate_client import Audio, PlaybackClock, Segment, TextSkipped
+from voxgate_client.session import stream_url
 
 from loadtest.__main__ import main
 from loadtest.anchor import PiperHttpSession, wav_duration_ms
-from loadtest.client import SpeechRate, TurnState, VoxgateSession, stream_url
+from loadtest.client import TurnState
 from loadtest.config import LoadConfig, Protocol, check_target
 from loadtest.corpus import Answer, first_segment_end, first_segment_token, load_corpus, tokenize
 from loadtest.make_corpus import generate
 from loadtest.metrics import (
     Outcome,
-    PlaybackClock,
     RunStats,
     TurnRecord,
     passes,
@@ -89,12 +90,15 @@ def test_turn_state_flags_seq_gaps_and_audio_after_cancelled() -> None:
     record = TurnRecord(0, "c", num_tokens=3, num_chars=10)
     state = TurnState(record, 0.0)
     state.first_token_at, state.segment_complete_at = 1.0, 1.2
-    state.on_audio(1.5, {"seq": 0, "duration_ms": 20})
-    state.on_audio(1.6, {"seq": 2, "duration_ms": 20})
+    def audio(at: float, seq: int) -> Audio:
+        return Audio("c", seq, 20.0 * seq, 20.0, "opus", [b"x"], None, at)
+
+    state.on_audio(audio(1.5, 0))
+    state.on_audio(audio(1.6, 2))
     state.cancel_sent_at = 1.7
-    state.on_audio(1.75, {"seq": 3, "duration_ms": 20})  # in flight: heard by nobody
+    state.on_audio(audio(1.75, 3))  # in flight: heard by nobody
     state.cancelled_at = 1.8
-    state.on_audio(1.9, {"seq": 4, "duration_ms": 20})
+    state.on_audio(audio(1.9, 4))
     state.finalize()
     assert record.violations == ["seq_gap", "audio_after_cancelled"]
     assert record.ttfa_segment_ms == pytest.approx(300.0)
@@ -176,16 +180,12 @@ def test_summary_counts_add_up_and_a_level_holds_only_without_gaps_or_failures()
 
 
 def test_segments_and_skipped_text_are_counted_by_script_and_language() -> None:
-    records: list[TurnRecord] = []
-    session = VoxgateSession(0, LoadConfig(url="http://127.0.0.1:1"), [], records, SpeechRate(),
-                             turn_budget=[0])
     record = TurnRecord(0, "c", num_tokens=3, num_chars=40)
-    session._turns["c"] = TurnState(record, 0.0)
-    session._dispatch(1.0, {"type": "segment", "context_id": "c", "text": "My friend said hi."})
-    session._dispatch(1.0, {"type": "text.skipped", "context_id": "c", "text": "王小明",
-                            "reason": "language_unsupported", "language": "zh"})
-    session._dispatch(1.1, {"type": "text.skipped", "context_id": "c", "text": "Привет",
-                            "reason": "language_unsupported", "language": "und-Cyrl"})
+    state = TurnState(record, 0.0)
+    state.on_segment(Segment("c", 0, "My friend said hi.", 0.0, None, None, 1.0))
+    state.on_skipped(TextSkipped("c", 0, 9, "王小明", "language_unsupported", "zh", 1.0))
+    state.on_skipped(TextSkipped("c", 1, None, "Привет", "language_unsupported", "und-Cyrl",
+                                 1.1))
     assert record.spoken_letters == {"Latn": 14}
     assert record.skipped_chars == {"zh": 3, "und-Cyrl": 6}
     text = summarize([record, record], RunStats(10.0, 0.5, 1))["text"]
@@ -213,9 +213,10 @@ def test_non_loopback_targets_are_refused_unless_allowed() -> None:
 
 def test_the_stream_url_comes_from_an_http_base_with_the_session_options() -> None:
     config = LoadConfig(url="http://127.0.0.1:8000", query={"codec": "pcm16"})
-    assert stream_url(config.url, config) == (
+    query = {"encoding": config.encoding, **config.query}
+    assert stream_url(config.url, query) == (
         "ws://127.0.0.1:8000/v1/stream?encoding=msgpack&codec=pcm16")
-    assert stream_url("wss://localhost:9/custom", config).startswith("wss://localhost:9/custom?")
+    assert stream_url("wss://localhost:9/custom", query).startswith("wss://localhost:9/custom?")
 
 
 # --- the anchor client, against a stand-in for piper's Flask server --------------
