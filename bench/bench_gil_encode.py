@@ -1,23 +1,26 @@
-"""Does PyAV release the GIL while it encodes? Opus, the resampler and MP3, measured two ways.
+"""Does PyAV let other threads run while it encodes? Opus, the resampler and MP3, beside Python.
 
-    python -m bench.bench_gil_encode [--seconds 3] [--repeats 3]
+    python -m bench.bench_gil_encode [--seconds 2] [--repeats 3] [--switch-interval-ms 5]
 
-1. A pure-Python counter thread counts while the main thread runs the work (one call after
-   another) for `--seconds`; its rate is compared with its rate while the main thread sleeps
-   (the GIL free all the time) measured right before and after. A share near 1 means the GIL
-   is free nearly all the time the work runs (needs a second core free); near 0, held. A
-   pure-Python loop in the main thread is the held baseline (the counter gets the GIL only at
-   the interpreter's switch interval).
-2. The same number of calls run by one thread, then split over two threads: the two threads'
-   throughput over one thread's is ~2 where the work runs without the GIL (and two cores are
-   free), ~1 where it holds it.
-Each work item is one call as the gateway makes it: Opus is `gateway.audio.codecs`'s
+The installed PyAV's own source says where it lets go of the GIL (`with cython.nogil:` around
+`avcodec_send_frame`, `avcodec_receive_packet` and the filter graph's buffer source and sink):
+printed first. That is once per call into FFmpeg, a few times per 20 ms frame; between them
+PyAV builds Python objects with the GIL held. bench.bench_encode_profile says what share of the
+CPU falls on each side. This measures what that means for a thread beside a busy one:
+1. A sleeper thread wakes every 0.5 ms; how late it wakes while the main thread runs the work
+   is how long it waited for the GIL (the box's own lateness: the main thread asleep).
+2. The same number of calls by one thread, then split over two: the two threads' throughput
+   over one's, ~2 where the work runs without the GIL and two cores are free, ~1 where not.
+3. The gateway's question: Opus on a worker thread beside an event loop's stand-in (pure
+   Python for a share of every 10 ms): the worker's throughput against alone, and the loop's
+   Python work against the loop alone. A worker that needs the GIL back after every frame
+   waits for the loop to yield it, up to the switch interval each time.
+Each work is one call as the gateway makes it: Opus is `gateway.audio.codecs`'s
 `StreamEncoder.encode` of one second of 24 kHz PCM into 48 kHz 20 ms packets at complexity 5
 (its codec context also resamples); the resampler is PyAV's `AudioResampler` (24 -> 48 kHz,
-float, one second a call); MP3 is FFmpeg's libmp3lame at 24 kHz, one second a call.
-The installed PyAV's own source says where it lets go (`with cython.nogil:` around
-`avcodec_send_frame`, `avcodec_receive_packet` and the filter graph's buffer source and sink):
-printed first. Timings on a shared box are noisy; read the shares, run it again on a quiet one.
+float, one second a call); MP3 is FFmpeg's libmp3lame at 24 kHz, one second a call. Wall
+times on a shared box are noisy (a box with no free core shows no gain from threads at all):
+run it on a quiet one, and read the CPU profile beside it.
 """
 
 from __future__ import annotations
