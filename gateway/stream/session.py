@@ -295,7 +295,8 @@ class Session:
             # pacing runs far ahead): split the text at what was heard.
             done = self._recent_done.pop(context_id)
             spoken, unspoken = done.split_heard(done.heard_ms(played_ms))
-            return [Send(Cancelled(context_id, done.audio_ms_sent, played_ms, spoken, unspoken)),
+            heard_at = played_ms if played_ms is not None else done.played_ms
+            return [Send(Cancelled(context_id, done.audio_ms_sent, heard_at, spoken, unspoken)),
                     Observe("cancel", 1)]
         elif context_id in self._closed:
             # Already cancelled (or long finished): answer idempotently, nothing to stop.

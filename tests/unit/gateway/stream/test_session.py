@@ -250,6 +250,8 @@ def test_cancel_after_all_audio_was_sent_still_splits_by_what_was_heard() -> Non
     session.receive_frame(json.dumps({"type": "playback", "context_id": "c", "played_ms": 150}), 0.2)
     cancelled = sent(session.receive_frame(json.dumps({"type": "cancel", "context_id": "c"}), 0.3))[0]
     assert cancelled["spoken_text"] == "Alpha" and cancelled["unspoken_text"] == "beta gamma."
+    # with no played_ms of its own, the answer says where it cut: the last playback report
+    assert cancelled["played_ms"] == 150
 
 
 def test_a_misspelt_flag_gets_bad_message_naming_it_and_flushes_nothing() -> None:
