@@ -42,7 +42,7 @@ def make_backend(shape: GpuShape | None = None) -> tuple[GpuShapedBackend, FakeC
 
 
 def prepare(backend: GpuShapedBackend, text: str, name: str = "r1") -> BackendRequest:
-    return backend.prepare(SynthesisRequest(RequestId(name), text, "joe", deadline=0.0))
+    return backend.prepare(SynthesisRequest(RequestId(name), text, "joe"))
 
 
 def run_to_end(
@@ -151,4 +151,4 @@ def test_backend_facts_the_engine_reads() -> None:
     )
     assert [v.voice_id for v in backend.voices()] == ["joe"] and backend.sample_rate == 24000
     with pytest.raises(UnknownVoiceError, match="expected one of: joe"):
-        backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody", deadline=0.0))
+        backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody"))
