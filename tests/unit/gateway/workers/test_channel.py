@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from typing import Any
 
 import msgpack
 import pytest
@@ -35,7 +36,8 @@ def _read(data: bytes, **kwargs: int) -> list[dict[str, object]] | None:
 
 
 def test_a_frame_carries_its_messages_and_bytes_stay_bytes() -> None:
-    messages = [{"op": "audio", "pcm": b"\x00\x01", "id": "r1"}, {"op": "end", "id": "r2"}]
+    messages: list[dict[str, Any]] = [{"op": "audio", "pcm": b"\x00\x01", "id": "r1"},
+                                      {"op": "end", "id": "r2"}]
     assert _read(pack(messages)) == messages
 
 

@@ -26,6 +26,7 @@ from engine.types import RequestId, SynthesisRequest
 from gateway.access.fair_share import FairShareConfig
 from gateway.errors import ShareExceededError
 from gateway.workers import client as client_module
+from gateway.workers.channel import read_frame
 from gateway.workers.client import WorkerEngine
 from gateway.workers.control import ControlLink, SharedFairShare, SharedKeyCounter
 from gateway.workers.host import WINDOW, EngineHost
@@ -123,7 +124,6 @@ def _request(name: str) -> SynthesisRequest:
 def test_requests_stream_back_with_one_frame_per_step_for_a_worker(
         host: HostThread, monkeypatch: pytest.MonkeyPatch) -> None:
     audio_frames: list[int] = []
-    read_frame = client_module.read_frame
 
     async def counting(reader: asyncio.StreamReader) -> Any:
         messages = await read_frame(reader)
