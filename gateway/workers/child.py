@@ -2,10 +2,11 @@
 
 `build_worker_app` makes the ordinary app (gateway/app.py) with a
 `WorkerEngine` in place of an in-process engine, then gives its `AppState` the
-engine process's admission: the one fair share and the one socket count
-(control.py). The rest of the app is as in one process; /metrics sums every
-worker's counters (gateway/metrics.py, multiprocess mode), whose open sessions
-and contexts this worker writes every `METRICS_REFRESH_S`.
+engine process's admission: the one fair share, the one socket count and the
+one table of session tokens (control.py). The rest of the app is as in one
+process; /metrics sums every worker's counters (gateway/metrics.py,
+multiprocess mode), whose open sessions and contexts this worker writes every
+`METRICS_REFRESH_S`.
 
 `watch_parent` ties the worker's life to the engine process's: the kernel
 sends SIGTERM when the parent dies (Linux's parent-death signal), and a
@@ -30,7 +31,7 @@ from gateway.app import create_app
 from gateway.config import GatewayConfig
 from gateway.state import AppState
 from gateway.workers.client import WorkerEngine
-from gateway.workers.control import SharedFairShare, SharedKeyCounter
+from gateway.workers.control import SharedFairShare, SharedKeyCounter, SharedSessionTokens
 
 log = logging.getLogger("voxgate.gateway")
 
@@ -60,6 +61,7 @@ def build_worker_app(config: GatewayConfig, channel: Path, worker: int) -> Starl
     state: AppState = app.state.voxgate
     state.fair_share = SharedFairShare(engine.control)
     state.key_counter = SharedKeyCounter(engine.control)
+    state.session_tokens = SharedSessionTokens(engine.control, config.session_token_ttl_s)
     inner = app.router.lifespan_context
 
     @contextlib.asynccontextmanager

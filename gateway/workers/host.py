@@ -10,12 +10,15 @@ two connections to it, each a `WorkerLink`:
   in one turn, so a worker gets one frame per step with all its audio.
 - its control link (control.py): the calls the sans-I/O session makes
   synchronously (`admit`, `release`; the socket counts `acquire_socket`,
-  `release_socket`, `num_sockets`), answered at once.
+  `release_socket`, `num_sockets`; the session tokens `issue_token`,
+  `redeem_token`, `num_tokens`), answered at once.
 
 Admission is global because it is decided here: the host holds the one
-`FairShare` in front of the engine (gateway/access/fair_share.py) and the one
-`KeyCounter` of open sockets per owner (gateway/access/keys.py), so a key's
-share and its socket cap hold whichever workers its sockets landed on.
+`FairShare` in front of the engine (gateway/access/fair_share.py), the one
+`KeyCounter` of open sockets per owner (gateway/access/keys.py) and the one
+table of session tokens (gateway/access/tokens.py), so a key's share, its
+socket cap and `--max-sessions` hold whichever workers its sockets landed on,
+and a token issued by one worker opens a socket on another.
 
 Backpressure crosses the channel as credit: the host takes a request's next
 chunk from the engine only while the worker holds fewer than `window` of its
@@ -48,6 +51,7 @@ from engine.errors import VoxgateError
 from engine.types import RequestId
 from gateway.access.fair_share import FairShare, FairShareConfig
 from gateway.access.keys import KeyCounter
+from gateway.access.tokens import SessionTokens
 from gateway.workers import wire
 from gateway.workers.channel import FrameError, Message, pack, read_frame
 from gateway.workers.voices import SharedVoices
@@ -73,13 +77,14 @@ class EngineHost:
     """The engine, its admission and its voice table, served on `path` (see the module doc)."""
 
     def __init__(self, engine: Engine, path: Path, *, share: FairShareConfig,
-                 window: int = WINDOW) -> None:
+                 tokens: SessionTokens | None = None, window: int = WINDOW) -> None:
         self.engine = engine
         self.path = path
         self.window = window
         self.fair_share = FairShare(engine.admit, engine.release_context,
                                     engine.scheduler.max_contexts, share)
         self.key_counter = KeyCounter()
+        self.tokens = tokens or SessionTokens()
         self.voices = SharedVoices(engine)
         self.links: set[WorkerLink] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -142,6 +147,8 @@ class WorkerLink:
             "hello": self._hello, "stats": host.stats, "admit": self._admit,
             "admit_engine": self._admit_engine, "acquire_socket": self._acquire_socket,
             "num_sockets": lambda: host.key_counter.num_open,
+            "issue_token": host.tokens.issue, "redeem_token": host.tokens.redeem,
+            "num_tokens": host.tokens.num_outstanding,
         }
         self._async_calls: dict[str, Callable[..., Awaitable[Any]]] = {
             "make_voice_features": self._make_voice_features, "add_voice": self._add_voice,

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from gateway.access.fair_share import FairShareConfig
+from gateway.access.tokens import SessionTokens
 from gateway.app import build_engine
 from gateway.config import GatewayConfig
 from gateway.workers.host import EngineHost
@@ -82,7 +83,8 @@ class Supervisor:
             loop.add_signal_handler(sig, self._stop.set)
         engine = build_engine(self.config)
         await engine.start()
-        host = EngineHost(engine, self.channel, share=FairShareConfig(self.config.engine_share))
+        host = EngineHost(engine, self.channel, share=FairShareConfig(self.config.engine_share),
+                          tokens=SessionTokens(ttl_s=self.config.session_token_ttl_s))
         try:
             await host.start()
             self.listener = _listen(self.config.host, self.config.port)

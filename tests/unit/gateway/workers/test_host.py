@@ -28,7 +28,12 @@ from gateway.errors import ShareExceededError
 from gateway.workers import client as client_module
 from gateway.workers.channel import read_frame
 from gateway.workers.client import WorkerEngine
-from gateway.workers.control import ControlLink, SharedFairShare, SharedKeyCounter
+from gateway.workers.control import (
+    ControlLink,
+    SharedFairShare,
+    SharedKeyCounter,
+    SharedSessionTokens,
+)
 from gateway.workers.host import WINDOW, EngineHost
 from tests.support.scripted_backend import ScriptedBackend
 from tests.support.wait import wait_until
@@ -104,6 +109,17 @@ def test_socket_counts_are_one_across_workers(links: list[ControlLink]) -> None:
     assert counter_a.num_open == counter_b.num_open == 2
     counter_b.release("key")
     assert counter_a.acquire("key", 2)
+
+
+def test_a_session_token_issued_through_one_worker_is_redeemed_once_through_another(
+        links: list[ControlLink]) -> None:
+    issuer, redeemer = SharedSessionTokens(links[0]), SharedSessionTokens(links[1])
+    issued = issuer.issue("the-key", 1000.0)
+    assert issued is not None and issued[1] == 1060.0
+    assert redeemer.num_outstanding("the-key") == 1
+    assert redeemer.redeem(issued[0], 1001.0) == "the-key"
+    assert issuer.redeem(issued[0], 1001.0) is None  # spent, on every worker
+    assert redeemer.redeem("vxt_made_up", 1001.0) is None
 
 
 def test_a_worker_that_goes_away_gives_back_its_contexts_and_sockets(
