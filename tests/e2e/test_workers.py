@@ -22,11 +22,13 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.e2e.test_hardening import close_code
 from tests.e2e.test_voices import make_wav
 from tests.support.server import ServerProcess, start_server
 from tests.support.wait import wait_until
 from tests.support.wsclient import Client, speak
 
+KEY = "sk-workers-key-0123456789"
 LONG = " ".join(f"This is sentence number {n} of a long answer that goes on for a while."
                 for n in range(1, 25))
 
@@ -257,3 +259,55 @@ async def speak_once(server: ServerProcess) -> None:
     done = await speak(client, "c", "Still here.")
     await client.close()
     assert done["audio_ms"] > 300
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Two workers, auth on, two sockets per key."""
+    proc = start_server(tmp_path_factory.mktemp("keyed"), "--workers", "2",
+                        env={"VOXGATE_API_KEYS": KEY, "VOXGATE_MAX_SOCKETS_PER_KEY": "2"})
+    wait_until(lambda: len(_workers(proc)) == 2, timeout=30)
+    yield proc
+    proc.stop()
+
+
+def test_a_session_token_from_one_worker_opens_a_socket_on_the_other(keyed: ServerProcess) -> None:
+    async def scenario() -> int:
+        for attempt in range(40):
+            conn = http.client.HTTPConnection("127.0.0.1", keyed.port, timeout=10)
+            conn.connect()
+            minter = worker_of(keyed, conn.sock.getsockname()[1])
+            conn.request("POST", "/v1/session-tokens", headers={"Authorization": f"Bearer {KEY}"})
+            token = httpx.Response(200, content=conn.getresponse().read()).json()["token"]
+            conn.close()
+            client = await Client.connect(f"{keyed.ws_url}?token={token}")  # ready: redeemed
+            opener = worker_of(keyed, client.ws.local_address[1])
+            await client.close()
+            if opener != minter:
+                return attempt
+        raise AssertionError("no socket of 40 reached the other worker")
+
+    run(scenario())
+
+
+def test_a_keys_socket_cap_counts_its_sockets_on_every_worker(keyed: ServerProcess) -> None:
+    async def scenario() -> list[tuple[int | None, list[dict[str, Any]]]]:
+        held: dict[int, Client] = {}
+        for _ in range(40):  # one socket of the key on each worker: its cap of 2 is reached
+            client = await Client.connect(f"{keyed.ws_url}?api_key={KEY}")
+            pid = worker_of(keyed, client.ws.local_address[1])
+            if pid in held:
+                await client.close()
+                await asyncio.sleep(0.2)  # its place goes back to the engine process
+                continue
+            held[pid] = client
+            if len(held) == 2:
+                break
+        assert len(held) == 2
+        refused = [await close_code(f"{keyed.ws_url}?api_key={KEY}") for _ in range(6)]
+        for client in held.values():
+            await client.close()
+        return refused
+
+    for code, events in run(scenario()):
+        assert code == 1013 and [e["code"] for e in events] == ["rate_limited"], (code, events)
