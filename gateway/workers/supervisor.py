@@ -19,6 +19,8 @@ Lifecycle:
   `STOP_SLACK_S` are killed; then the engine stops.
 - Workers run in their own session (a terminal's Ctrl-C reaches only this
   process, which passes on one SIGTERM) and die with this process (child.py).
+  The private folder (`FOLDER_PREFIX`, the pid, in $TMPDIR) goes when this
+  process ends; a killed one's is removed by the next engine process to start.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ MAX_RESTARTS, RESTART_WINDOW_S = 5, 60.0
 #: seconds a draining worker gets beyond the shutdown grace before it is killed
 STOP_SLACK_S = 10.0
 MAX_WORKERS = 64
+#: the private folder of an engine process (its channel, the workers' metric files), in $TMPDIR
+FOLDER_PREFIX = "voxgate-workers-"
 
 
 class Supervisor:
@@ -60,7 +64,8 @@ class Supervisor:
         self.config = config
         self.num_workers = num_workers
         self.worker_argv = worker_argv  # `serve` and its options, less --workers
-        self.folder = Path(tempfile.mkdtemp(prefix="voxgate-"))
+        _remove_stale_folders()
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-"))
         self.channel = self.folder / "engine.sock"
         self.metrics_dir = self.folder / "metrics"
         self.metrics_dir.mkdir()
@@ -165,6 +170,26 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _remove_stale_folders() -> None:
+    """The folders of engine processes that were killed (nothing of theirs runs any more)."""
+    for folder in Path(tempfile.gettempdir()).glob(FOLDER_PREFIX + "*-*"):
+        pid = folder.name[len(FOLDER_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or folder.owner() != _user():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except PermissionError:
+            continue
+
+
+def _user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
 
 
 def _mark_dead(pid: int, folder: Path) -> None:

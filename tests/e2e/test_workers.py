@@ -9,6 +9,7 @@ show that what it checks holds across them, not only within one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import os
 import signal
@@ -21,6 +22,7 @@ import httpx
 import numpy as np
 import psutil
 import pytest
+import websockets
 
 from tests.e2e.test_hardening import close_code
 from tests.e2e.test_voices import make_wav
@@ -234,24 +236,54 @@ def test_metrics_through_either_worker_report_every_workers_totals(server: Serve
     assert totals[0][1] - sent_before == pytest.approx(audio_ms / 1000, abs=0.05)
 
 
-def test_a_worker_that_dies_is_started_again_and_sigterm_leaves_no_process(
+def test_a_worker_that_dies_is_started_again_and_sigterm_drains_then_leaves_no_process(
         tmp_path: Path) -> None:
     proc = start_server(tmp_path, "--workers", "2")
     try:
         wait_until(lambda: len(_workers(proc)) == 2, timeout=30)
         pids = {w.pid for w in _workers(proc)}
-        victim = min(pids)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(min(pids), signal.SIGKILL)
         wait_until(lambda: len({w.pid for w in _workers(proc)} - pids) == 1, timeout=30)
         assert "exited with status -9; starting it again" in proc.log()
         wait_until(lambda: httpx.get(proc.url + "/readyz").status_code == 200, timeout=30)
         run(speak_once(proc))
         everyone = [psutil.Process(proc.process.pid), *_workers(proc)]
+        done, code = run(speak_through_sigterm(proc))
     finally:
-        code = proc.stop()
-    assert code == 0
+        proc.stop()
+    assert done["type"] == "context.done" and done["audio_ms"] > 2000  # it finished speaking
+    assert code == 1001 and proc.process.returncode == 0
     _, alive = psutil.wait_procs(everyone, timeout=10)
     assert alive == []
+
+
+async def speak_through_sigterm(server: ServerProcess) -> tuple[dict[str, Any], int | None]:
+    """A turn under way when the server gets SIGTERM: (its context.done, the close code)."""
+    client = await Client.connect(server.ws_url)
+    await client.send({"type": "text", "context_id": "d", "flush": True,
+                       "text": "We drain before we stop. Every sentence is heard. Then we go."})
+    while not client.received.audio_of("d"):
+        await client.recv()
+    server.process.send_signal(signal.SIGTERM)
+    done = await client.until("context.done", "d")
+    with contextlib.suppress(websockets.ConnectionClosed):
+        while True:
+            await client.recv()
+    return done, client.ws.close_code
+
+
+def test_the_workers_stop_when_the_engine_process_is_killed(tmp_path: Path) -> None:
+    proc = start_server(tmp_path, "--workers", "2")
+    wait_until(lambda: len(_workers(proc)) == 2, timeout=30)
+    workers = _workers(proc)
+    channel = Path(workers[0].cmdline()[workers[0].cmdline().index("--worker-channel") + 1])
+    proc.process.kill()
+    proc.process.wait()
+    _, alive = psutil.wait_procs(workers, timeout=20)
+    assert alive == []
+    assert channel.parent.is_dir()  # what a killed process leaves: the next one removes it
+    start_server(tmp_path, "--workers", "2").stop()
+    assert not channel.parent.exists()
 
 
 async def speak_once(server: ServerProcess) -> None:
