@@ -263,9 +263,9 @@ class WorkerEngine:
             raise EngineStoppedError("the engine process is not running")
         if request.request_id in self._queues:
             raise EngineError(f"request id {request.request_id!r} is already in use")
-        queue: asyncio.Queue[_Item] = asyncio.Queue(WINDOW + 1)
-        self._queues[request.request_id] = queue
         self._post({"op": "submit", "request": wire.request_to_wire(request)})
+        queue: asyncio.Queue[_Item] = asyncio.Queue(WINDOW + 1)  # its window and its end
+        self._queues[request.request_id] = queue
         return self._iterate(request.request_id, queue)
 
     async def _iterate(self, request_id: RequestId,
