@@ -253,7 +253,8 @@ def _run_server(app: Any, config: Any, args: argparse.Namespace,
                 sockets: list[Any] | None = None) -> None:
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,  # TLS: wss:// (docs/compat.md)
+        # TLS: wss:// (docs/compat.md)
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
         ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
         timeout_graceful_shutdown=5,
