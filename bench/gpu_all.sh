@@ -15,8 +15,9 @@
 #   pipeline         this build's whole backend at STREAMS streams: TTFA p50/p95, gaps, audio
 #                    s per wall s, LM step p50/p99 and alone, cache GiB (it writes the random
 #                    model at CosyVoice 3 sizes into $WORK, which the others reuse)
-#   gateway          `voxgate serve --engine cosyvoice` on that model under the load tool:
-#                    staggered talking sessions, several turns each, at LEVELS sessions
+#   gateway          `voxgate serve --engine cosyvoice --workers $GATEWAY_WORKERS` on that model
+#                    under the load tool: staggered talking sessions, several turns each, at
+#                    LEVELS sessions
 #   pipeline_before  the same pipeline bench over the build before (.anchor/: its engine on
 #                    the path), with what time is left
 #   gateway_before   the gateway over the build before (not in the default PARTS: no time)
@@ -42,9 +43,12 @@ LEVELS=${LEVELS:-1,8,32,64,128}
 # --max-contexts above the top level replaces the step-cost estimate (its 16-context floor is sized
 # for a CPU); this build still never admits more than its sequence table holds (the LM's slots
 # and the flow cache's streams, Backend.context_capacity). The build before takes the same
-# arguments (ANCHOR_GATEWAY_ARGS, kept apart for builds whose options differ).
+# arguments (ANCHOR_GATEWAY_ARGS, kept apart for builds whose options differ), less
+# GATEWAY_WORKERS: this build serves with `voxgate serve --workers N` (one engine process, N gateway
+# processes; docs/scaling.md, Workers), the build before has no such option.
+GATEWAY_WORKERS=${GATEWAY_WORKERS:-4}
 GATEWAY_ARGS=${GATEWAY_ARGS:---duration 15 --drain 8 --engine-option=max_len=1024 \
---server-arg=--max-contexts=256}
+--server-arg=--max-contexts=256 --server-arg=--workers=$GATEWAY_WORKERS}
 ANCHOR_GATEWAY_ARGS=${ANCHOR_GATEWAY_ARGS:---duration 15 --drain 8 --engine-option=max_len=1024 \
 --server-arg=--max-contexts=256}
 PIPELINE_ARGS=${PIPELINE_ARGS:-}

@@ -10,9 +10,10 @@ checkout's: bench/gpu_shaped.py is loaded from beside this file, and it needs on
 
 The product's own path from the command line on: `gateway.cli.main` parses the arguments after
 `--`, builds the app (`create_app`), and runs uvicorn with its settings; only the backend that
-`engine.backends.create_backend` returns is the synthetic one, whatever `--engine` says. A
-server that starts its engine in another process inherits that only where the process is
-forked; one that spawns needs a hook of its own.
+`engine.backends.create_backend` returns is the synthetic one, whatever `--engine` says. With
+`serve --workers N` that still holds: the engine lives in this process (the engine process,
+gateway/workers/supervisor.py), and only the gateway workers are new processes, which build no
+backend.
 
 While it runs, a daemon thread once a second gives every Python thread its name as the OS
 sees it (/proc/self/task/TID/comm, the first 15 characters: `voxgate-engine_` for the engine's

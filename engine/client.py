@@ -2,9 +2,10 @@
 
 `engine.Engine` satisfies `EngineClient` as it is (the gateway runs it in its
 own process, `voxgate serve`); `gateway.ray_serve.remote.RemoteEngine`
-satisfies it over Ray Serve handles (`voxgate ray-serve`, docs/scaling.md).
-Session, socket, speech and voice code are typed against this protocol and
-never learn which one they hold.
+satisfies it over Ray Serve handles (`voxgate ray-serve`, docs/scaling.md), and
+`gateway.workers.client.WorkerEngine` over a Unix socket to the engine process
+of `voxgate serve --workers N`. Session, socket, speech and voice code are
+typed against this protocol and never learn which one they hold.
 
 What the protocol asks is exactly what the gateway uses: requests (`submit`,
 `cancel`), admission (`admit`, `release_context`; both synchronous, because

@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--ssl-certfile", help="serve https/wss with this PEM certificate (with --ssl-keyfile)")
     serve.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="gateway processes feeding one engine process (default 1: one "
+                       "process; docs/scaling.md, Workers)")
+    for hidden in ("--worker-channel", "--worker-fd", "--worker-index", "--worker-parent"):
+        serve.add_argument(hidden, help=argparse.SUPPRESS)  # how the engine process starts one
     from gateway.ray_serve.launch import add_parser  # imports no Ray: `ray-serve` checks for it
 
     add_parser(sub)
@@ -192,16 +197,64 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(_serve_options(args))
+        if args.worker_channel:
+            return _serve_worker(args, config)
         log.info(check_exposure(config.host, config.auth))
-        from gateway.app import create_app
+        if args.workers != 1:
+            from gateway.workers.supervisor import Supervisor
 
-        app = create_app(config)  # builds the backend's config from the engine options
+            supervisor = Supervisor(config, args.workers, _without_workers(argv))
+        else:
+            from gateway.app import create_app
+
+            app = create_app(config)  # builds the backend's config from the engine options
     except (TypeError, ValueError, OSError) as exc:
         print(f"voxgate: bad configuration: {exc}", file=sys.stderr)
         return 2
+    if args.workers != 1:
+        return supervisor.run()
+    _run_server(app, config, args)
+    return 0
+
+
+def _without_workers(argv: list[str] | None) -> list[str]:
+    """`voxgate serve`'s arguments as a worker gets them: all but --workers."""
+    items = list(sys.argv[1:] if argv is None else argv)
+    kept: list[str] = []
+    skip = False
+    for item in items:
+        if skip:
+            skip = False
+        elif item == "--workers":
+            skip = True
+        elif not item.startswith("--workers="):
+            kept.append(item)
+    return kept
+
+
+def _serve_worker(args: argparse.Namespace, config: Any) -> int:
+    """One worker of `--workers N` (gateway/workers/child.py), on the socket handed down."""
+    import socket
+    from pathlib import Path
+
+    from gateway.workers.child import build_worker_app, watch_parent
+
+    watch_parent(int(args.worker_parent))
+    index = int(args.worker_index)
+    for handler in logging.getLogger().handlers:  # say which worker speaks
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s %(name)s[w{index}]: %(message)s"))
+    app = build_worker_app(config, Path(args.worker_channel), index)
+    _run_server(app, config, args, sockets=[socket.socket(fileno=int(args.worker_fd))])
+    return 0
+
+
+def _run_server(app: Any, config: Any, args: argparse.Namespace,
+                sockets: list[Any] | None = None) -> None:
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
-        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,  # TLS: wss:// (docs/compat.md)
+        # TLS: wss:// (docs/compat.md)
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
         ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
         timeout_graceful_shutdown=5,
@@ -210,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_connections=config.max_connections or config.max_sessions + 256))
     install_log_redaction()  # after uvicorn configured its loggers: no key in the access log
     server = DrainingServer(uvicorn_config, app.state.voxgate, config.shutdown_grace_s)
-    server.run()
-    return 0
+    server.run(sockets=sockets)
 
 
 if __name__ == "__main__":

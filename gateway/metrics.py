@@ -3,14 +3,25 @@
 Gauges of the app's state are read at scrape time (the engine's through a
 collector, the sessions' and contexts' through `track_state`), never written
 on the audio path.
+
+Several processes: where prometheus_client runs in its multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR set before it is imported, as `voxgate serve
+--workers N` does for its workers), each worker's counters and histograms live
+in files in that folder, and `render` sums every worker's, so a scrape through
+any worker reports the totals. The open sessions and contexts are summed over
+the live workers from what each last wrote (`refresh`, which a worker runs
+every half second and before its own scrape). The engine's counters come from
+the engine, as always.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
@@ -76,8 +87,15 @@ class Metrics:
     def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.sessions = Gauge("voxgate_sessions", "open WebSocket sessions", registry=r)
-        self.contexts = Gauge("voxgate_contexts", "open contexts across sessions", registry=r)
+        self.engine = engine
+        #: the folder of every worker's metric files, in multiprocess mode (the module doc)
+        self.multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+        self.sessions = Gauge("voxgate_sessions", "open WebSocket sessions", registry=r,
+                              multiprocess_mode="livesum")
+        self.contexts = Gauge("voxgate_contexts", "open contexts across sessions", registry=r,
+                              multiprocess_mode="livesum")
+        self._num_sessions: Callable[[], int] = lambda: 0
+        self._num_contexts: Callable[[], int] = lambda: 0
         self.ttfa = Histogram("voxgate_ttfa_seconds",
                               "first segment complete in the input -> first audio frame sent",
                               buckets=TTFA_BUCKETS, registry=r)
@@ -99,9 +117,17 @@ class Metrics:
         r.register(_EngineCollector(engine))
 
     def track_state(self, num_sessions: Callable[[], int], num_contexts: Callable[[], int]) -> None:
-        """Read the open sessions and contexts from the app at scrape time."""
-        self.sessions.set_function(lambda: float(num_sessions()))
-        self.contexts.set_function(lambda: float(num_contexts()))
+        """Read the open sessions and contexts from the app at scrape time (in multiprocess
+        mode, at each `refresh`)."""
+        self._num_sessions, self._num_contexts = num_sessions, num_contexts
+        if self.multiprocess_dir is None:
+            self.sessions.set_function(lambda: float(num_sessions()))
+            self.contexts.set_function(lambda: float(num_contexts()))
+
+    def refresh(self) -> None:
+        """Write this process's open sessions and contexts for the others' scrapes."""
+        self.sessions.set(self._num_sessions())
+        self.contexts.set(self._num_contexts())
 
     def observe(self, name: str, value: float) -> None:
         if name == "ttfa":
@@ -118,4 +144,10 @@ class Metrics:
             self.text_skipped.labels(language=name[8:]).inc(value)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        self.refresh()
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        registry.register(_EngineCollector(self.engine))
+        return generate_latest(registry)

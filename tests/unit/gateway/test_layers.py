@@ -17,7 +17,7 @@ LAYERS = [
     {"state"},
     {"http", "compat"},
     {"app"},
-    {"ray_serve"},
+    {"ray_serve", "workers"},
     {"cli"},
 ]
 
