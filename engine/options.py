@@ -55,7 +55,7 @@ def convert_option(key: str, raw: Any, default: Any, annotation: str) -> Any:
         if isinstance(default, float) or annotation.startswith("float"):
             return float(raw)
     except ValueError:
-        kind = "an integer" if isinstance(default, int) or annotation.startswith(
-            "int") else "a number"
+        is_int = isinstance(default, int) or annotation.startswith("int")
+        kind = "an integer" if is_int else "a number"
         raise ValueError(f"{key} must be {kind}, got {raw!r}") from None
     return raw

@@ -77,8 +77,8 @@ def run_window(state: PiperState, plan: WindowPlan, sample_rate: int, is_solo: b
         return StepResult(pcm=pcm, words=words, is_finished=is_finished)
     except Exception as exc:  # onnxruntime raises its own types
         logger.exception("piper window failed")
-        error = exc if isinstance(exc, BackendFailure) else BackendFailure(
-            f"piper synthesis failed: {exc}")
+        error = (exc if isinstance(exc, BackendFailure)
+                 else BackendFailure(f"piper synthesis failed: {exc}"))
         return StepResult(is_finished=True, error=error)
 
 

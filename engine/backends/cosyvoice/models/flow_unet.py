@@ -167,8 +167,8 @@ class UNetEstimator(nn.Module):
         for i, ch in enumerate(channels):
             cin, cout = cout, ch
             last = i == len(channels) - 1
-            down: nn.Module = CausalConv1d(cout, cout, 3) if last else nn.Conv1d(
-                cout, cout, 3, 2, 1)
+            down: nn.Module = (CausalConv1d(cout, cout, 3) if last
+                               else nn.Conv1d(cout, cout, 3, 2, 1))
             self.down_blocks.append(nn.ModuleList([CausalResnetBlock1D(cin, cout, time_dim),
                                                    blocks(cout), down]))
         self.mid_blocks = nn.ModuleList([
@@ -181,8 +181,8 @@ class UNetEstimator(nn.Module):
         for i in range(len(ups) - 1):
             cout = ups[i + 1]
             last = i == len(ups) - 2
-            up: nn.Module = CausalConv1d(cout, cout, 3) if last else nn.ConvTranspose1d(
-                cout, cout, 4, 2, 1)
+            up: nn.Module = (CausalConv1d(cout, cout, 3) if last
+                             else nn.ConvTranspose1d(cout, cout, 4, 2, 1))
             self.up_blocks.append(nn.ModuleList([CausalResnetBlock1D(2 * ups[i], cout, time_dim),
                                                  blocks(cout), up]))
         self.final_block = CausalBlock1D(ups[-1], ups[-1])

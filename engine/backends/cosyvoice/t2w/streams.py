@@ -257,8 +257,8 @@ class TokenToWave:
 
     def compute(self, plans: list[_Plan]) -> list[torch.Tensor]:
         """The audio of each planned chunk (the models run here; no lock held)."""
-        new_mels = self._cached_mels(plans) if self.cached is not None else self._recomputed_mels(
-            plans)
+        new_mels = (self._cached_mels(plans) if self.cached is not None
+                    else self._recomputed_mels(plans))
         for plan, mel in zip(plans, new_mels, strict=True):
             plan.mel = mel
         voc_mels = [m if p.stream.stretcher is None else p.stream.stretcher.push(m, p.is_final)
