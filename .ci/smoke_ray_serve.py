@@ -1,4 +1,5 @@
-"""`voxgate ray-serve` from a fresh install of the ray extra alone (.ci/extras): ready, one turn, stop.
+"""`voxgate ray-serve` from a fresh install of the ray extra alone (.ci/extras): ready, one turn,
+stop.
 
 Runs the documented command (docs/scaling.md) as a user would, with the
 plain install plus `.[ray]` and nothing else: no pytest, no httpx. It waits
@@ -32,7 +33,8 @@ from gateway.audio.codecs import decode_opus_packets
 
 TEXT = "Hello from the ray extra. This turn went through Serve's proxy, both tiers and back."
 # the console script of the venv this runs in
-COMMAND = [str(Path(sys.executable).parent / "voxgate"), "ray-serve", "--gateway-replicas", "2", "--engine-replicas", "1",
+COMMAND = [str(Path(sys.executable).parent / "voxgate"), "ray-serve", "--gateway-replicas", "2",
+           "--engine-replicas", "1",
            "--gateway-cpus", "0.5", "--engine-cpus", "1"]  # three replicas in two CPUs
 
 
@@ -42,7 +44,8 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> float:
+def wait_ready(url: str, process: subprocess.Popen[bytes], log_path: Path,
+               timeout_s: float) -> float:
     """Seconds until the command says it serves and /readyz answers 200; raises if the command
     exits or time runs out."""
     start = time.monotonic()
@@ -68,10 +71,12 @@ async def one_turn(ws_url: str) -> tuple[np.ndarray, dict[str, object]]:
     async with websockets.connect(ws_url, max_size=None) as ws:
         ready = json.loads(await asyncio.wait_for(ws.recv(), 30))
         assert ready["type"] == "session.ready", ready
-        await ws.send(json.dumps({"type": "text", "context_id": "smoke", "text": TEXT, "flush": True}))
+        await ws.send(json.dumps({"type": "text", "context_id": "smoke", "text": TEXT,
+                                  "flush": True}))
         while True:
             frame = await asyncio.wait_for(ws.recv(), 60)
-            message = msgpack.unpackb(frame, raw=False) if isinstance(frame, bytes) else json.loads(frame)
+            message = (msgpack.unpackb(frame, raw=False) if isinstance(frame, bytes)
+                       else json.loads(frame))
             if message["type"] == "audio":
                 assert message["codec"] == "opus", message["codec"]
                 packets.extend(message["packets"])
@@ -83,15 +88,17 @@ async def one_turn(ws_url: str) -> tuple[np.ndarray, dict[str, object]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout-s", type=float, default=300.0, help="for ready (Ray starts slowly)")
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="for ready (Ray starts slowly)")
     args = parser.parse_args()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = Path(tempfile.mkdtemp(prefix="voxgate-ray-smoke-")) / "ray-serve.log"
     started = time.monotonic()
     with log_path.open("wb") as log:
-        process = subprocess.Popen([*COMMAND, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+        process = subprocess.Popen([*COMMAND, "--port", str(port)], stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         ready_s = wait_ready(url, process, log_path, args.timeout_s)
         audio, done = asyncio.run(one_turn(url.replace("http://", "ws://") + "/v1/stream"))
@@ -107,7 +114,8 @@ def main() -> int:
               f"{time.monotonic() - started:.1f} s in all")
         return 0
     except BaseException:
-        print(f"ray-serve smoke failed; the command's log ({log_path}), last lines:", file=sys.stderr)
+        print(f"ray-serve smoke failed; the command's log ({log_path}), last lines:",
+              file=sys.stderr)
         print("\n".join(log_path.read_text(errors="replace").splitlines()[-60:]), file=sys.stderr)
         raise
     finally:

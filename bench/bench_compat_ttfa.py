@@ -100,8 +100,8 @@ def adapter_cost_us(turns: int) -> dict[str, list[float]]:
                          for w in SENTENCES[turn % len(SENTENCES)].split(" ")]
                 flush = json.dumps({"type": "flush", "context_id": "c"})
             else:
-                session = ElevenLabsMultiSession("bench", catalog=VoiceCatalog({"joe"}), sample_rate=rate,
-                                                 options=options, limits=Limits(),
+                session = ElevenLabsMultiSession("bench", catalog=VoiceCatalog({"joe"}),
+                                                 sample_rate=rate, options=options, limits=Limits(),
                                                  output=parse_output_format("pcm_24000"),
                                                  admit=lambda key: None, release=lambda key: None)
                 words = [json.dumps({"text": w + " ", "context_id": "c"})
@@ -171,8 +171,10 @@ def main() -> None:
         from tests.support.server import free_port
 
         port = free_port()
-        server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port),
-                                   "--log-level", "warning"], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port",
+                                   str(port),
+                                   "--log-level", "warning"],
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1"})
         import httpx
 
         deadline = time.monotonic() + 90
@@ -194,11 +196,12 @@ def main() -> None:
     print(f"{'socket':28} {'p50':>7} {'p95':>7} {'mean':>7} {'p50 - native':>13}")
     for name, values in results.items():
         p50 = statistics.median(values)
-        print(f"{name:28} {p50:7.1f} {_percentile(values, 0.95):7.1f} {statistics.fmean(values):7.1f} "
-              f"{p50 - native:+13.1f}")
+        print(f"{name:28} {p50:7.1f} {_percentile(values, 0.95):7.1f} "
+              f"{statistics.fmean(values):7.1f} {p50 - native:+13.1f}")
 
     base_us = statistics.median(costs["native"])
-    print(f"\nServer work from the flush to the first audio frame, sans-I/O ({len(costs['native'])} turns, us)")
+    print("\nServer work from the flush to the first audio frame, sans-I/O "
+          f"({len(costs['native'])} turns, us)")
     print(f"{'path':28} {'p50':>7} {'p95':>7} {'p50 - native':>13}")
     for name, values in costs.items():
         p50 = statistics.median(values)

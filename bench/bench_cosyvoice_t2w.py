@@ -29,17 +29,20 @@ HISTORIES: list[int | None] = [None, 100, 50, 25]
 
 
 def cost_table() -> None:
-    print("| prompt | answer | " + " | ".join(f"history {h} total / last" for h in HISTORIES) + " |")
+    print("| prompt | answer | " + " | ".join(f"history {h} total / last" for h in HISTORIES)
+          + " |")
     for prompt_len, answer in ((20, 240), (20, 1500), (150, 1500)):
         cells = []
         for history in HISTORIES:
             frames = [2 * (prompt_len + end - start)
-                      for start, _, end in schedule(prompt_len, answer, T2WConfig(max_history_tokens=history))]
+                      for start, _, end in schedule(prompt_len, answer,
+                                                    T2WConfig(max_history_tokens=history))]
             cells.append(f"{sum(frames)} / {frames[-1]}")
         print(f"| {prompt_len} | {answer} | " + " | ".join(cells) + " |")
 
 
-def stream(t2w: TokenToWave, prompt: FlowPrompt, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def stream(t2w: TokenToWave, prompt: FlowPrompt,
+           tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t2w.add_stream("a", prompt)
     t2w.feed("a", tokens)
     t2w.finish("a")
@@ -56,9 +59,11 @@ def fidelity_table(fixtures: Path) -> None:
         ref = torch.load(model_dir.path / "reference.pt", weights_only=True)
         flow, hift = build_flow(model_dir), build_hift(model_dir)
         hift.cfg.noise_scale = 0.0
-        prompt = FlowPrompt(ref["prompt_speech_token"][0], ref["prompt_feat"][0], ref["embedding"][0])
+        prompt = FlowPrompt(ref["prompt_speech_token"][0], ref["prompt_feat"][0],
+                            ref["embedding"][0])
         tokens = ref["lm_greedy_tokens"][ref["lm_greedy_tokens"] < 6561]
-        runs = {h: stream(TokenToWave(flow, hift, T2WConfig(first_hop_tokens=None, max_history_tokens=h)),
+        runs = {h: stream(TokenToWave(flow, hift,
+                                      T2WConfig(first_hop_tokens=None, max_history_tokens=h)),
                           prompt, tokens) for h in HISTORIES}
         full_mel, full_wav = runs[None]
         for history in HISTORIES[1:]:
@@ -67,7 +72,8 @@ def fidelity_table(fixtures: Path) -> None:
             rel_mel = float(d_mel.pow(2).mean().sqrt() / full_mel.std())
             rel_wav = float(d_wav.pow(2).mean().sqrt() / full_wav.pow(2).mean().sqrt())
             changed = int((d_mel.abs().amax(0) > 1e-4).sum())
-            print(f"| {version} | {history} | {rel_mel:.2%} | {rel_wav:.2%} | {changed}/{mel.shape[1]} |")
+            print(f"| {version} | {history} | {rel_mel:.2%} | {rel_wav:.2%} | "
+                  f"{changed}/{mel.shape[1]} |")
 
 
 def main() -> None:

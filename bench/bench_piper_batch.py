@@ -5,11 +5,11 @@
 For each batch size B, B segments (drawn with a fixed seed from typical voice
 agent sentences of mixed length) are synthesized three ways: one `step` with
 ONE onnxruntime call (max_padding_waste=None), one `step` packed by length
-(the backend's default max_padding_waste), and one `step` per segment. RTF is time / audio time (lower is
-better; the best of --repeats interleaved runs), both wall time and the
+(the backend's default max_padding_waste), and one `step` per segment. RTF is time / audio time
+(lower is better; the best of --repeats interleaved runs), both wall time and the
 process's CPU time: on a shared machine the CPU time is the steadier measure of
-the work a mode costs. "x realtime" is audio / CPU time of the one-call mode. The default noise scales are kept (the
-compute does not depend on them). A warm-up step runs first at every size.
+the work a mode costs. "x realtime" is audio / CPU time of the one-call mode. The default noise
+scales are kept (the compute does not depend on them). A warm-up step runs first at every size.
 """
 
 from __future__ import annotations

@@ -41,12 +41,14 @@ DEFAULTS = PiperBackendConfig()
 FIRST_WINDOW = DEFAULTS.window_lone_first_frames
 FIRST_CONTEXT = DEFAULTS.window_context_frames
 FIRST_END = FIRST_WINDOW + FIRST_CONTEXT
-SLICES = {f"first slice (frames 0-{FIRST_END})": (0, FIRST_END), "middle slice (frames 40-76)": (40, 76)}
+SLICES = {f"first slice (frames 0-{FIRST_END})": (0, FIRST_END),
+          "middle slice (frames 40-76)": (40, 76)}
 
 
 def reference(backend: PiperBackend, voice: LoadedVoice, text: str,
               index: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, int]:
-    """The segment's flow feeds, its whole latent [1, C, T], whole audio [T * hop] and frame count."""
+    """The segment's flow feeds, its whole latent [1, C, T], whole audio [T * hop] and frame
+    count."""
     item = backend.prepare(SynthesisRequest(RequestId(f"c{index}"), text, "joe"))
     state = item.state
     backend.release(item)  # only its ids and scales are read here
@@ -86,12 +88,14 @@ def run(num_sentences: int, flow_contexts: list[int], decoder_contexts: list[int
                 if end + context > total:
                     continue  # too short to tell a slice from the whole
                 lo = max(0, start - context)
-                part = voice.run_flow(flow_slice(prior, lo, end + context, total))[:, :, start - lo: end - lo]
+                flow = voice.run_flow(flow_slice(prior, lo, end + context, total))
+                part = flow[:, :, start - lo: end - lo]
                 latent_errors.setdefault((name, context), []).append(
                     float(np.abs(part - latent[:, :, start:end]).max()))
                 if start == 0:  # the first window, decoded as the backend does
                     audio = decode_window(decode, part, 0, FIRST_WINDOW, FIRST_CONTEXT, hop)
-                    audio_errors.setdefault(("first window's audio, flow context", context), []).append(
+                    key = ("first window's audio, flow context", context)
+                    audio_errors.setdefault(key, []).append(
                         float(np.abs(audio - whole[: FIRST_WINDOW * hop]).max()))
         for context in decoder_contexts:
             if FIRST_WINDOW + context > total:
@@ -99,7 +103,8 @@ def run(num_sentences: int, flow_contexts: list[int], decoder_contexts: list[int
             audio = decode_window(decode, latent, 0, FIRST_WINDOW, context, hop)
             audio_errors.setdefault(("first window's audio, decoder context", context), []).append(
                 float(np.abs(audio - whole[: FIRST_WINDOW * hop]).max()))
-    print(f"{len(texts)} corpus sentences, joe, noise on; largest difference from the whole segment")
+    print(
+        f"{len(texts)} corpus sentences, joe, noise on; largest difference from the whole segment")
     print()
     print("| what | context frames | max | p99 | median | n |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -112,7 +117,8 @@ def run(num_sentences: int, flow_contexts: list[int], decoder_contexts: list[int
 def parse_ints(text: str) -> list[int]:
     values = [int(part) for part in text.split(",") if part]
     if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected comma-separated frame counts >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated frame counts >= 0, got {text!r}")
     return values
 
 

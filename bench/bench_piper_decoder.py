@@ -58,7 +58,8 @@ def main() -> None:
     for frames in (int(part) for part in args.frames.split(",")):
         latent = rng.standard_normal((1, channels, frames)).astype(np.float32)  # [1, C, T]
         feeds = {split.latent_name: latent}
-        outputs = {name: np.asarray(session.run(None, feeds)[0]).reshape(-1) for name, session in forms.items()}
+        outputs = {name: np.asarray(session.run(None, feeds)[0]).reshape(-1)
+                   for name, session in forms.items()}
         times: dict[str, list[float]] = {name: [] for name in forms}
         for _ in range(args.rounds):
             for name, session in forms.items():

@@ -50,7 +50,8 @@ from engine.types import RequestId, SynthesisRequest
 
 
 def front_sessions(voice: LoadedVoice, cores: int) -> dict[str, Any]:
-    """The voice's front part on one thread, every core and every core spinning (some unfused too)."""
+    """The voice's front part on one thread, every core and every core spinning (some unfused
+    too)."""
     split = split_voice(read_patched_model(voice.files))
     if split is None:
         raise SystemExit("the joe voice did not split at its decoder")
@@ -69,8 +70,8 @@ def time_fronts(backend: PiperBackend, rounds: int, cores: int) -> dict[str, lis
     sessions = front_sessions(voice, cores)
     timings: dict[str, list[float]] = {name: [] for name in sessions}
     for turn in range(rounds + 2):
-        item = backend.prepare(SynthesisRequest(RequestId(f"f{turn}"), SENTENCES[turn % len(SENTENCES)],
-                                                "joe"))
+        item = backend.prepare(SynthesisRequest(RequestId(f"f{turn}"),
+                                                SENTENCES[turn % len(SENTENCES)], "joe"))
         state = item.state
         feeds = {"input": np.array([state.ids], dtype=np.int64),
                  "input_lengths": np.array([len(state.ids)], dtype=np.int64),
@@ -86,7 +87,8 @@ def time_fronts(backend: PiperBackend, rounds: int, cores: int) -> dict[str, lis
     return timings
 
 
-async def time_first_audio(engine: Engine, backend: PiperBackend, rounds: int) -> dict[str, list[float]]:
+async def time_first_audio(engine: Engine, backend: PiperBackend,
+                           rounds: int) -> dict[str, list[float]]:
     voice = backend.get_voice("joe")
     lone_plan, lone_session = backend._plan, voice.lone_session
     off_plan = dataclasses.replace(lone_plan, lone_first_frames=lone_plan.first_frames)
@@ -122,7 +124,8 @@ def report(title: str, timings: dict[str, list[float]]) -> None:
     print("|---|---:|---:|---:|---:|")
     for name, values in timings.items():
         ms = [1000 * v for v in values]
-        print(f"| {name} | {statistics.median(ms):.1f} | {min(ms):.1f} | {max(ms):.1f} | {len(ms)} |")
+        print(f"| {name} | {statistics.median(ms):.1f} | {min(ms):.1f} | {max(ms):.1f} | {len(ms)} "
+              "|")
     print()
 
 

@@ -1,6 +1,7 @@
 """The box's raw piper limit against the engine's throughput at saturation.
 
-    python -m bench.bench_piper_limit [--seconds 20] [--streams 48] [--seed 1] [--engine-option K=V]...
+    python -m bench.bench_piper_limit [--seconds 20] [--streams 48] [--seed 1] [--engine-option
+    K=V]...
                                       [--memory-profile compact|fast]
 
 Raw limit: a plain loop of piper calls with the joe voice (the whole graph, as
@@ -141,7 +142,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=48)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                        help="a piper backend option for the engine run (as `voxgate serve` takes it)")
+                        help="a piper backend option for the engine run (as `voxgate serve` takes "
+                             "it)")
     parser.add_argument("--memory-profile", choices=["compact", "fast"],
                         help="glibc malloc settings as `voxgate serve --memory-profile` sets them")
     args = parser.parse_args()
@@ -156,11 +158,13 @@ def main() -> None:
     limit = raw_limit(texts, args.seconds, cores)
     one_core = raw_limit(texts, args.seconds, 1)
     engine, extra = asyncio.run(engine_throughput(texts, args.seconds, args.streams, options))
+    malloc = args.memory_profile or "glibc defaults"
     print(f"{len(texts)} corpus sentences, {args.seconds:g} s per measurement, {cores} cores, "
-          f"load average {os.getloadavg()[0]:.1f}, malloc {args.memory_profile or 'glibc defaults'}")
+          f"load average {os.getloadavg()[0]:.1f}, malloc {malloc}")
     print("| what | audio s per wall s | share of the raw limit |")
     print("|---|---:|---:|")
-    print(f"| raw limit: plain piper loop, one call at a time, {cores} cores | {limit:.1f} | 100% |")
+    print(
+        f"| raw limit: plain piper loop, one call at a time, {cores} cores | {limit:.1f} | 100% |")
     print(f"| plain piper loop, 1 core | {one_core:.1f} | {one_core / limit:.0%} |")
     label = ", ".join(args.engine_option) or "defaults"
     print(f"| voxgate engine, {args.streams} streams due now (windows, {label}) | {engine:.1f} | "

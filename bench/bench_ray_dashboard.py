@@ -1,6 +1,7 @@
 """Render docs/grafana-voxgate.json's panels from real /metrics scrapes (no Grafana needed).
 
-    python -m bench.bench_ray_dashboard --sessions 4 --duration 40 --out docs/img/grafana-voxgate.png
+    python -m bench.bench_ray_dashboard --sessions 4 --duration 40 --out
+    docs/img/grafana-voxgate.png
 
 Starts `voxgate ray-serve` (1 gateway, 1 engine replica) on a free port, drives
 it with `voxgate-loadtest run`, scrapes /metrics every `--period` seconds, and
@@ -84,11 +85,14 @@ def series(scrapes: list[tuple[float, Sample]], window: int) -> dict[str, list[f
         lines["t"].append(t1 - scrapes[0][0])
         lines["ttfa_p50"].append(quantile(0.5, delta_buckets("voxgate_ttfa_seconds")))
         lines["ttfa_p95"].append(quantile(0.95, delta_buckets("voxgate_ttfa_seconds")))
-        late = value("voxgate_late_audio_seconds_count{}") - value("voxgate_late_audio_seconds_count{}", a)
+        late = (value("voxgate_late_audio_seconds_count{}")
+                - value("voxgate_late_audio_seconds_count{}", a))
         lines["late_rate"].append(late / span)
         lines["late_p95"].append(quantile(0.95, delta_buckets("voxgate_late_audio_seconds")))
-        lines["step_p50"].append(quantile(0.5, delta_buckets("voxgate_engine_step_duration_seconds")))
-        lines["step_p95"].append(quantile(0.95, delta_buckets("voxgate_engine_step_duration_seconds")))
+        lines["step_p50"].append(quantile(0.5,
+                                          delta_buckets("voxgate_engine_step_duration_seconds")))
+        lines["step_p95"].append(quantile(0.95,
+                                          delta_buckets("voxgate_engine_step_duration_seconds")))
         lines["queue"].append(value("voxgate_engine_queue_depth{}"))
         lines["contexts"].append(value("voxgate_engine_active_contexts{}"))
         lines["max_contexts"].append(value("voxgate_engine_max_contexts{}"))
@@ -113,9 +117,11 @@ def render(lines: dict[str, list[float]], dashboard: dict[str, Any], out: Path, 
              (["sessions"], ["open sessions (the one gateway replica)"], ""),
              (["errors"], ["error events / s (all codes)"], "")]
     fig, axes = plt.subplots(3, 2, figsize=(14, 10), facecolor="#181b1f")
-    for ax, panel, (keys, labels, unit) in zip(axes.flat, dashboard["panels"], plots):
+    # the dashboard's own panels, as many as both have
+    for ax, panel, (keys, labels, unit) in zip(axes.flat, dashboard["panels"], plots,
+                                               strict=False):
         ax.set_facecolor("#111217")
-        for key, label in zip(keys, labels):
+        for key, label in zip(keys, labels, strict=True):
             ax.plot(lines["t"], lines[key], label=label, linewidth=1.6)
         ax.set_title(panel["title"], color="#d8d9da", fontsize=10, loc="left")
         ax.tick_params(colors="#9fa7b3", labelsize=8)
@@ -125,7 +131,8 @@ def render(lines: dict[str, list[float]], dashboard: dict[str, Any], out: Path, 
         ax.grid(color="#2c3235", linewidth=0.6)
         ax.legend(fontsize=7, facecolor="#181b1f", labelcolor="#d8d9da", edgecolor="#2c3235")
     fig.suptitle(f"{dashboard['title']}: a matplotlib rendering of the dashboard's panels from "
-                 f"scraped /metrics, not a Grafana screenshot\n{note}", color="#d8d9da", fontsize=10)
+                 f"scraped /metrics, not a Grafana screenshot\n{note}", color="#d8d9da",
+                 fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90, facecolor=fig.get_facecolor())
@@ -144,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "XDG_DATA_HOME": tempfile.mkdtemp()}
-    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "ray-serve", "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "gateway.cli", "ray-serve", "--port",
+                               str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(url, 240)
-        load = subprocess.Popen([sys.executable, "-m", "loadtest", "run", "--url", url, "--sessions",
+        load = subprocess.Popen([sys.executable, "-m", "loadtest", "run", "--url", url,
+                                 "--sessions",
                                  str(args.sessions), "--duration", str(args.duration), "--seed",
                                  str(args.seed), "--barge-in-rate", "0.2", "--quiet"],
                                 stdout=subprocess.DEVNULL)

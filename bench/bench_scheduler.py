@@ -85,8 +85,9 @@ def main() -> None:
     for policy, level, s in rows:
         ttfa = s["ttfa_segment_ms"]
         errors = sum(s["errors"].values())
-        print(f"{policy:<6} {level:>8} {s['turns']['started']:>6} {ttfa.get('p50', float('nan')):>9.0f} "
-              f"{ttfa.get('p95', float('nan')):>9.0f} {s['gaps']['count']:>5} {s['gaps']['total_ms']:>8.0f} "
+        print(f"{policy:<6} {level:>8} {s['turns']['started']:>6} "
+              f"{ttfa.get('p50', float('nan')):>9.0f} {ttfa.get('p95', float('nan')):>9.0f} "
+              f"{s['gaps']['count']:>5} {s['gaps']['total_ms']:>8.0f} "
               f"{s['audio']['per_wall_second']:>9.2f} {errors:>7}")
     if args.json:
         Path(args.json).write_text(json.dumps([{"policy": p, "sessions": n, "summary": s}

@@ -1,4 +1,5 @@
-"""What CosyVoice's text normalization (wetext) costs per segment, against synthesizing the same text.
+"""What CosyVoice's text normalization (wetext) costs per segment, against synthesizing the same
+text.
 
 Run from the repository root: python -m bench.bench_textnorm [--anchor-segments 40]
 
@@ -74,8 +75,9 @@ def main() -> None:
           f"{changed} changed by normalization")
     print(f"wetext: {statistics.median(ms):.2f} ms median, {ms[int(0.95 * len(ms))]:.2f} ms p95, "
           f"{ms[-1]:.2f} ms max per segment; {1 / norm_s_per_char:,.0f} chars/s")
-    print(f"anchor: piper synthesize, {len(sample)} of the segments: {1 / synth_s_per_char:,.0f} chars/s; "
-          f"normalization adds {100 * norm_s_per_char / synth_s_per_char:.1f}% of piper's CPU")
+    print(f"anchor: piper synthesize, {len(sample)} of the segments: {1 / synth_s_per_char:,.0f} "
+          f"chars/s; normalization adds {100 * norm_s_per_char / synth_s_per_char:.1f}% of piper's "
+          "CPU")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,8 @@ def device_name(device: torch.device) -> str:
 
 def median_ms(run: Callable[[], Any], device: torch.device, steps: int, warmup: int,
               before: Callable[[], Any] | None = None) -> float:
-    """Median ms of one `run` over `steps` calls after `warmup` untimed ones, the device synchronised
-    around each; `before` runs ahead of every call, outside the timed part."""
+    """Median ms of one `run` over `steps` calls after `warmup` untimed ones, the device
+    synchronised around each; `before` runs ahead of every call, outside the timed part."""
     times = []
     for i in range(warmup + steps):
         if before is not None:
@@ -62,7 +62,8 @@ class Results:
     def part(self, name: str, fn: Callable[[], Any]) -> Any:
         try:
             if time.perf_counter() - self.started > self.budget_s:
-                self.data["errors"].append(f"{name}: skipped, past the {self.budget_s:.0f} s budget")
+                self.data["errors"].append(
+                    f"{name}: skipped, past the {self.budget_s:.0f} s budget")
                 self._echo(f"{name}: skipped (budget)")
                 return None
             try:

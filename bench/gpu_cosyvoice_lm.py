@@ -40,7 +40,8 @@ from tests.support.cosyvoice_random_checkpoint import QWEN2_05B, QWEN2_TINY, ran
 
 
 def fake_streams(runner: SpeechLMRunner, n: int, context: int) -> list[LMStream]:
-    """`n` streams that own slots 0..n-1 with `context` positions cached (no prefill: timing only)."""
+    """`n` streams that own slots 0..n-1 with `context` positions cached (no prefill: timing
+    only)."""
     streams = []
     for _ in range(n):
         slot = runner._free.pop()
@@ -55,14 +56,17 @@ def time_decode(runner: SpeechLMRunner, streams: list[LMStream], context: int, s
                 warmup: int) -> float:
     """Median ms of one `feed` (one token for every stream) at a fixed cache length."""
     tokens = [i % 6561 for i in range(len(streams))]
-    if runner.static is not None and runner.static.use_graphs:  # serving never captures: capture first
-        runner.static.capture(*runner.static.buckets_for([s.slot for s in streams], [context] * len(streams)))
+    # serving never captures: capture first
+    if runner.static is not None and runner.static.use_graphs:
+        runner.static.capture(*runner.static.buckets_for([s.slot for s in streams],
+                                                         [context] * len(streams)))
 
     def rewind() -> None:
         for s in streams:
             s.num_cached = context
 
-    return median_ms(lambda: runner.feed(streams, tokens), runner.device, steps, warmup, before=rewind)
+    return median_ms(lambda: runner.feed(streams, tokens), runner.device, steps, warmup,
+                     before=rewind)
 
 
 def time_bare(runner: SpeechLMRunner, n: int, context: int, steps: int, warmup: int) -> float:
@@ -74,10 +78,12 @@ def time_bare(runner: SpeechLMRunner, n: int, context: int, steps: int, warmup: 
         kv = runner.static.buckets_for(list(range(n)), [context] * n)[1]
     tokens = torch.zeros(n, dtype=torch.long, device=device)
     view = CacheView(runner.cache, torch.arange(n, device=device),
-                     torch.full((n, 1), context, dtype=torch.long, device=device), kv_len=kv, row_range=(0, n))
+                     torch.full((n, 1), context, dtype=torch.long, device=device), kv_len=kv,
+                     row_range=(0, n))
 
     def body() -> torch.Tensor:
-        return lm.head_logp(lm.forward_hidden(lm.token_embeds(tokens).to(runner.dtype), view)[:, -1])
+        return lm.head_logp(lm.forward_hidden(lm.token_embeds(tokens).to(runner.dtype),
+                                              view)[:, -1])
 
     run = body
     with torch.inference_mode():
@@ -95,7 +101,8 @@ def time_bare(runner: SpeechLMRunner, n: int, context: int, steps: int, warmup: 
 
 
 def time_sampling(runner: SpeechLMRunner, n: int, steps: int) -> float:
-    """Median ms of choosing `n` tokens by RAS, the per-stream uniforms included (as `step` does)."""
+    """Median ms of choosing `n` tokens by RAS, the per-stream uniforms included (as `step`
+    does)."""
     logp = torch.randn(n, runner.spec.num_rows, device=runner.device).log_softmax(-1)
     history = torch.full((n, runner.ras.win_size), -1, dtype=torch.long, device=runner.device)
     is_greedy = torch.zeros(n, dtype=torch.bool, device=runner.device)
@@ -123,25 +130,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.device, args.dtype, args.batches, args.modes = "cpu", "float32", "1,2,4", "dynamic,static"
+        args.device, args.dtype = "cpu", "float32"
+        args.batches, args.modes = "1,2,4", "dynamic,static"
         args.context, args.max_len, args.steps, args.warmup = 16, 64, 2, 1
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
     torch.manual_seed(0)
-    lm = random_speech_lm(args.version, QWEN2_TINY if args.smoke else QWEN2_05B, seed=0, device=device)
+    lm = random_speech_lm(args.version, QWEN2_TINY if args.smoke else QWEN2_05B, seed=0,
+                          device=device)
     lm = lm.to(DTYPES[args.dtype])
     lm.body.reset_rope(device)
-    lm.body.lm_head.weight = torch.nn.Parameter(torch.empty(0, lm.body.config.hidden_size, device=device),
+    lm.body.lm_head.weight = torch.nn.Parameter(torch.empty(0, lm.body.config.hidden_size,
+                                                            device=device),
                                                 requires_grad=False)
     result: dict[str, Any] = {"version": args.version, "device": str(device), "dtype": args.dtype,
-                              "context": args.context, "rows": [], "sampling_ms": {}, "bare_ms": {}, "errors": {}}
+                              "context": args.context, "rows": [], "sampling_ms": {}, "bare_ms": {},
+                              "errors": {}}
     save = Results(result, args.json).save
 
     rows: list[dict[str, Any]] = result["rows"]
     for mode in modes:
         try:
-            runner = SpeechLMRunner(lm, max(batches), args.max_len, RasConfig(), seed=0, decode_mode=mode)
+            runner = SpeechLMRunner(lm, max(batches), args.max_len, RasConfig(), seed=0,
+                                    decode_mode=mode)
         except Exception as exc:  # noqa: BLE001 (one mode's failure must not lose the others' numbers)
             result["errors"][mode] = f"{type(exc).__name__}: {exc}"
             save()
@@ -150,7 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             streams = fake_streams(runner, n, args.context)
             try:
                 ms = time_decode(runner, streams, args.context, args.steps, args.warmup)
-                rows.append({"mode": mode, "batch": n, "decode_ms": ms, "tokens_per_s": n / ms * 1000})
+                rows.append({"mode": mode, "batch": n, "decode_ms": ms,
+                             "tokens_per_s": n / ms * 1000})
                 if mode == modes[-1]:  # the fastest mode's runner: its buckets
                     bare = time_bare(runner, n, args.context, args.steps, args.warmup)
                     result["bare_ms"][n] = bare
@@ -184,7 +197,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         best = f"{n / min(per_mode.values()) * 1000:.0f}" if per_mode else "-"
         sampled = f"{sampling[n]:.2f}" if n in sampling else "-"
         alone = f"{bare_ms[n]:.2f}" if n in bare_ms else "-"
-        ratio = f"{per_mode[modes[-1]] / bare_ms[n]:.2f}" if n in bare_ms and modes[-1] in per_mode else "-"
+        has_ratio = n in bare_ms and modes[-1] in per_mode
+        ratio = f"{per_mode[modes[-1]] / bare_ms[n]:.2f}" if has_ratio else "-"
         print(f"| {n} | {cells} | {alone} | {ratio} | {sampled} | {best} |")
     for case, error in result["errors"].items():
         print(f"{case}: FAILED {error}")

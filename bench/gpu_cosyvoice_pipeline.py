@@ -72,8 +72,10 @@ from engine.backends.cosyvoice.frontend.frontend import Mode
 from engine.backends.cosyvoice.lm.driver import LMStart, TorchLMDriver
 from engine.types import RequestId, SynthesisRequest
 
-# about 100 byte tokens: at least 2 x that many speech tokens (8 s of audio); random weights stop soon after.
-ANSWER = ("Sure, here is the short version. The gateway cuts the stream into sentences and speaks each one.")
+# about 100 byte tokens: at least 2 x that many speech tokens (8 s of audio); random weights stop
+# soon after.
+ANSWER = ("Sure, here is the short version. The gateway cuts the stream into sentences and speaks "
+          "each one.")
 WARMUP_TEXT = "Hi there."  # a short pass first: CUDA-graph capture, allocator growth
 SAMPLE_RATE = 24000
 VOCODER_NAME = "vocode_batch"
@@ -89,7 +91,8 @@ class StageTimer:
         self.device = device
         self.calls: dict[str, list[tuple[float, int]]] = {}
 
-    def wrap(self, name: str, fn: Callable[..., Any], rows: Callable[..., int]) -> Callable[..., Any]:
+    def wrap(self, name: str, fn: Callable[..., Any],
+             rows: Callable[..., int]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             # this thread's CUDA stream only: the flow runs on its own thread and stream, and a
             # device-wide sync would charge the LM step with the flow batch it overlaps
@@ -99,7 +102,8 @@ class StageTimer:
             out = fn(*args, **kwargs)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            self.calls.setdefault(name, []).append((time.perf_counter() - start, rows(*args, **kwargs)))
+            self.calls.setdefault(name, []).append((time.perf_counter() - start,
+                                                    rows(*args, **kwargs)))
             return out
         return timed
 
@@ -123,7 +127,8 @@ def _rows_of(*args: Any, **kwargs: Any) -> int:
 
 
 def instrument(backend: CosyVoiceBackend, timer: StageTimer) -> list[str]:
-    """Time the LM step, the flow calls and the vocoder; returns what was wrapped (builds differ)."""
+    """Time the LM step, the flow calls and the vocoder; returns what was wrapped (builds
+    differ)."""
     model = backend.model
     assert model is not None and backend.lm is not None
     lm = backend.lm
@@ -132,7 +137,8 @@ def instrument(backend: CosyVoiceBackend, timer: StageTimer) -> list[str]:
     flow = model.t2w.flow
     flow.infer = timer.wrap("flow", flow.infer, _rows_of)  # type: ignore[method-assign]
     wrapped.append("flow")
-    solver = getattr(getattr(model.t2w, "cached", None), "solver", None)  # the flow over its K/V cache
+    # the flow over its K/V cache
+    solver = getattr(getattr(model.t2w, "cached", None), "solver", None)
     if solver is not None and hasattr(solver, "solve"):
         solver.solve = timer.wrap("flow", solver.solve, _rows_of)
         wrapped.append("flow_cached")
@@ -144,13 +150,15 @@ def instrument(backend: CosyVoiceBackend, timer: StageTimer) -> list[str]:
 
 
 def num_graphs(backend: CosyVoiceBackend) -> dict[str, int]:
-    """CUDA graphs captured so far: the LM's decode buckets and the flow's (estimator, cached solve)."""
+    """CUDA graphs captured so far: the LM's decode buckets and the flow's (estimator, cached
+    solve)."""
     assert isinstance(backend.lm, TorchLMDriver) and backend.model is not None
     static = backend.lm.runner.static
     estimator = backend.model.t2w.flow.decoder.estimator
     solver = getattr(getattr(backend.model.t2w, "cached", None), "solver", None)
     return {"lm": len(static.graphs) if static is not None else 0,
-            "flow": len(getattr(estimator, "graphs", {})) + len(getattr(solver, "graphs", {}) or {})}
+            "flow": len(getattr(estimator, "graphs", {}))
+            + len(getattr(solver, "graphs", {}) or {})}
 
 
 def cache_gib(backend: CosyVoiceBackend) -> dict[str, float]:
@@ -161,14 +169,17 @@ def cache_gib(backend: CosyVoiceBackend) -> dict[str, float]:
     cache = getattr(getattr(backend.model.t2w, "cached", None), "cache", None)
     if cache is not None and hasattr(cache, "info"):
         info = cache.info()
-        out.update(flow=float(info.get("gib_total", 0.0)), flow_used=float(info.get("gib_used", 0.0)),
+        out.update(flow=float(info.get("gib_total", 0.0)),
+                   flow_used=float(info.get("gib_used", 0.0)),
                    flow_per_stream=float(info.get("gib_per_stream", 0.0)),
                    flow_stream_capacity=float(info.get("stream_capacity", 0.0)))
     return out
 
 
-def solo_lm(backend: CosyVoiceBackend, n: int, text: str, tag: str, steps: int = SOLO_STEPS) -> dict[str, float]:
-    """The LM step alone at batch `n`: n streams of `text` decoding with the flow idle (ms p50, p99)."""
+def solo_lm(backend: CosyVoiceBackend, n: int, text: str, tag: str,
+            steps: int = SOLO_STEPS) -> dict[str, float]:
+    """The LM step alone at batch `n`: n streams of `text` decoding with the flow idle (ms p50,
+    p99)."""
     lm, model = backend.lm, backend.model
     assert lm is not None and model is not None
     voice = backend.get_voice(backend.voices()[0].voice_id)
@@ -219,13 +230,15 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
     live = list(items)
     start = time.perf_counter()
     num_steps = 0
-    step_ends: list[float] = []  # the first FIRST_STEPS steps' end times: where a slow first audio went
+    # the first FIRST_STEPS steps' end times: where a slow first audio went
+    step_ends: list[float] = []
     first_step: dict[str, int] = {}
     try:
         while live:
             if time.perf_counter() > deadline or num_steps >= max_steps:
-                raise TimeoutError(f"expected {n} streams to finish within the budget and {max_steps} steps, "
-                                   f"got {len(live)} still running after {num_steps} steps")
+                raise TimeoutError(f"expected {n} streams to finish within the budget and "
+                                   f"{max_steps} steps, got {len(live)} still running after "
+                                   f"{num_steps} steps")
             results = backend.step(live)
             num_steps += 1
             now = time.perf_counter() - start
@@ -256,7 +269,8 @@ def run_pass(backend: CosyVoiceBackend, n: int, text: str, tag: str, deadline: f
             "audio_s_per_s": sum(audio_s.values()) / wall,
             "streams_with_gaps": len(gaps), "max_gap_ms": 1000 * max(gaps.values(), default=0.0),
             "first_audio_step_p50": rank(sorted(first_step.values()) or [0], 0.5),
-            "first_steps_ms": [round(1000 * (b - a), 1) for a, b in zip([0.0] + step_ends, step_ends)]}
+            "first_steps_ms": [round(1000 * (b - a), 1)
+                               for a, b in zip([0.0] + step_ends, step_ends, strict=False)]}
 
 
 def make_request(request_id: str, text: str, voice: str) -> SynthesisRequest:
@@ -284,18 +298,21 @@ def random_model_parts() -> tuple[Any, Any, Any, Any]:
     except ImportError:  # a build before the tests moved into rooms
         checkpoint = importlib.import_module("tests.cosyvoice_random_checkpoint")
         parts = importlib.import_module("tests.cosyvoice_random_parts")
-    return checkpoint.QWEN2_05B, checkpoint.QWEN2_TINY, checkpoint.write_random_model_dir, parts.write_reference_wav
+    return (checkpoint.QWEN2_05B, checkpoint.QWEN2_TINY, checkpoint.write_random_model_dir,
+            parts.write_reference_wav)
 
 
 def build_config(args: argparse.Namespace, model_dir: Path, wav: Path, device: torch.device,
                  streams: list[int]) -> CosyVoiceBackendConfig:
-    """The backend's options; those this build does not have (the anchor's) are left out, and said."""
+    """The backend's options; those this build does not have (the anchor's) are left out, and
+    said."""
     options: dict[str, Any] = {
-        "model_dir": model_dir, "device": device.type, "lm_dtype": args.lm_dtype, "flow_dtype": args.flow_dtype,
+        "model_dir": model_dir, "device": device.type, "lm_dtype": args.lm_dtype,
+        "flow_dtype": args.flow_dtype,
         "decode_mode": args.decode_mode, "tokenizer": "bytes", "max_batch_size": max(streams),
         "max_streams": max(streams), "max_flow_streams": args.flow_streams, "max_len": 1024,
-        "default_voice_audio": wav, "default_voice_text": "Hello there.", "flow_thread": args.flow_thread,
-        "cudnn_attention": args.cudnn_attention}
+        "default_voice_audio": wav, "default_voice_text": "Hello there.",
+        "flow_thread": args.flow_thread, "cudnn_attention": args.cudnn_attention}
     if args.max_flow_graph_row_frames is not None:
         options["max_flow_graph_row_frames"] = args.max_flow_graph_row_frames
     for pair in args.option:
@@ -305,8 +322,10 @@ def build_config(args: argparse.Namespace, model_dir: Path, wav: Path, device: t
     left_out = sorted(set(options) - known)
     if left_out:
         print(f"this build has no option {', '.join(left_out)}: left out")
-    # strings (--option) converted to each field's type, as --engine-option does; no VOXGATE_* variable
-    return CosyVoiceBackendConfig.from_options({k: v for k, v in options.items() if k in known}, environ={})
+    # strings (--option) converted to each field's type, as --engine-option does; no VOXGATE_*
+    # variable
+    return CosyVoiceBackendConfig.from_options({k: v for k, v in options.items() if k in known},
+                                               environ={})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -319,22 +338,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lm-dtype", default="auto")
     parser.add_argument("--flow-dtype", default="auto")
     parser.add_argument("--decode-mode", default="auto")
-    parser.add_argument("--model-dir", help="an existing model directory (default: write a random one)")
-    parser.add_argument("--workdir", default=None, help="where the random model directory is written")
+    parser.add_argument("--model-dir",
+                        help="an existing model directory (default: write a random one)")
+    parser.add_argument("--workdir", default=None,
+                        help="where the random model directory is written")
     parser.add_argument("--flow-streams", type=int, default=0,
-                        help="streams per flow call (default: the backend's, 128 on a GPU); fewer capture fewer "
-                             "flow graphs at load")
+                        help="streams per flow call (default: the backend's, 128 on a GPU); fewer "
+                             "capture fewer flow graphs at load")
     parser.add_argument("--max-flow-graph-row-frames", type=int, default=None,
-                        help="largest flow call replayed as a CUDA graph (default: the backend's; 0: all)")
+                        help="largest flow call replayed as a CUDA graph (default: the backend's; "
+                             "0: all)")
     parser.add_argument("--flow-thread", choices=["auto", "on", "off"], default="auto",
                         help="flow + vocoder on their own thread (auto: on a GPU)")
     parser.add_argument("--cudnn-attention", action="store_true",
                         help="allow cuDNN attention (the backend's default turns it off on a GPU)")
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other backend option (left out, and said, where this build has none)")
-    parser.add_argument("--label", default="this build", help="which build runs (the JSON's `label`)")
+                        help="any other backend option (left out, and said, where this build has "
+                             "none)")
+    parser.add_argument("--label", default="this build",
+                        help="which build runs (the JSON's `label`)")
     parser.add_argument("--no-warmup", action="store_true")
-    parser.add_argument("--no-solo", action="store_true", help="skip the LM-alone steps after each pass")
+    parser.add_argument("--no-solo", action="store_true",
+                        help="skip the LM-alone steps after each pass")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="wall-time budget of the whole run (model writing included)")
     parser.add_argument("--json", help="write the results here (after each N)")
@@ -349,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     qwen_real, qwen_tiny, write_model, write_wav = random_model_parts()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="voxgate-cosyvoice-"))
     workdir.mkdir(parents=True, exist_ok=True)  # a --workdir that does not exist yet is made
-    model_dir = Path(args.model_dir) if args.model_dir else workdir / f"cosyvoice{args.version}-random"
+    model_dir = (Path(args.model_dir) if args.model_dir
+                 else workdir / f"cosyvoice{args.version}-random")
     started = time.perf_counter()
     if not (model_dir / "llm.pt").is_file():
         write_model(model_dir, args.version, qwen_tiny if args.smoke else qwen_real,
@@ -367,15 +393,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # every stop id there, so the text's length sets the answer's (2 tokens per byte, at least).
     assert isinstance(backend.lm, TorchLMDriver)
     backend.lm.runner.strict_min_length = True
-    # The first device run spent 200 s of its budget here: say how much was the load (graph captures).
+    # The first device run spent 200 s of its budget here: say how much was the load (graph
+    # captures).
     at_load = num_graphs(backend)
-    print(f"[{args.label}] model written in {written - started:.1f} s, loaded in {loaded - written:.1f} s "
-          f"(CUDA graphs captured at load: {at_load['lm']} LM, {at_load['flow']} flow; "
-          f"{flow_streams_of(backend)} streams per flow call)")
+    print(f"[{args.label}] model written in {written - started:.1f} s, loaded in "
+          f"{loaded - written:.1f} s (CUDA graphs captured at load: {at_load['lm']} LM, "
+          f"{at_load['flow']} flow; {flow_streams_of(backend)} streams per flow call)")
     name = device.type if device.type == "cpu" else torch.cuda.get_device_name(device)
     rows: list[dict[str, Any]] = []
-    result: dict[str, Any] = {"label": args.label, "version": args.version, "device": name, "pyav": has_pyav,
-                              "rows": rows, "errors": {}, "capacity": 0, "write_s": written - started,
+    result: dict[str, Any] = {"label": args.label, "version": args.version, "device": name,
+                              "pyav": has_pyav,
+                              "rows": rows, "errors": {}, "capacity": 0,
+                              "write_s": written - started,
                               "load_s": loaded - written, "graphs_at_load": at_load,
                               "flow_streams": flow_streams_of(backend),
                               "cache_gib": cache_gib(backend),
@@ -405,7 +434,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["lm_step_p99_ms"] = lm_stage.get("p99_ms", float("nan"))
             if device.type == "cuda":
                 row["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / GIB
-            # a capture stalls its step (TTFA, gaps): the warm-up's short text does not reach every bucket
+            # a capture stalls its step (TTFA, gaps): the warm-up's short text does not reach every
+            # bucket
             row["graphs_captured"] = {k: v - before[k] for k, v in num_graphs(backend).items()}
             if not args.no_solo and time.perf_counter() < deadline:
                 solo = solo_lm(backend, n, args.text, "run")
@@ -421,11 +451,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 json.dump(result, out, indent=1)
     assert backend.model is not None
     hidden = backend.model.model_dir.qwen_config()["hidden_size"]
-    print(f"[{args.label}] CosyVoice {args.version} pipeline, random weights (LM hidden {hidden}), {name}, "
-          f"LM {args.lm_dtype}, flow {args.flow_dtype}, decode {args.decode_mode}, "
+    print(f"[{args.label}] CosyVoice {args.version} pipeline, random weights (LM hidden {hidden}), "
+          f"{name}, LM {args.lm_dtype}, flow {args.flow_dtype}, decode {args.decode_mode}, "
           f"text of {len(args.text)} chars")
     print(table(rows))
-    print(f"[{args.label}] gap-free with TTFA p95 < 300 ms up to: {result['capacity'] or 'none'} of {streams} streams")
+    print(f"[{args.label}] gap-free with TTFA p95 < 300 ms up to: {result['capacity'] or 'none'} "
+          f"of {streams} streams")
     for r in rows:
         print(f"{r['streams']} streams, first audio at step {r['first_audio_step_p50']} (p50); "
               f"first {len(r['first_steps_ms'])} steps, ms each: {r['first_steps_ms']}")
@@ -436,22 +467,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the passes (one line each)."""
-    lines = [("| streams | TTFA p50 ms | TTFA p95 ms | gaps (streams) | max gap ms | audio s per s | LM step p50 "
-             "/ p99 ms | LM alone p50 ms | p99 / alone | cache GiB (LM + flow) | flow ms/call (rows) "
-             "| HiFT ms/call (rows) |"),
+    lines = [("| streams | TTFA p50 ms | TTFA p95 ms | gaps (streams) | max gap ms | audio s per s "
+              "| LM step p50 "
+             "/ p99 ms | LM alone p50 ms | p99 / alone | cache GiB (LM + flow) | flow ms/call "
+             "(rows) | HiFT ms/call (rows) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         st = r["stages"]
         flow, hift = st.get("flow", {}), st.get("hift", {})
         cache = r.get("cache_gib", {})
         lines.append(
-            f"| {r['streams']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p95_ms']:.0f} | {r['streams_with_gaps']} "
-            f"| {r['max_gap_ms']:.0f} | {r['audio_s_per_s']:.1f} | {r['lm_step_p50_ms']:.2f} / "
-            f"{r['lm_step_p99_ms']:.2f} | {r.get('solo_step_p50_ms', float('nan')):.2f} "
-            f"| {r.get('lm_p99_over_solo', float('nan')):.2f} "
-            f"| {cache.get('lm', 0.0):.2f} + {cache.get('flow_used', cache.get('flow', 0.0)):.2f} "
-            f"| {flow.get('ms_per_call', 0):.0f} ({flow.get('rows_per_call', 0):.1f}) "
-            f"| {hift.get('ms_per_call', 0):.0f} ({hift.get('rows_per_call', 0):.1f}) |")
+            f"| {r['streams']} | {r['ttfa_p50_ms']:.0f} | {r['ttfa_p95_ms']:.0f} | "
+            f"{r['streams_with_gaps']} | {r['max_gap_ms']:.0f} | {r['audio_s_per_s']:.1f} | "
+            f"{r['lm_step_p50_ms']:.2f} / {r['lm_step_p99_ms']:.2f} | "
+            f"{r.get('solo_step_p50_ms', float('nan')):.2f} | "
+            f"{r.get('lm_p99_over_solo', float('nan')):.2f} | {cache.get('lm', 0.0):.2f} + "
+            f"{cache.get('flow_used', cache.get('flow', 0.0)):.2f} | "
+            f"{flow.get('ms_per_call', 0):.0f} ({flow.get('rows_per_call', 0):.1f}) | "
+            f"{hift.get('ms_per_call', 0):.0f} ({hift.get('rows_per_call', 0):.1f}) |")
     return "\n".join(lines)
 
 

@@ -1,4 +1,5 @@
-"""The flow's tick over the K/V cache against the recompute path, per stream count, and the attention layouts.
+"""The flow's tick over the K/V cache against the recompute path, per stream count, and the
+attention layouts.
 
 Random weights at the real CosyVoice 3 flow size (DiT 22 x 1024, 16 heads of 64,
 ff x2; pre-lookahead 1024), `--dtype` bf16 by default. Every stream speaks with
@@ -61,18 +62,22 @@ from engine.backends.cosyvoice.t2w.vocoder_graphs import VocoderGraphs, steady_s
 
 REAL = {"dim": 1024, "depth": 22, "heads": 16, "dim_head": 64, "pre": 1024, "hift": 512}
 TINY = {"dim": 64, "depth": 2, "heads": 4, "dim_head": 16, "pre": 64, "hift": 32}
-H200_GIB, MODELS_GIB = 139.0, 10.0  # an H200's memory; what the models, graphs and activations take beside
+# an H200's memory; what the models, graphs and activations take beside
+H200_GIB, MODELS_GIB = 139.0, 10.0
 
 
 def random_flow(size: dict[str, int], device: torch.device, dtype: torch.dtype) -> FlowModel:
     """A CosyVoice 3 FlowModel with random weights at `size`, made on `device` (no checkpoint)."""
     section = {"output_size": 80, "token_mel_ratio": 2, "pre_lookahead_len": 3, "vocab_size": 6561,
                "input_size": 80, "spk_embed_dim": 192,
-               "pre_lookahead_layer": {"in_channels": 80, "channels": size["pre"], "pre_lookahead_len": 3},
-               "decoder": {"cfm_params": {"inference_cfg_rate": 0.7, "t_scheduler": "cosine", "solver": "euler"},
-                           "estimator": {"dim": size["dim"], "depth": size["depth"], "heads": size["heads"],
-                                         "dim_head": size["dim_head"], "ff_mult": 2, "mel_dim": 80, "mu_dim": 80,
-                                         "spk_dim": 80, "static_chunk_size": 50}}}
+               "pre_lookahead_layer": {"in_channels": 80, "channels": size["pre"],
+                                       "pre_lookahead_len": 3},
+               "decoder": {"cfm_params": {"inference_cfg_rate": 0.7, "t_scheduler": "cosine",
+                                          "solver": "euler"},
+                           "estimator": {"dim": size["dim"], "depth": size["depth"],
+                                         "heads": size["heads"],
+                                         "dim_head": size["dim_head"], "ff_mult": 2, "mel_dim": 80,
+                                         "mu_dim": 80, "spk_dim": 80, "static_chunk_size": 50}}}
     torch.manual_seed(0)
     with torch.device(device):
         flow = FlowModel(3, section)
@@ -80,20 +85,23 @@ def random_flow(size: dict[str, int], device: torch.device, dtype: torch.dtype) 
 
 
 def recompute_ms(flow: FlowModel, n: int, args: argparse.Namespace, device: torch.device) -> float:
-    """One flow call as before the cache: N rows of prompt + history + chunk + lookahead, recomputed."""
+    """One flow call as before the cache: N rows of prompt + history + chunk + lookahead,
+    recomputed."""
     tokens = args.prompt_tokens + args.history_tokens + 25 + 3
     gen = torch.Generator().manual_seed(n)
     prompt = FlowPrompt(torch.randint(0, 6561, (args.prompt_tokens,), generator=gen),
                         torch.randn(2 * args.prompt_tokens, 80, generator=gen).to(device),
                         torch.randn(192, generator=gen).to(device))
-    rows = [FlowRow(torch.randint(0, 6561, (tokens,), generator=gen), prompt.mel, prompt.embedding, 3,
-                    torch.arange(2 * (tokens - 3))) for _ in range(n)]
+    rows = [FlowRow(torch.randint(0, 6561, (tokens,), generator=gen), prompt.mel, prompt.embedding,
+                    3, torch.arange(2 * (tokens - 3))) for _ in range(n)]
     frames = -(-2 * tokens // 64) * 64
-    graphed = GraphedEstimator(flow.decoder.estimator, 2 * n, frames, use_graphs=device.type == "cuda",
+    graphed = GraphedEstimator(flow.decoder.estimator, 2 * n, frames,
+                               use_graphs=device.type == "cuda",
                                max_graph_row_frames=args.max_graph_row_frames)
     bucket = graphed.bucket_for(2 * n, 2 * (tokens - 3), True)
     if graphed.use_graphs and bucket is not None and graphed.has_graph_size(bucket):
-        graphed.capture(bucket, torch.zeros(1, dtype=flow.spk_embed_affine_layer.weight.dtype, device=device))
+        graphed.capture(bucket, torch.zeros(1, dtype=flow.spk_embed_affine_layer.weight.dtype,
+                                            device=device))
     dit = use_estimator(flow, graphed)
     try:
         return median_ms(lambda: flow.infer(rows, streaming=True), device, args.steps, args.warmup)
@@ -102,7 +110,8 @@ def recompute_ms(flow: FlowModel, n: int, args: argparse.Namespace, device: torc
 
 
 def cached_rows(cached: CachedFlow, prompt: FlowPrompt, n: int, tag: str) -> list[ChunkRow]:
-    """N streams of one voice, each with a full ring of history (its contents do not change the time)."""
+    """N streams of one voice, each with a full ring of history (its contents do not change the
+    time)."""
     cache = cached.cache
     trim = cached.trim(prompt)
     rows = []
@@ -155,13 +164,15 @@ def attention_ms(cached: CachedFlow, rows: list[ChunkRow], prompt_blocks: int, d
     return out
 
 
-def cached_ticks(flow: FlowModel, streams: list[int], args: argparse.Namespace, device: torch.device,
+def cached_ticks(flow: FlowModel, streams: list[int], args: argparse.Namespace,
+                 device: torch.device,
                  result: dict[str, Any], part: Callable[[str, Callable[[], Any]], Any]) -> None:
     """The cached tick at each stream count, and the attention layouts; rows into `result`."""
     ring = history_chunks(args.history_tokens) or 0
     prompt_blocks = args.prompt_tokens // 25
     blocks = max(streams) * (ring + 1) + prompt_blocks + 1
-    cached = CachedFlow.build(flow, blocks, args.history_tokens, max(streams), use_graphs=device.type == "cuda")
+    cached = CachedFlow.build(flow, blocks, args.history_tokens, max(streams),
+                              use_graphs=device.type == "cuda")
     result["memory"] = cached.cache.info() | {"blocks": blocks}
     gen = torch.Generator().manual_seed(0)
     prompt = FlowPrompt(torch.randint(0, 6561, (args.prompt_tokens,), generator=gen),
@@ -190,10 +201,12 @@ def cached_ticks(flow: FlowModel, streams: list[int], args: argparse.Namespace, 
         result["rows"].append(row)
 
 
-def vocoder_ms(size: dict[str, int], streams: list[int], device: torch.device, args: argparse.Namespace
+def vocoder_ms(size: dict[str, int], streams: list[int], device: torch.device,
+               args: argparse.Namespace
                ) -> dict[str, Any]:
     """HiFT (v3, random weights at `size`) at its steady shape: eager v3_step against the graphs."""
-    hift = HiFT(HiFTConfig(causal=True, base_channels=size["hift"], f0_cond_channels=size["hift"])).to(device)
+    hift = HiFT(HiFTConfig(causal=True, base_channels=size["hift"],
+                           f0_cond_channels=size["hift"])).to(device)
     hift.fuse_weight_norm()
     hift.eval()
     shapes = steady_shapes(15, 24)
@@ -212,7 +225,8 @@ def vocoder_ms(size: dict[str, int], streams: list[int], device: torch.device, a
         with torch.inference_mode():
             inputs = (mel, kept, phase0, starts, False)
             eager = median_ms(partial(v3_step, hift, *inputs), device, args.steps, args.warmup)
-            graphed = median_ms(partial(graphs.step, hift, *inputs), device, args.steps, args.warmup)
+            graphed = median_ms(partial(graphs.step, hift, *inputs), device, args.steps,
+                                args.warmup)
         out["rows"].append({"streams": n, "eager_ms": eager, "graphs_ms": graphed})
     return out
 
@@ -225,9 +239,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--streams", default="1,8,32,64,128,256")
     parser.add_argument("--prompt-tokens", type=int, default=75)
     parser.add_argument("--history-tokens", type=int, default=100)
-    parser.add_argument("--max-graph-row-frames", type=int, default=8192, help="the recompute path's graphs")
+    parser.add_argument("--max-graph-row-frames", type=int, default=8192,
+                        help="the recompute path's graphs")
     parser.add_argument("--max-recompute-streams", type=int, default=128,
-                        help="the recompute path only up to this many streams (256: ~5 s a call on an H200)")
+                        help="the recompute path only up to this many streams (256: ~5 s a call on "
+                             "an H200)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=240.0)
@@ -243,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     streams = [int(n) for n in args.streams.split(",")]
     flow = random_flow(size, device, dtype)
     result: dict[str, Any] = {"device": device_name(device), "dtype": str(dtype), "size": size,
-                              "prompt_tokens": args.prompt_tokens, "history_tokens": args.history_tokens,
+                              "prompt_tokens": args.prompt_tokens,
+                              "history_tokens": args.history_tokens,
                               "rows": [], "attention": [], "errors": []}
     results = Results(result, args.json, args.budget_s, started)
     part = results.part
@@ -268,21 +285,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     mem = result.get("memory", {})
-    print(f"CosyVoice 3 flow {result['size']['depth']} x {result['size']['dim']}, random weights, {result['dtype']}, "
-          f"{result['device']}; prompt {result['prompt_tokens']} tokens, history {result['history_tokens']}")
+    print(f"CosyVoice 3 flow {result['size']['depth']} x {result['size']['dim']}, random weights, "
+          f"{result['dtype']}, {result['device']}; prompt {result['prompt_tokens']} tokens, "
+          f"history {result['history_tokens']}")
     if mem:
-        print(f"cache: {mem['mib_per_frame']:.2f} MiB a frame, {mem['gib_per_stream']:.3f} GiB a stream; "
-              f"an H200 ({H200_GIB:.0f} GiB) less {MODELS_GIB:.0f} GiB holds about "
+        print(f"cache: {mem['mib_per_frame']:.2f} MiB a frame, {mem['gib_per_stream']:.3f} GiB a "
+              f"stream; an H200 ({H200_GIB:.0f} GiB) less {MODELS_GIB:.0f} GiB holds about "
               f"{int((H200_GIB - MODELS_GIB) / mem['gib_per_stream'])} streams of one voice")
-    print("| streams | recompute ms/tick | cached ms/tick | recompute audio-s/s | cached audio-s/s |")
+    print("| streams | recompute ms/tick | cached ms/tick | recompute audio-s/s | cached audio-s/s "
+          "|")
     print("|---:|---:|---:|---:|---:|")
 
     def cell(v: float | None, fmt: str) -> str:
         return format(v, fmt) if v else "-"
 
     for r in result["rows"]:
-        print(f"| {r['streams']} | {cell(r['recompute_ms'], '.1f')} | {cell(r.get('cached_ms'), '.1f')} | "
-              f"{cell(r['recompute_audio_s_per_s'], '.0f')} | {cell(r['cached_audio_s_per_s'], '.0f')} |")
+        print(f"| {r['streams']} | {cell(r['recompute_ms'], '.1f')} | "
+              f"{cell(r.get('cached_ms'), '.1f')} | {cell(r['recompute_audio_s_per_s'], '.0f')} | "
+              f"{cell(r['cached_audio_s_per_s'], '.0f')} |")
     print("attention, one layer and step (a tick has steps x layers of them):")
     print("| streams | paged ms | contiguous ms | paged GiB/stream | contiguous GiB/stream |")
     print("|---:|---:|---:|---:|---:|")

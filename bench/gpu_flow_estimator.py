@@ -75,24 +75,27 @@ ANCHOR_MS = {1: 7.2, 128: 62.0}  # docs/benchmarks.md, "Anchors": H200, eager, 2
 
 def random_dit(size: dict[str, int], device: torch.device, dtype: torch.dtype) -> DiTEstimator:
     torch.manual_seed(0)
-    dit = DiTEstimator(size["dim"], size["depth"], size["heads"], size["dim_head"], ff_mult=2, mel_dim=80,
-                       mu_dim=80, spk_dim=80, static_chunk_size=50)
+    dit = DiTEstimator(size["dim"], size["depth"], size["heads"], size["dim_head"], ff_mult=2,
+                       mel_dim=80, mu_dim=80, spk_dim=80, static_chunk_size=50)
     return dit.to(device, dtype).eval()
 
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).pow(2).mean().sqrt() / want.float().std().clamp_min(1e-12))
+    return float(
+        (got.float() - want.float()).pow(2).mean().sqrt() / want.float().std().clamp_min(1e-12))
 
 
-def time_concurrent(estimator: nn.Module, inputs: tuple[torch.Tensor, ...], threads: int, calls: int,
-                    streaming: bool, device: torch.device) -> float:
-    """Passes per second with `threads` threads each making `calls` passes on its own CUDA stream."""
+def time_concurrent(estimator: nn.Module, inputs: tuple[torch.Tensor, ...], threads: int,
+                    calls: int, streaming: bool, device: torch.device) -> float:
+    """Passes per second with `threads` threads each making `calls` passes on its own CUDA
+    stream."""
     errors: list[BaseException] = []
 
     def worker() -> None:
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
         try:
-            with torch.inference_mode(), torch.cuda.stream(stream) if stream is not None else nullcontext():
+            on_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
+            with torch.inference_mode(), on_stream:
                 for _ in range(calls):
                     estimator(*inputs, streaming)
                 sync(device)
@@ -111,7 +114,8 @@ def time_concurrent(estimator: nn.Module, inputs: tuple[torch.Tensor, ...], thre
     return threads * calls / (time.perf_counter() - start)
 
 
-TRT_RESERVE_S = 45.0  # what timing the TensorRT modes and the concurrency test takes after the build
+# what timing the TensorRT modes and the concurrency test takes after the build
+TRT_RESERVE_S = 45.0
 
 
 def trt_profile(args: argparse.Namespace, max_rows: int) -> TrtProfile:
@@ -120,48 +124,57 @@ def trt_profile(args: argparse.Namespace, max_rows: int) -> TrtProfile:
 
 
 def prepare_engine(args: argparse.Namespace, max_rows: int) -> Path:
-    """Export the DiT (once) and build its engine (once per GPU/version/profile/precision) into the cache."""
+    """Export the DiT (once) and build its engine (once per GPU/version/profile/precision) into the
+    cache."""
     import tensorrt  # noqa: F401  (fail before the long export, not after it)
 
     device = torch.device(args.device or "cuda")
     mode = "streaming" if args.streaming else "offline"
-    path = Path(args.cache_dir) / "onnx" / f"dit_{args.size['depth']}x{args.size['dim']}_{mode}.onnx"
+    name = f"dit_{args.size['depth']}x{args.size['dim']}_{mode}.onnx"
+    path = Path(args.cache_dir) / "onnx" / name
     if not path.is_file():
         path = export_estimator(random_dit(args.size, device, torch.float32), path, args.streaming)
-    return cached_engine(path, args.cache_dir, trt_profile(args, max_rows), args.trt_precision, device,
-                         optimization_level=args.trt_opt_level)
+    return cached_engine(path, args.cache_dir, trt_profile(args, max_rows), args.trt_precision,
+                         device, optimization_level=args.trt_opt_level)
 
 
 def prepare_engine_within(args: argparse.Namespace, max_rows: int, seconds: float) -> Path:
     """prepare_engine in a child process killed after `seconds`: a slow first build cannot eat the
     device call; the cache keeps whatever finished (the export), so a rerun goes further."""
     if seconds <= 0:
-        raise TimeoutError("expected time left for the TensorRT export and build, got none (rerun with the cache)")
-    argv = [sys.executable, "-m", "bench.gpu_flow_estimator", "--prepare-trt", "--batches", args.batches,
-            "--frames", str(args.frames), "--trt-precision", args.trt_precision, "--cache-dir", args.cache_dir,
+        raise TimeoutError("expected time left for the TensorRT export and build, got none (rerun "
+                           "with the cache)")
+    argv = [sys.executable, "-m", "bench.gpu_flow_estimator", "--prepare-trt", "--batches",
+            args.batches,
+            "--frames", str(args.frames), "--trt-precision", args.trt_precision, "--cache-dir",
+            args.cache_dir,
             "--trt-opt-level", str(args.trt_opt_level)] + ([] if args.streaming else ["--offline"])
     try:
         done = subprocess.run(argv, timeout=seconds, capture_output=True, text=True, check=False)
     except subprocess.TimeoutExpired:
-        raise TimeoutError(f"expected the TensorRT export and build within {seconds:.0f} s, got more; "
-                           f"rerun: the cache ({args.cache_dir}) keeps what finished") from None
+        raise TimeoutError(f"expected the TensorRT export and build within {seconds:.0f} s, "
+                           f"got more; rerun: the cache ({args.cache_dir}) keeps what "
+                           "finished") from None
     if done.returncode != 0:
         raise RuntimeError(f"expected the TensorRT build to succeed, got: {done.stderr[-2000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("ENGINE ")]
     if not lines:
-        raise RuntimeError(f"expected the build to print the engine's path, got: {done.stdout[-2000:]}")
+        raise RuntimeError("expected the build to print the engine's path, got: "
+                           f"{done.stdout[-2000:]}")
     return Path(lines[-1].removeprefix("ENGINE "))
 
 
 def build_modes(args: argparse.Namespace, dit: DiTEstimator, device: torch.device, max_rows: int,
                 workdir: Path) -> dict[str, Callable[[], nn.Module]]:
-    """Each mode's estimator, made lazily (an engine build is long; a failed mode does not stop the rest)."""
+    """Each mode's estimator, made lazily (an engine build is long; a failed mode does not stop the
+    rest)."""
     def onnx_path() -> Path:
         return export_estimator(random_dit(args.size, device, torch.float32), workdir / "dit.onnx",
                                 args.streaming)
 
     engines: dict[str, Path] = {}
-    made: dict[int, nn.Module] = {}  # TensorRT estimators by number of contexts: the engine is prepared once
+    # TensorRT estimators by number of contexts: the engine is prepared once
+    made: dict[int, nn.Module] = {}
 
     def trt(contexts: int) -> Callable[[], nn.Module]:
         def make() -> nn.Module:
@@ -192,19 +205,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny DiT on the CPU (CI)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128", help="streams (CFG doubles the rows)")
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64,128",
+                        help="streams (CFG doubles the rows)")
     # prompt + history + chunk at serving sizes: about 480 frames (e.g. 150 + 75 + 15 tokens, x2)
     parser.add_argument("--frames", type=int, default=480)
     parser.add_argument("--offline", dest="streaming", action="store_false", help="full attention")
     parser.add_argument("--modes", default=None, help="default: eager,cuda_graphs[,tensorrt]")
     parser.add_argument("--trt-precision", choices=["fp16", "bf16", "fp32"], default="fp16")
-    parser.add_argument("--contexts", type=int, default=2, help="TensorRT execution contexts (against 1)")
-    parser.add_argument("--concurrency", type=int, default=4, help="threads in the concurrency test (0: skip)")
-    parser.add_argument("--cache-dir", default="bench/out/trt-cache", help="ONNX and engines (git-ignored)")
+    parser.add_argument("--contexts", type=int, default=2,
+                        help="TensorRT execution contexts (against 1)")
+    parser.add_argument("--concurrency", type=int, default=4,
+                        help="threads in the concurrency test (0: skip)")
+    parser.add_argument("--cache-dir", default="bench/out/trt-cache",
+                        help="ONNX and engines (git-ignored)")
     parser.add_argument("--trt-opt-level", type=int, default=2,
-                        help="builder optimization level (TensorRT's default is 3; 2 builds faster, to fit one call)")
-    parser.add_argument("--budget-s", type=float, default=270.0, help="wall-time budget of the whole run")
-    parser.add_argument("--prepare-trt", action="store_true", help=argparse.SUPPRESS)  # the child process
+                        help="builder optimization level (TensorRT's default is 3; 2 builds "
+                             "faster, to fit one call)")
+    parser.add_argument("--budget-s", type=float, default=270.0,
+                        help="wall-time budget of the whole run")
+    # the child process
+    parser.add_argument("--prepare-trt", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--json", help="write the results here (after each mode)")
@@ -215,23 +235,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     if args.smoke:
         args.device, args.dtype, args.batches, args.frames = "cpu", "float32", "1,2", 40
-        args.modes, args.steps, args.warmup, args.concurrency, args.size = "eager,static,onnxruntime", 2, 1, 2, TINY_DIT
+        args.modes = "eager,static,onnxruntime"
+        args.steps, args.warmup, args.concurrency, args.size = 2, 1, 2, TINY_DIT
         torch.set_num_threads(1)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     has_trt = trt_available() and device.type == "cuda"
-    modes = (args.modes or ("eager,cuda_graphs,tensorrt" if has_trt else "eager,cuda_graphs")).split(",")
+    modes = (args.modes
+             or ("eager,cuda_graphs,tensorrt" if has_trt else "eager,cuda_graphs")).split(",")
     batches = [int(b) for b in args.batches.split(",")]
     dtype = DTYPES[args.dtype]
     dit = random_dit(args.size, device, dtype)
-    result: dict[str, Any] = {"device": device_name(device), "dtype": args.dtype, "frames": args.frames, "streaming": args.streaming,
-                              "size": args.size, "trt_precision": args.trt_precision, "rows": [], "errors": {},
-                              "concurrency": []}
+    result: dict[str, Any] = {"device": device_name(device), "dtype": args.dtype,
+                              "frames": args.frames, "streaming": args.streaming,
+                              "size": args.size, "trt_precision": args.trt_precision, "rows": [],
+                              "errors": {}, "concurrency": []}
     save = Results(result, args.json).save
 
     with tempfile.TemporaryDirectory() as tmp:
-        makers = {m: cache(make) for m, make in build_modes(args, dit, device, 2 * max(batches), Path(tmp)).items()}
+        makers = {m: cache(make) for m, make in build_modes(args, dit, device, 2 * max(batches),
+                                                            Path(tmp)).items()}
         inputs = {n: example_inputs(2 * n, args.frames, dtype, device, seed=n) for n in batches}
-        reference: dict[int, torch.Tensor] = {}  # eager outputs, made when first compared (inside the try)
+        # eager outputs, made when first compared (inside the try)
+        reference: dict[int, torch.Tensor] = {}
 
         def eager_out(n: int) -> torch.Tensor:
             if n not in reference:
@@ -249,7 +274,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for n in batches:
                 try:
                     if isinstance(estimator, GraphedEstimator) and estimator.use_graphs:
-                        # a call never captures (the loader captures every bucket at load): capture first
+                        # a call never captures (the loader captures every bucket at load): capture
+                        # first
                         bucket = estimator.bucket_for(2 * n, args.frames, args.streaming)
                         if bucket is not None:
                             with torch.inference_mode():
@@ -269,8 +295,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             pairs = [("tensorrt_1ctx", "tensorrt")] if "tensorrt" in modes else [("eager", graphs)]
             for mode in (m for pair in pairs for m in pair):
                 try:
-                    rate = time_concurrent(makers[mode](), one, args.concurrency, args.steps, args.streaming, device)
-                    result["concurrency"].append({"mode": mode, "threads": args.concurrency, "passes_per_s": rate})
+                    rate = time_concurrent(makers[mode](), one, args.concurrency, args.steps,
+                                           args.streaming, device)
+                    result["concurrency"].append({"mode": mode, "threads": args.concurrency,
+                                                  "passes_per_s": rate})
                 except Exception as exc:  # noqa: BLE001 (as above)
                     result["errors"][f"concurrency {mode}"] = f"{type(exc).__name__}: {exc}"
                 save()
@@ -279,8 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any], modes: list[str], batches: list[int]) -> None:
-    print(f"CosyVoice 3 DiT {result['size']['depth']} x {result['size']['dim']}, random weights, {result['dtype']}, "
-          f"{result['device']}, {result['frames']} frames, {'chunked' if result['streaming'] else 'full'} attention")
+    print(f"CosyVoice 3 DiT {result['size']['depth']} x {result['size']['dim']}, random weights, "
+          f"{result['dtype']}, {result['device']}, {result['frames']} frames, "
+          f"{'chunked' if result['streaming'] else 'full'} attention")
     print("| streams | rows | " + " | ".join(f"{m} ms" for m in modes) + " | DESIGN anchor ms |")
     print("|" + "---|" * (len(modes) + 3))
     for n in batches:

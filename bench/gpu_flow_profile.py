@@ -133,13 +133,14 @@ def kernel_profile(run: Callable[[], Any], device: torch.device, top: int) -> di
         totals[category(event.key)] = totals.get(category(event.key), 0.0) + ms
         rows.append((ms, event.count, event.key[:90]))
     rows.sort(reverse=True)
-    return {"by_category_ms": {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+    return {"by_category_ms": {k: round(v, 3)
+                               for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
             "total_ms": round(sum(totals.values()), 3),
             "top": [{"ms": round(ms, 3), "calls": n, "kernel": name} for ms, n, name in rows[:top]]}
 
 
-def attention_forms(rows: int, frames: int, heads: int, dim_head: int, dtype: torch.dtype, device: torch.device,
-                    steps: int, warmup: int) -> dict[str, float]:
+def attention_forms(rows: int, frames: int, heads: int, dim_head: int, dtype: torch.dtype,
+                    device: torch.device, steps: int, warmup: int) -> dict[str, float]:
     """ms of one layer's attention per mask form."""
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(rows, heads, frames, dim_head, generator=gen, device=device, dtype=dtype)
@@ -168,7 +169,8 @@ def anchor_estimator(path: str, like: torch.nn.Module, size: dict[str, int], dev
         raise ValueError(f"expected a Python file for --anchor-dit, got {path!r}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    anchor: torch.nn.Module = module.DiTEstimator(size["dim"], size["depth"], size["heads"], size["dim_head"],
+    anchor: torch.nn.Module = module.DiTEstimator(size["dim"], size["depth"], size["heads"],
+                                                  size["dim_head"],
                                                   ff_mult=2, mel_dim=80, mu_dim=80, spk_dim=80,
                                                   static_chunk_size=CHUNK)
     anchor.load_state_dict(like.state_dict())
@@ -187,12 +189,14 @@ def attention_backends(rows: int, frames: int, heads: int, dim_head: int, dtype:
     gen = torch.Generator(device=device).manual_seed(0)
 
     def inputs(length: int) -> tuple[torch.Tensor, ...]:
-        q, k, v = (torch.randn(rows, heads, length, dim_head, generator=gen, device=device, dtype=dtype)
+        q, k, v = (torch.randn(rows, heads, length, dim_head, generator=gen, device=device,
+                               dtype=dtype)
                    for _ in range(3))
         valid = torch.ones(rows, length, dtype=torch.bool, device=device)
         return q, k, v, chunk_attention_mask(valid, CHUNK, True)[:, None]
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     out: dict[str, dict[str, Any]] = {}
@@ -217,10 +221,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="tiny DiT on the CPU (CI)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--cases", default="128x480,128x200,8x480,1x480", help="STREAMSxFRAMES, comma-separated")
+    parser.add_argument("--cases", default="128x480,128x200,8x480,1x480",
+                        help="STREAMSxFRAMES, comma-separated")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the estimator at the first case (default: yes, not with --smoke)")
-    parser.add_argument("--anchor-dit", help="flow_dit.py of the build before a change, timed beside this one")
+                        help="torch.compile the estimator at the first case (default: yes, not "
+                             "with --smoke)")
+    parser.add_argument("--anchor-dit",
+                        help="flow_dit.py of the build before a change, timed beside this one")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
@@ -236,13 +243,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size, device = REAL_DIT, torch.device(args.device or "cuda")
         dtype, cases = DTYPES[args.dtype], parse_cases(args.cases)
         args.compile = args.compile is not False
-    result: dict[str, Any] = {"device": device_name(device), "torch": torch.__version__, "dtype": str(dtype),
-                              "size": size, "cases": [], "errors": []}
+    result: dict[str, Any] = {"device": device_name(device), "torch": torch.__version__,
+                              "dtype": str(dtype), "size": size, "cases": [], "errors": []}
     results = Results(result, args.json, args.budget_s, started, echo=True)
     save, part = results.save, results.part
 
     dit = random_dit(size, device, dtype)
-    anchor = anchor_estimator(args.anchor_dit, dit, size, device, dtype) if args.anchor_dit else None
+    anchor = (anchor_estimator(args.anchor_dit, dit, size, device, dtype) if args.anchor_dit
+              else None)
     result["anchor_dit"] = args.anchor_dit
 
     def runner(streams: int, frames: int) -> Callable[..., torch.Tensor]:
@@ -258,8 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run, label = runner(streams, frames), f"{streams}x{frames}"
         case: dict[str, Any] = {"streams": streams, "rows": 2 * streams, "frames": frames}
         result["cases"].append(case)
-        case["eager_ms"] = part(f"{label} eager", lambda: round(median_ms(run, device, args.steps,
-                                                                            args.warmup), 3))
+        case["eager_ms"] = part(f"{label} eager",
+                                lambda: round(median_ms(run, device, args.steps, args.warmup), 3))
         case["ops"] = part(f"{label} ops", lambda: ops_per_pass(run))
         save()
         if anchor is not None:
@@ -272,10 +280,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         case["kernels"] = part(f"{label} kernels", lambda: kernel_profile(run, device, args.top))
         save()
         case["attention_ms"] = part(f"{label} attention", lambda: attention_forms(
-            2 * streams, frames, size["heads"], size["dim_head"], dtype, device, args.steps, args.warmup))
+            2 * streams, frames, size["heads"], size["dim_head"], dtype, device, args.steps,
+            args.warmup))
         save()
         case["attention_backends"] = part(f"{label} attention backends", lambda: attention_backends(
-            2 * streams, frames, size["heads"], size["dim_head"], dtype, device, args.steps, args.warmup))
+            2 * streams, frames, size["heads"], size["dim_head"], dtype, device, args.steps,
+            args.warmup))
         save()
 
     def first_compile(model: Any, streams: int, frames: int) -> dict[str, float]:
@@ -287,14 +297,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sync(device)
         seconds = time.perf_counter() - start
         ms = median_ms(lambda: run(model), device, args.steps, args.warmup)
-        return {"streams": streams, "frames": frames, "first_call_s": round(seconds, 1), "ms": round(ms, 3),
-                "rel_rms": rel_rms(got, want)}
+        return {"streams": streams, "frames": frames, "first_call_s": round(seconds, 1),
+                "ms": round(ms, 3), "rel_rms": rel_rms(got, want)}
 
     for streams, frames in cases:
         profile_case(streams, frames)
     if args.compile:  # last: the compile is the longest part and may meet the caller's timeout
-        result["cases"][0]["compiled"] = part(f"{cases[0][0]}x{cases[0][1]} compiled", lambda: first_compile(
-            torch.compile(dit, dynamic=False), *cases[0]))
+        result["cases"][0]["compiled"] = part(
+            f"{cases[0][0]}x{cases[0][1]} compiled",
+            lambda: first_compile(torch.compile(dit, dynamic=False), *cases[0]))
         save()
 
         def dynamic() -> list[dict[str, float]]:

@@ -59,12 +59,12 @@ ANSWERS = [
 ]
 
 
-# -- the server (a child process) -------------------------------------------------------------------
+# -- the server (a child process) ------------------------------------------------------------------
 
 
 def child_main(argv: list[str]) -> int:
-    """Run `voxgate` with `argv`; with --strict-min-length first, every stop id is forbidden below the
-    LM's minimum length (random weights: the text sets the answer's length)."""
+    """Run `voxgate` with `argv`; with --strict-min-length first, every stop id is forbidden below
+    the LM's minimum length (random weights: the text sets the answer's length)."""
     strict = "--strict-min-length" in argv
     argv = [a for a in argv if a != "--strict-min-length"]
     if strict:
@@ -90,9 +90,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace, port: int, workdir: Path, log_path: Path) -> subprocess.Popen[bytes]:
+def start_server(args: argparse.Namespace, port: int, workdir: Path,
+                 log_path: Path) -> subprocess.Popen[bytes]:
     root = Path(args.root).resolve()
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--strict-min-length", "serve",
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--strict-min-length",
+               "serve",
                "--engine", "cosyvoice", "--model-dir", str(args.model_dir), "--voice", "default",
                "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(workdir / "data"),
                "--shutdown-grace", "2", "--engine-option", "tokenizer=bytes",
@@ -102,7 +104,8 @@ def start_server(args: argparse.Namespace, port: int, workdir: Path, log_path: P
         command += ["--engine-option", option]
     command += args.server_arg
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "PYTHONPATH": os.pathsep.join([str(root),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
     with log_path.open("wb") as log:
         return subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -119,7 +122,8 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], deadline: float) -> None
         except OSError:
             pass
         time.sleep(0.5)
-    raise TimeoutError("expected the server to be ready within the budget, got no answer from /readyz")
+    raise TimeoutError("expected the server to be ready within the budget, got no answer from "
+                       "/readyz")
 
 
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
@@ -147,12 +151,13 @@ def engine_metrics(url: str) -> dict[str, float]:
     return out
 
 
-# -- the load ---------------------------------------------------------------------------------------
+# -- the load --------------------------------------------------------------------------------------
 
 
 def level_row(sessions: int, summary: dict[str, Any], holds: bool) -> dict[str, Any]:
     ttfa, turns, gaps = summary["ttfa_segment_ms"], summary["turns"], summary["gaps"]
-    return {"sessions": sessions, "holds": holds, "ttfa_p50_ms": ttfa.get("p50"), "ttfa_p95_ms": ttfa.get("p95"),
+    return {"sessions": sessions, "holds": holds, "ttfa_p50_ms": ttfa.get("p50"),
+            "ttfa_p95_ms": ttfa.get("p95"),
             "gaps": gaps["count"], "gap_ms": gaps["total_ms"], "turns_started": turns["started"],
             "turns_completed": turns["completed"], "turns_failed": turns["failed"],
             "turns_timed_out": turns["timed_out"], "turns_aborted": turns["aborted"],
@@ -179,7 +184,8 @@ async def run_levels(args: argparse.Namespace, url: str, corpus_path: Path, dead
         holds = passes(level.summary, args.ttfa_target_ms)
         row = level_row(n, level.summary, holds)
         result["levels"].append(row)
-        ttfa = "-" if row["ttfa_p50_ms"] is None else f"{row['ttfa_p50_ms']:.0f} / {row['ttfa_p95_ms']:.0f}"
+        ttfa = ("-" if row["ttfa_p50_ms"] is None
+                else f"{row['ttfa_p50_ms']:.0f} / {row['ttfa_p95_ms']:.0f}")
         print(f"[{result['label']}] {n} sessions: TTFA p50 / p95 {ttfa} ms, "
               f"{row['gaps']} gaps, {row['turns_completed']} of {row['turns_started']} turns done, "
               f"errors {row['errors']}: {'holds' if holds else 'fails'}", flush=True)
@@ -187,14 +193,15 @@ async def run_levels(args: argparse.Namespace, url: str, corpus_path: Path, dead
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [("| sessions | TTFA p50 / p95 ms | gaps (total ms) | turns done / started | refused or failed "
-              "| audio s per s | holds |"), "|---|---|---|---|---|---|---|"]
+    lines = [("| sessions | TTFA p50 / p95 ms | gaps (total ms) | turns done / started | refused "
+              "or failed | audio s per s | holds |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         p50, p95 = r["ttfa_p50_ms"], r["ttfa_p95_ms"]
         ttfa = "-" if p50 is None else f"{p50:.0f} / {p95:.0f}"
-        lines.append(f"| {r['sessions']} | {ttfa} | {r['gaps']} ({r['gap_ms']:.0f}) | {r['turns_completed']} / "
-                     f"{r['turns_started']} | {r['turns_failed'] + r['turns_timed_out']} "
-                     f"| {r['audio_s_per_s']:.1f} | {'yes' if r['holds'] else 'no'} |")
+        lines.append(f"| {r['sessions']} | {ttfa} | {r['gaps']} ({r['gap_ms']:.0f}) | "
+                     f"{r['turns_completed']} / {r['turns_started']} | "
+                     f"{r['turns_failed'] + r['turns_timed_out']} | {r['audio_s_per_s']:.1f} | "
+                     f"{'yes' if r['holds'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -211,7 +218,8 @@ def ensure_model(model_dir: Path, reference: Path, tiny: bool) -> None:
 
     if not (model_dir / "llm.pt").is_file():
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        write_random_model_dir(model_dir, 3, QWEN2_TINY if tiny else QWEN2_05B, flow_size="tiny" if tiny else "real",
+        write_random_model_dir(model_dir, 3, QWEN2_TINY if tiny else QWEN2_05B,
+                               flow_size="tiny" if tiny else "real",
                                with_frontend=True, device=device, dtype=torch.float16)
     if not reference.is_file():
         write_reference_wav(reference, seconds=3.0)
@@ -219,24 +227,33 @@ def ensure_model(model_dir: Path, reference: Path, tiny: bool) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, two short levels (CI)")
-    parser.add_argument("--model-dir", help="the CosyVoice model directory to serve (default: a random one "
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model on the CPU, two short levels (CI)")
+    parser.add_argument("--model-dir",
+                        help="the CosyVoice model directory to serve (default: a random one "
                         "written under --workdir)")
-    parser.add_argument("--reference", help="the default voice's reference WAV, transcript 'Hello there.' "
+    parser.add_argument("--reference",
+                        help="the default voice's reference WAV, transcript 'Hello there.' "
                         "(default: a synthetic 3 s one written under --workdir)")
-    parser.add_argument("--root", default=str(REPO), help="the checkout whose gateway and engine serve")
+    parser.add_argument("--root", default=str(REPO),
+                        help="the checkout whose gateway and engine serve")
     parser.add_argument("--label", default="this build")
     parser.add_argument("--levels", default="1,8,32,64,128", help="sessions per level, in order")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds per level (turns start)")
-    parser.add_argument("--drain", type=float, default=10.0, help="seconds the last turns may finish")
-    parser.add_argument("--think", type=float, default=1.0, help="mean pause between a session's turns")
+    parser.add_argument("--duration", type=float, default=20.0,
+                        help="seconds per level (turns start)")
+    parser.add_argument("--drain", type=float, default=10.0,
+                        help="seconds the last turns may finish")
+    parser.add_argument("--think", type=float, default=1.0,
+                        help="mean pause between a session's turns")
     parser.add_argument("--token-rate", type=float, default=40.0, help="LLM tokens per second")
     parser.add_argument("--turn-timeout", type=float, default=30.0)
     parser.add_argument("--ttfa-target-ms", type=float, default=300.0)
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                        help="another `voxgate serve` argument (repeat; e.g. --server-arg=--max-contexts=256)")
-    parser.add_argument("--workdir", help="where the server's data and log go (default: a new temp dir)")
+                        help="another `voxgate serve` argument (repeat; e.g. "
+                             "--server-arg=--max-contexts=256)")
+    parser.add_argument("--workdir",
+                        help="where the server's data and log go (default: a new temp dir)")
     parser.add_argument("--server-log", help="copy the server's log here at the end")
     parser.add_argument("--budget-s", type=float, default=240.0, help="wall time for the whole run")
     parser.add_argument("--json")
@@ -272,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         wait_ready(url, proc, deadline)
         result["load_s"] = time.monotonic() - started
-        print(f"[{args.label}] voxgate serve --engine cosyvoice ready in {result['load_s']:.0f} s", flush=True)
+        print(f"[{args.label}] voxgate serve --engine cosyvoice ready in {result['load_s']:.0f} s",
+              flush=True)
         asyncio.run(run_levels(args, url, corpus_path, deadline, result, save))
         result["metrics"] = engine_metrics(url)
     except Exception as exc:  # noqa: BLE001 (what was measured is kept and said)

@@ -173,7 +173,7 @@ class Backend(ABC):
         """Free what the request holds (a finished or cancelled request)."""
         item.state = None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default that does nothing, not a missing abstract
         """Stop every thread and pool of the backend's own; the engine stopped (`Engine.stop`)
         and no step, prepare or release runs after this. The default has none."""
 
@@ -199,7 +199,8 @@ class Backend(ABC):
         """
         return None
 
-    def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
+    def make_voice_features(self, audio: np.ndarray, sample_rate: int,
+                            transcript: str) -> bytes | None:
         """A reference voice's prompt features, serialized; None when the backend needs none.
 
         audio: [T] mono float32 in [-1, 1] at `sample_rate` (the upload's own rate).

@@ -110,7 +110,8 @@ class RequestHandle:
         self.taken_s += chunk.duration_ms / 1000.0
 
     def lead(self, now: float) -> float:
-        """Seconds until this request's listener runs out of audio (negative: ran out that long ago)."""
+        """Seconds until this request's listener runs out of audio (negative: ran out that long
+        ago)."""
         start = self.start()
         elapsed = now - start
         if elapsed > self.taken_s and self.made_s <= self.taken_s + 1e-9:

@@ -17,14 +17,15 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def config_from_options(cls: type[T], name: str, options: dict[str, Any], env_prefix: str | None = None,
-                        environ: dict[str, str] | None = None) -> T:
+def config_from_options(cls: type[T], name: str, options: dict[str, Any],
+                        env_prefix: str | None = None, environ: dict[str, str] | None = None) -> T:
     """`cls` built from `env_prefix + FIELD` variables, then `options` (which win)."""
     env = os.environ if environ is None else environ
     known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(options) - set(known))
     if unknown:
-        raise ValueError(f"unknown {name} option {unknown[0]!r}; expected one of: {', '.join(sorted(known))}")
+        raise ValueError(f"unknown {name} option {unknown[0]!r}; expected one of: "
+                         f"{', '.join(sorted(known))}")
     values: dict[str, Any] = {}
     for key, f in known.items():
         raw: Any = env.get(env_prefix + key.upper()) if env_prefix else None
@@ -54,6 +55,7 @@ def convert_option(key: str, raw: Any, default: Any, annotation: str) -> Any:
         if isinstance(default, float) or annotation.startswith("float"):
             return float(raw)
     except ValueError:
-        kind = "an integer" if isinstance(default, int) or annotation.startswith("int") else "a number"
+        is_int = isinstance(default, int) or annotation.startswith("int")
+        kind = "an integer" if is_int else "a number"
         raise ValueError(f"{key} must be {kind}, got {raw!r}") from None
     return raw

@@ -130,7 +130,8 @@ def context_of(request: SynthesisRequest) -> str:
 
 
 def is_busy(batch: list[BackendRequest], now: float, busy_lead_s: float) -> bool:
-    """Whether a step of `batch` runs work due within `busy_lead_s` (not look-ahead that can wait)."""
+    """Whether a step of `batch` runs work due within `busy_lead_s` (not look-ahead that can
+    wait)."""
     return min((due_of(item) for item in batch), default=now) - now <= busy_lead_s
 
 
@@ -254,7 +255,8 @@ class Scheduler:
         self.stats.last_batch_size = len(batch)
         return batch
 
-    def record_step(self, batch: list[BackendRequest], seconds: float, audio_s: float, now: float) -> None:
+    def record_step(self, batch: list[BackendRequest], seconds: float, audio_s: float,
+                    now: float) -> None:
         self.cost.observe(len(batch), seconds, audio_s)
         self.stats.num_deadline_misses += sum(1 for b in batch if due_of(b) + seconds < now - 1e-3)
 

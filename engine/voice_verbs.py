@@ -55,7 +55,8 @@ class VoiceVerbs:
 
     @property
     def voice_features_version(self) -> str:
-        """Names the format of `make_voice_features`' output; stored features of another are stale."""
+        """Names the format of `make_voice_features`' output; stored features of another are
+        stale."""
         return self.backend.voice_features_version
 
     async def make_voice_features(self, audio: np.ndarray, sample_rate: int,
@@ -66,12 +67,14 @@ class VoiceVerbs:
         """
         executor = self.backend.voice_features_executor()
         if executor is None:
-            return await self._on_worker(self.backend.make_voice_features, audio, sample_rate, transcript)
+            return await self._on_worker(self.backend.make_voice_features, audio, sample_rate,
+                                         transcript)
         loop = asyncio.get_running_loop()  # the backend's own executor: steps go on meanwhile
         return await loop.run_in_executor(executor, self.backend.make_voice_features,
                                           audio, sample_rate, transcript)
 
-    async def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
+    async def add_voice(self, voice_id: str, features: bytes | None,
+                        meta: dict[str, Any]) -> VoiceInfo:
         """Make a registered voice speakable and listed (replacing one of the same id)."""
         return await self._change_voices(self.backend.add_voice, voice_id, features, meta)
 

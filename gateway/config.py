@@ -21,7 +21,8 @@ from gateway.stream.options import Limits
 from gateway.text.routing import merge_voice_for, normalize_voice_for, parse_voice_for
 
 #: fields with a structure of their own, never read whole from one variable (limits field by
-#: field, auth from AUTH_OPTIONS and its variables, voice_for from VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER)
+#: field, auth from AUTH_OPTIONS and its variables, voice_for from
+#: VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER)
 _STRUCTURED = ("limits", "auth", "engine_options", "voice_for")
 
 #: the options `auth` is built from, named as `voxgate serve` names its flags; their variables:
@@ -66,30 +67,36 @@ class GatewayConfig:
     header_timeout_s: float = 10.0
     #: uvicorn's limit on open connections (0: max_sessions + 256 for HTTP); more get 503
     max_connections: int = 0
-    session_token_ttl_s: float = 60.0  # POST /v1/session-tokens: how long a token may wait for its use
+    # POST /v1/session-tokens: how long a token may wait for its use
+    session_token_ttl_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be within 0-65535, got {self.port}")
         if self.max_batch_size < 0:
-            raise ValueError(f"max_batch_size must be >= 0 (0: the engine's default), got {self.max_batch_size}")
+            raise ValueError("max_batch_size must be >= 0 (0: the engine's default), got "
+                             f"{self.max_batch_size}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_sockets_per_key < 1:
             raise ValueError(f"max_sockets_per_key must be >= 1, got {self.max_sockets_per_key}")
         if not 1 <= self.max_keyless_sockets_per_address <= self.max_keyless_sockets:
-            raise ValueError("expected 1 <= max_keyless_sockets_per_address <= max_keyless_sockets, "
-                             f"got {self.max_keyless_sockets_per_address} and {self.max_keyless_sockets}")
+            raise ValueError("expected 1 <= max_keyless_sockets_per_address <= "
+                             f"max_keyless_sockets, got {self.max_keyless_sockets_per_address} and "
+                             f"{self.max_keyless_sockets}")
         if self.max_contexts < 0:
             raise ValueError(f"max_contexts must be >= 0 (0: estimate), got {self.max_contexts}")
         if not 0 < self.session_token_ttl_s <= 3600:
-            raise ValueError(f"session_token_ttl_s must be within (0, 3600], got {self.session_token_ttl_s}")
+            raise ValueError("session_token_ttl_s must be within (0, 3600], got "
+                             f"{self.session_token_ttl_s}")
         if not 0.0 <= self.max_engine_share <= 1.0:
-            raise ValueError(f"max_engine_share must be within [0, 1] (0: auto), got {self.max_engine_share}")
+            raise ValueError("max_engine_share must be within [0, 1] (0: auto), got "
+                             f"{self.max_engine_share}")
         if self.header_timeout_s <= 0:
             raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_connections < 0:
-            raise ValueError(f"max_connections must be >= 0 (0: max_sessions + 256), got {self.max_connections}")
+            raise ValueError("max_connections must be >= 0 (0: max_sessions + 256), got "
+                             f"{self.max_connections}")
         self.data_dir = Path(self.data_dir)
         self.voice_for = merge_voice_for(normalize_voice_for(self.voice_for))
 
@@ -134,7 +141,8 @@ def load_config(options: Mapping[str, Any] | None = None,
     fields_given = {"limits": limits, "auth": auth, **given}
     if "voice_for" not in fields_given and voice_for.strip():
         fields_given["voice_for"] = parse_voice_for(p for p in voice_for.split(",") if p.strip())
-    return config_from_options(GatewayConfig, "gateway", fields_given, env_prefix="VOXGATE_", environ=env)
+    return config_from_options(GatewayConfig, "gateway", fields_given, env_prefix="VOXGATE_",
+                               environ=env)
 
 
 def _load_auth(options: dict[str, Any], env: Mapping[str, str]) -> AuthConfig:

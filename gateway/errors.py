@@ -63,7 +63,8 @@ class ProtocolError(VoxgateError):
 
 
 class ShareExceededError(VoxgateError):
-    """The client already holds its share of the engine's contexts (gateway/access/fair_share.py)."""
+    """The client already holds its share of the engine's contexts
+    (gateway/access/fair_share.py)."""
 
     code = "rate_limited"
     status = 429

@@ -55,7 +55,8 @@ def _shares(text: str) -> tuple[float, float]:
     try:
         return (float(low), float(high)) if sep else (float(low), float(low))
     except ValueError:
-        raise SystemExit(f"--barge-in-at: expected LOW-HIGH such as 0.1-0.9, got {text!r}")
+        raise SystemExit("--barge-in-at: expected LOW-HIGH such as 0.1-0.9, "
+                         f"got {text!r}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,6 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.text.language import runs_of
+from loadtest.config import LoadConfig
+from loadtest.corpus import Answer, first_segment_token, tokenize
+from loadtest.metrics import Outcome, TurnRecord
 from voxgate_client import (
     AsyncVoxgate,
     Audio,
@@ -37,11 +41,6 @@ from voxgate_client import (
     TurnListener,
     VoxgateError,
 )
-
-from gateway.text.language import runs_of
-from loadtest.config import LoadConfig
-from loadtest.corpus import Answer, first_segment_token, tokenize
-from loadtest.metrics import Outcome, TurnRecord
 
 _CANCEL_TIMEOUT_S = 5.0
 _RETRY_PAUSE_S = 1.0

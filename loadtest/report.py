@@ -46,7 +46,8 @@ def format_table(result: LevelResult) -> str:
     spoken = ", ".join(f"{k} {v}" for k, v in text["spoken_letters_by_script"].items()) or "none"
     skipped = ", ".join(f"{k} {v}" for k, v in text["skipped_chars_by_language"].items()) or "none"
     lines.append(f"text: {text['spoken_letters']} letters spoken ({spoken}), "
-                 f"{text['skipped_chars']} characters skipped ({skipped}: no voice for their language)")
+                 f"{text['skipped_chars']} characters skipped "
+                 f"({skipped}: no voice for their language)")
     lines.append("errors: " + (", ".join(f"{k}={v}" for k, v in s["errors"].items()) or "none"))
     if s["violations"]:
         lines.append("protocol violations: "
@@ -110,7 +111,7 @@ def plot_ttfa(series: dict[str, list[LevelResult]], ttfa_target_ms: float,
     levels = sorted({r.sessions for results in series.values() for r in results})
     colours = plt.get_cmap("viridis")
     lowest, highest = math.inf, -math.inf
-    for ax, (name, results) in zip(axes[0], series.items()):
+    for ax, (name, results) in zip(axes[0], series.items(), strict=True):
         for r in sorted(results, key=lambda r: r.sessions):
             values = sorted(t.ttfa_segment_ms for t in r.turns if t.ttfa_segment_ms is not None)
             if not values:
@@ -153,9 +154,10 @@ def plot_capacity(series: dict[str, list[LevelResult]], ttfa_target_ms: float,
         (line,) = ax.plot(xs, p95, marker="o", label=f"{name} p95")
         ax.plot(xs, p50, marker=".", linestyle="--", color=line.get_color(),
                 label=f"{name} p50")
-        gapped = [(x, y) for x, y, r in zip(xs, p95, results) if r.summary["gaps"]["count"]]
+        gapped = [(x, y) for x, y, r in zip(xs, p95, results, strict=True)
+                  if r.summary["gaps"]["count"]]
         if gapped:
-            ax.scatter(*zip(*gapped), marker="x", s=80, color="red", zorder=3,
+            ax.scatter(*zip(*gapped, strict=True), marker="x", s=80, color="red", zorder=3,
                        label=f"{name}: gaps heard")
     ax.axhline(ttfa_target_ms, color="grey", linestyle=":", label=f"target {ttfa_target_ms:g} ms")
     levels = sorted({r.sessions for results in series.values() for r in results})

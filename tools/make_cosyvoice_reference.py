@@ -1,4 +1,5 @@
-"""Write the cosyvoice backend's default reference voice: piper's built-in voice saying one sentence.
+"""Write the cosyvoice backend's default reference voice: piper's built-in voice saying one
+sentence.
 
     python -m tools.make_cosyvoice_reference
 

@@ -5,6 +5,7 @@ import asyncio
 import sys
 
 from openai import AsyncOpenAI
+
 from voxgate_client import AsyncVoxgate, Player, Speakers, key_press
 
 

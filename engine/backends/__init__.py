@@ -20,7 +20,8 @@ def create_backend(name: str, **options: Any) -> Backend:
         from engine.backends.piper.backend import PiperBackend
         from engine.backends.piper.config import PiperBackendConfig
 
-        return PiperBackend(config_from_options(PiperBackendConfig, "piper", options, "VOXGATE_PIPER_"))
+        return PiperBackend(config_from_options(PiperBackendConfig, "piper", options,
+                                                "VOXGATE_PIPER_"))
     if name == "cosyvoice":  # imports torch: only when asked for
         from engine.backends.cosyvoice.backend import CosyVoiceBackend
         from engine.backends.cosyvoice.config import CosyVoiceBackendConfig

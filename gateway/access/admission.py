@@ -60,7 +60,8 @@ class Refused(ProtocolError):
     """A socket refused at the door: fatal, with the close code that follows its error and
     the `reason` it is counted under (one of RESULTS)."""
 
-    def __init__(self, code: str, message: str, close_code: int, *, reason: str | None = None) -> None:
+    def __init__(self, code: str, message: str, close_code: int, *,
+                 reason: str | None = None) -> None:
         super().__init__(code, message, fatal=True)
         self.close_code = close_code
         self.reason = reason or code
@@ -146,13 +147,15 @@ def _check(state: AppState, connection: HTTPConnection, key: str | None, protoco
     authorized = is_authorized(config.auth, key)
     if not authorized and not defer_auth:
         metrics.observe("error:unauthorized", 1)
-        raise Refused("unauthorized", f"a valid API key is required: {key_hint}", CLOSE_UNAUTHORIZED)
+        raise Refused("unauthorized", f"a valid API key is required: {key_hint}",
+                      CLOSE_UNAUTHORIZED)
     headers = connection.headers
     if not is_origin_allowed(config.auth, headers.get("origin"), headers.get("host")):
         raise Refused("unauthorized", "this origin is not allowed (see --allowed-origins)",
                       CLOSE_FORBIDDEN, reason="forbidden_origin")
     if state.is_shutting_down:
-        raise Refused("busy", "the server is shutting down", CLOSE_GOING_AWAY, reason="shutting_down")
+        raise Refused("busy", "the server is shutting down", CLOSE_GOING_AWAY,
+                      reason="shutting_down")
     host = connection.client.host if connection.client else None
     if not authorized:  # its key is to come in its first message: it waits in the keyless pool
         pool = state.keyless
@@ -164,7 +167,8 @@ def _check(state: AppState, connection: HTTPConnection, key: str | None, protoco
             raise Refused(why, f"{held} waiting for a key in their first message already; send "
                           f"the key at the handshake ({key_hint}) or try again later",
                           CLOSE_TRY_AGAIN_LATER)
-        return Admission(state, protocol, owner_of(None, host, is_auth_enabled=config.auth.is_enabled),
+        return Admission(state, protocol,
+                         owner_of(None, host, is_auth_enabled=config.auth.is_enabled),
                          principal_of(config.auth, None), host, key_hint, is_authorized=False)
     # The key with auth on; with auth off, any key passes, so the client's address
     # (gateway/access/fair_share.py): the socket cap and the engine share are per owner.

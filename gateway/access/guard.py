@@ -21,15 +21,19 @@ model"), applies in order:
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.access.keys import OPERATOR, Principal, is_authorized, presented_key, principal_of
 from gateway.access.origins import is_loopback_host, is_origin_allowed
 from gateway.errors import http_error
+
+if TYPE_CHECKING:
+    from gateway.state import AppState
 
 _PRINCIPAL = "voxgate.principal"
 _READS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -44,11 +48,11 @@ def principal(request: Request) -> Principal:
 class AccessGuard:
     """The checks above, as ASGI middleware; `state` is the app's AppState."""
 
-    def __init__(self, app: Any, state: Any) -> None:
+    def __init__(self, app: ASGIApp, state: AppState) -> None:
         self.app = app
         self.state = state
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
@@ -57,29 +61,32 @@ class AccessGuard:
         host = headers.get("host")
         if auth.is_loopback_mode and not is_loopback_host(host):
             await self._refuse(scope, receive, send, 421, "misdirected_request",
-                               "with auth off this server answers only to loopback names (localhost, "
-                               f"127.0.0.1, [::1]); got Host {host!r}. Set VOXGATE_API_KEYS to serve "
-                               "other names")
+                               "with auth off this server answers only to loopback names "
+                               f"(localhost, 127.0.0.1, [::1]); got Host {host!r}. Set "
+                               "VOXGATE_API_KEYS to serve other names")
             return
         is_http = scope["type"] == "http"
         if is_http and scope["method"] not in _READS and not is_origin_allowed(
                 auth, headers.get("origin"), host):
             self.state.metrics.observe("error:forbidden_origin", 1)
             await self._refuse(scope, receive, send, 403, "forbidden_origin",
-                               "requests from this page's origin are not allowed (see --allowed-origins)")
+                               "requests from this page's origin are not allowed (see "
+                               "--allowed-origins)")
             return
         if not is_http and scope["path"] == "/v1/stream":
             scope = self._redeem_token(scope)
-        key = presented_key(Headers(scope=scope), dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))))
+        key = presented_key(Headers(scope=scope),
+                            dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))))
         if is_http and scope["path"].startswith("/v1/") and not is_authorized(auth, key):
             self.state.metrics.observe("error:unauthorized", 1)
-            await http_error(401, "unauthorized", "a valid API key is required: Authorization: Bearer <key>",
+            await http_error(401, "unauthorized",
+                             "a valid API key is required: Authorization: Bearer <key>",
                              headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
         scope = {**scope, _PRINCIPAL: principal_of(auth, key)}
         await self.app(scope, receive, send)
 
-    def _redeem_token(self, scope: dict[str, Any]) -> dict[str, Any]:
+    def _redeem_token(self, scope: Scope) -> Scope:
         """The socket's `?token=` swapped for the key it stands for (a bad token: no key)."""
         query = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
         tokens = [v for k, v in query if k == "token"]
@@ -93,7 +100,8 @@ class AccessGuard:
         return {**scope, "query_string": rest, "headers": raw}
 
     @staticmethod
-    async def _refuse(scope: Any, receive: Any, send: Any, status: int, code: str, message: str) -> None:
+    async def _refuse(scope: Scope, receive: Receive, send: Send, status: int, code: str,
+                      message: str) -> None:
         if scope["type"] == "http":
             await http_error(status, code, message)(scope, receive, send)
             return

@@ -34,8 +34,9 @@ class KeylessPool:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_per_address <= self.max_sockets:
-            raise ValueError("expected 1 <= max_keyless_sockets_per_address <= max_keyless_sockets, "
-                             f"got {self.max_per_address} and {self.max_sockets}")
+            raise ValueError("expected 1 <= max_keyless_sockets_per_address <= "
+                             f"max_keyless_sockets, got {self.max_per_address} and "
+                             f"{self.max_sockets}")
 
     def acquire(self, address: str) -> str | None:
         """Take a place for a socket from `address`; None when taken, else why not: "busy"

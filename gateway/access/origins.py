@@ -32,7 +32,8 @@ def check_exposure(host: str, auth: AuthConfig) -> str:
     if is_loopback(host):
         return "auth is off (bound to loopback only); set VOXGATE_API_KEYS to require keys"
     if auth.allow_no_auth:
-        return f"WARNING: auth is off and the server listens on {host}; anyone who reaches it can use it"
+        return (f"WARNING: auth is off and the server listens on {host}; "
+                "anyone who reaches it can use it")
     raise ValueError(f"refusing to listen on {host} without API keys: set VOXGATE_API_KEYS (or "
                      "--api-keys-file), or pass --no-auth to accept an open server")
 

@@ -101,7 +101,8 @@ class RedactingFilter(logging.Filter):
         if isinstance(record.args, tuple):
             record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
         elif isinstance(record.args, Mapping):
-            record.args = {k: redact(v) if isinstance(v, str) else v for k, v in record.args.items()}
+            record.args = {k: redact(v) if isinstance(v, str) else v
+                           for k, v in record.args.items()}
         if record.args:
             try:
                 line = record.getMessage()

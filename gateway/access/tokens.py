@@ -11,12 +11,16 @@ import hashlib
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.access.keys import presented_key
 from gateway.errors import http_error
+
+if TYPE_CHECKING:
+    from gateway.state import AppState
 
 
 @dataclass(slots=True)
@@ -83,7 +87,7 @@ class SessionTokens:
 
 async def create_session_token(request: Request) -> Response:
     """`POST /v1/session-tokens`: a single-use token for the socket, for the key that asked."""
-    state = request.app.state.voxgate
+    state: AppState = request.app.state.voxgate
     auth = state.config.auth
     if not auth.is_enabled:
         return http_error(400, "auth_off", "auth is off: the socket needs no token")

@@ -13,7 +13,8 @@ def compat_routes() -> list[WebSocketRoute]:
     from gateway.compat import cartesia, deepgram, elevenlabs
 
     return [
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
+        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input",
+                       elevenlabs.stream_input_endpoint),
         WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input",
                        elevenlabs.multi_stream_input_endpoint),
         WebSocketRoute("/tts/websocket", cartesia.websocket_endpoint),

@@ -48,7 +48,7 @@ def _word_spans(tracked: Tracked) -> list[tuple[str, float, float]]:
     words = tracked.words
     if words and len(words) == len(tokens):
         return [(t, min(w.start_ms, total), min(max(w.end_ms, w.start_ms), total))
-                for t, w in zip(tokens, words)]
+                for t, w in zip(tokens, words, strict=True)]
     return [(" ".join(tokens), 0.0, total)] if tokens else []
 
 

@@ -36,6 +36,7 @@ from gateway.compat.endpoint import serve
 from gateway.compat.formats import OutputFormat
 from gateway.compat.messages import CartesiaMessage, decode_cartesia
 from gateway.errors import CLOSE_NORMAL, ProtocolError
+from gateway.state import AppState
 from gateway.stream.actions import Action, Close
 from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import unknown_voice_message
@@ -71,7 +72,8 @@ class CartesiaSession(VendorSession[CartesiaContext, CartesiaMessage]):
     reports_engine_time = True
 
     def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
-        return vendor_json({"type": "error", "context_id": vendor_id, "status_code": _STATUS.get(code, 500),
+        return vendor_json({"type": "error", "context_id": vendor_id,
+                            "status_code": _STATUS.get(code, 500),
                             "done": True, "error": message, "title": code})
 
     def idle_close(self, idle_s: float) -> list[Action]:
@@ -149,12 +151,14 @@ class CartesiaSession(VendorSession[CartesiaContext, CartesiaMessage]):
                 if words:
                     actions.append(vendor_json({
                         "type": "timestamps", "context_id": vctx.vendor_id, "status_code": 206,
-                        "done": False, "word_timestamps": {"words": words, "start": starts, "end": ends}}))
+                        "done": False,
+                        "word_timestamps": {"words": words, "start": starts, "end": ends}}))
         if data:
             # audio after its native context ended (a stream's tail) is the last group's
             flush_id = vctx.flush_of.get(vctx.speaking or "", vctx.last_flush_id)
             vctx.last_flush_id = flush_id
-            actions.append(vendor_json({"type": "chunk", "context_id": vctx.vendor_id, "status_code": 206,
+            actions.append(vendor_json({"type": "chunk", "context_id": vctx.vendor_id,
+                                        "status_code": 206,
                                         "done": False, "step_time": round(vctx.step_ms, 3),
                                         "flush_id": flush_id,
                                         "data": base64.b64encode(data).decode("ascii")}))
@@ -182,11 +186,12 @@ def _error_json(code: str, message: str) -> str:
 
 async def websocket_endpoint(websocket: WebSocket) -> None:
     """`Cartesia-Version` / `cartesia_version` is accepted in any version: the wire is the same."""
-    state = websocket.app.state.voxgate
+    state: AppState = websocket.app.state.voxgate
     default = OutputFormat("pcm_s16le", 24000)  # replaced by each context's own output_format
 
     def make(**kwargs: Any) -> CartesiaSession:
-        return CartesiaSession(output=default, options=SessionOptions(voice=state.config.voice), **kwargs)
+        return CartesiaSession(output=default, options=SessionOptions(voice=state.config.voice),
+                               **kwargs)
 
     await serve(websocket, make, protocol="cartesia", key=_key(websocket),
                 key_hint="the X-API-Key header, or ?api_key=", error_json=_error_json)

@@ -35,6 +35,7 @@ from gateway.compat.messages import (
     decode_deepgram,
 )
 from gateway.errors import CLOSE_INTERNAL_ERROR, CLOSE_NORMAL
+from gateway.state import AppState
 from gateway.stream.actions import Action, Close, SendFrame
 from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import VoiceChoices
@@ -101,7 +102,8 @@ class DeepgramSession(VendorSession[VendorContext, DeepgramMessage]):
     def _flushed(self) -> Action:
         return vendor_json({"type": "Flushed", "sequence_id": self._num_flushed - 1})
 
-    def audio_frames(self, vctx: VendorContext, data: bytes, aligned: list[Tracked]) -> list[Action]:
+    def audio_frames(self, vctx: VendorContext, data: bytes,
+                     aligned: list[Tracked]) -> list[Action]:
         return [SendFrame(data)] if data else []
 
     def done_frames(self, vctx: VendorContext) -> list[Action]:
@@ -132,7 +134,7 @@ def _error_json(code: str, message: str) -> str:
 
 
 async def speak_endpoint(websocket: WebSocket) -> None:
-    state = websocket.app.state.voxgate
+    state: AppState = websocket.app.state.voxgate
 
     def make(**kwargs: Any) -> DeepgramSession:
         query = dict(websocket.query_params)
@@ -142,10 +144,12 @@ async def speak_endpoint(websocket: WebSocket) -> None:
         voice: str = model if model is not None and model in voices.listed else state.config.voice
         session = DeepgramSession(output=output, options=SessionOptions(voice=voice), **kwargs)
         if model and model != voice:
-            session.warning = f"model {model[:64]!r} is not a voice of this server; speaking with {voice!r}"
+            session.warning = (f"model {model[:64]!r} is not a voice of this server; "
+                               f"speaking with {voice!r}")
         return session
 
     key, subprotocol = _key(websocket)
     await serve(websocket, make, protocol="deepgram", key=key, subprotocol=subprotocol,
-                key_hint="Authorization: Token <key>, Sec-WebSocket-Protocol: token, <key>, or ?token=",
+                key_hint="Authorization: Token <key>, Sec-WebSocket-Protocol: token, <key>, or "
+                         "?token=",
                 error_json=_error_json)

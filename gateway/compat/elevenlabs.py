@@ -1,4 +1,5 @@
-"""ElevenLabs-compatible sockets: `/v1/text-to-speech/{voice_id}/stream-input` and `.../multi-stream-input`.
+"""ElevenLabs-compatible sockets: `/v1/text-to-speech/{voice_id}/stream-input` and
+`.../multi-stream-input`.
 
 Translation only (gateway/compat/core.py); docs/compat.md lists what differs
 from the vendor. The rules that are ours:
@@ -42,6 +43,7 @@ from gateway.compat.formats import OutputFormat
 from gateway.compat.formats import elevenlabs_format as parse_output_format
 from gateway.compat.messages import ElevenLabsMessage, decode_elevenlabs
 from gateway.errors import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, ProtocolError
+from gateway.state import AppState
 from gateway.stream.actions import Action, Close
 from gateway.stream.options import SessionOptions
 from gateway.voices.catalog import unknown_voice_message
@@ -78,14 +80,17 @@ class ElevenLabsSession(VendorSession[ElevenLabsContext, ElevenLabsMessage]):
 
     def error_frame(self, code: str, message: str, vendor_id: str | None, fatal: bool) -> Action:
         return vendor_json({"message": message, "error": code,
-                            "code": CLOSE_POLICY_VIOLATION if fatal else 400, **self._ids(vendor_id)})
+                            "code": CLOSE_POLICY_VIOLATION if fatal else 400,
+                            **self._ids(vendor_id)})
 
     def idle_close(self, idle_s: float) -> list[Action]:
         """ElevenLabs' own close when no text came within `inactivity_timeout`: the
         `input_timeout_exceeded` error (no context id: it is the socket's), then 1008."""
         message = (f"No new text came within the inactivity timeout of {idle_s:g} s, so the input "
-                   "was closed. Send text or a keepalive in time, or an empty text to end the input.")
-        return [vendor_json({"message": message, "error": INPUT_TIMEOUT, "code": CLOSE_POLICY_VIOLATION}),
+                   "was closed. Send text or a keepalive in time, or an empty text to end the "
+                   "input.")
+        return [vendor_json({"message": message, "error": INPUT_TIMEOUT,
+                             "code": CLOSE_POLICY_VIOLATION}),
                 Close(CLOSE_POLICY_VIOLATION, f"{INPUT_TIMEOUT}: no text within {idle_s:g} s")]
 
     def decode(self, obj: Mapping[str, Any]) -> ElevenLabsMessage:
@@ -153,8 +158,8 @@ class ElevenLabsSession(VendorSession[ElevenLabsContext, ElevenLabsMessage]):
 
     def audio_frames(self, vctx: ElevenLabsContext, data: bytes,
                      aligned: list[Tracked]) -> list[Action]:
-        message: dict[str, Any] = {"audio": base64.b64encode(data).decode("ascii") if data else None,
-                                   "isFinal": None, **self._ids(vctx.vendor_id)}
+        audio = base64.b64encode(data).decode("ascii") if data else None
+        message: dict[str, Any] = {"audio": audio, "isFinal": None, **self._ids(vctx.vendor_id)}
         alignment = _alignment(aligned)
         message["alignment"] = alignment
         message["normalizedAlignment"] = alignment
@@ -184,7 +189,8 @@ def _alignment(aligned: list[Tracked]) -> dict[str, list[Any]] | None:
     for tracked in aligned:
         timings = segment_chars(tracked)
         offset = tracked.base_ms - origin
-        for char, start, duration in zip(timings.chars, timings.start_ms, timings.duration_ms):
+        for char, start, duration in zip(timings.chars, timings.start_ms, timings.duration_ms,
+                                         strict=True):
             begin, end = round(offset + start), round(offset + start + duration)
             chars.append(char)
             starts.append(begin)
@@ -231,8 +237,10 @@ async def _endpoint(websocket: WebSocket, session_class: type[ElevenLabsSession]
         voice = options.voice
         is_deferred = kwargs["authorize"] is not None
         if is_deferred:  # no key yet: the default voice holds the place, the key's tenant decides
-            options.voice = websocket.app.state.voxgate.config.voice
-        elif voice not in kwargs["catalog"].listed:  # the answer lists no voice: they may be a tenant's
+            state: AppState = websocket.app.state.voxgate
+            options.voice = state.config.voice
+        # the answer lists no voice: they may be a tenant's
+        elif voice not in kwargs["catalog"].listed:
             raise ProtocolError("unknown_voice", unknown_voice_message(voice), fatal=True)
         session = session_class(output=output, options=options, limits=limits, **kwargs)
         session.pending_voice = voice if is_deferred else None

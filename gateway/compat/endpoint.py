@@ -63,8 +63,8 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol:
                                    authorize=None if admission.is_authorized else authorize,
                                    languages=state.languages, encoders=state.encoders)
         except ProtocolError as exc:
-            await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION, exc.code,
-                         subprotocol=subprotocol)
+            await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION,
+                         exc.code, subprotocol=subprotocol)
             return
         await serve_session(websocket, session, Connection(websocket, session, engine, state),
                             state, subprotocol=subprotocol)

@@ -44,7 +44,8 @@ class EngineTime:
 
     def __init__(self) -> None:
         self._requests: dict[RequestId, _Request] = {}
-        self._timelines: dict[str, deque[RequestId]] = {}  # context -> its started requests, in order
+        # context -> its started requests, in order
+        self._timelines: dict[str, deque[RequestId]] = {}
 
     def submitted(self, request_id: RequestId, context_id: str) -> None:
         """A request for `context_id` went to the engine: its chunks are counted from now on."""

@@ -163,7 +163,8 @@ async def _read_body(request: Request, timeout_s: float) -> bytes | Response:
     """The body, refused before it is read when it is not JSON or too large."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
-        return http_error(415, "not_json", "the body must be JSON, sent as Content-Type: application/json; "
+        return http_error(415, "not_json",
+                          "the body must be JSON, sent as Content-Type: application/json; "
                           f"got {media_type or 'none'!r}")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
@@ -175,7 +176,8 @@ async def _read_body(request: Request, timeout_s: float) -> bytes | Response:
         async for chunk in within(request, timeout_s):
             size += len(chunk)
             if size > MAX_BODY_BYTES:  # chunked, or longer than it said: stop reading here
-                return http_error(413, "body_too_large", f"the body may be at most {MAX_BODY_BYTES} bytes")
+                return http_error(413, "body_too_large",
+                                  f"the body may be at most {MAX_BODY_BYTES} bytes")
             chunks.append(chunk)
     except BodyTimeoutError as exc:
         return http_error(408, "body_timeout", str(exc))
@@ -201,20 +203,24 @@ def _parse(raw: bytes, voices: Collection[str], default_voice: str) -> _Job | Re
     except (ValueError, RecursionError, UnicodeDecodeError):
         return http_error(400, "bad_request", "the body must be a JSON object (no NaN or Infinity)")
     if not isinstance(body, dict):
-        return http_error(400, "bad_request", f"the body must be a JSON object, got {type(body).__name__}")
+        return http_error(400, "bad_request",
+                          f"the body must be a JSON object, got {type(body).__name__}")
     for name in ("model", "input", "response_format", "stream_format", "instructions"):
         if body.get(name) is not None and not isinstance(body[name], str):
-            return http_error(400, "bad_request", f"'{name}' must be a string, got {_type(body[name])}")
+            return http_error(400, "bad_request",
+                              f"'{name}' must be a string, got {_type(body[name])}")
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         return http_error(400, "bad_request", "'input' must be a non-empty string")
     if len(text) > MAX_INPUT_CHARS:
-        return http_error(400, "text_too_long", f"'input' has {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
+        return http_error(400, "text_too_long",
+                          f"'input' has {len(text)} characters; the limit is {MAX_INPUT_CHARS}")
     voice = body.get("voice") or default_voice
     if isinstance(voice, dict):  # newer OpenAI clients may send {"id": ...}
         voice = voice.get("id")
     if not isinstance(voice, str):
-        return http_error(400, "bad_request", f"'voice' must be a string or {{\"id\": string}}, got {_type(voice)}")
+        return http_error(400, "bad_request",
+                          f"'voice' must be a string or {{\"id\": string}}, got {_type(voice)}")
     if voice in OPENAI_VOICE_NAMES and voice not in voices:
         voice = default_voice
     if voice not in voices:
@@ -222,7 +228,8 @@ def _parse(raw: bytes, voices: Collection[str], default_voice: str) -> _Job | Re
     fmt = body.get("response_format") or "mp3"
     if fmt not in available_formats():
         return http_error(400, "unsupported_option",
-                          f"response_format must be one of {', '.join(available_formats())}; got {fmt[:40]!r}")
+                          f"response_format must be one of {', '.join(available_formats())}; got "
+                          f"{fmt[:40]!r}")
     speed = body.get("speed", 1.0)
     if (isinstance(speed, bool) or not isinstance(speed, (int, float))
             or not OPENAI_MIN_SPEED <= speed <= OPENAI_MAX_SPEED):
@@ -231,7 +238,8 @@ def _parse(raw: bytes, voices: Collection[str], default_voice: str) -> _Job | Re
                           f"{OPENAI_MIN_SPEED}-{OPENAI_MAX_SPEED}, got {shown}")
     stream_format = body.get("stream_format") or "audio"
     if stream_format not in ("audio", "sse"):
-        return http_error(400, "unsupported_option", f"stream_format must be audio or sse, got {stream_format[:40]!r}")
+        return http_error(400, "unsupported_option",
+                          f"stream_format must be audio or sse, got {stream_format[:40]!r}")
     speed = min(max(float(speed), MIN_SPEED), MAX_SPEED)
     return _Job(text, voice, fmt, speed, stream_format, body.get("instructions") or None)
 

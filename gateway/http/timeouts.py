@@ -34,7 +34,8 @@ class _HeaderTimer:
 
     def arm(self, transport: asyncio.BaseTransport) -> None:
         if self.handle is None:
-            self.handle = asyncio.get_running_loop().call_later(self.timeout_s, self._expired, transport)
+            self.handle = asyncio.get_running_loop().call_later(self.timeout_s, self._expired,
+                                                                transport)
 
     def disarm(self) -> None:
         if self.handle is not None:
@@ -98,7 +99,8 @@ def _httptools_class(timeout_s: float) -> type[asyncio.Protocol]:
 
 
 def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (httptools, else h11) with a header timeout (`http=` in its Config)."""
+    """uvicorn's HTTP protocol (httptools, else h11) with a header timeout (`http=` in its
+    Config)."""
     try:
         import httptools  # noqa: F401
     except ImportError:

@@ -71,14 +71,16 @@ class RayServeConfig:
     def __post_init__(self) -> None:
         if self.gateway_replicas != "auto" and (not isinstance(self.gateway_replicas, int)
                                                 or self.gateway_replicas < 1):
-            raise ValueError(f"gateway_replicas must be >= 1 or 'auto', got {self.gateway_replicas!r}")
+            raise ValueError("gateway_replicas must be >= 1 or 'auto', got "
+                             f"{self.gateway_replicas!r}")
         if self.engine_replicas < 1:
             raise ValueError(f"engine_replicas must be >= 1, got {self.engine_replicas}")
         if not 1 <= self.min_gateway_replicas <= self.max_gateway_replicas:
             raise ValueError("expected 1 <= min_gateway_replicas <= max_gateway_replicas, got "
                              f"{self.min_gateway_replicas} and {self.max_gateway_replicas}")
         if self.sessions_per_gateway < 1 or self.target_sessions_per_gateway <= 0:
-            raise ValueError("sessions_per_gateway and target_sessions_per_gateway must be positive")
+            raise ValueError(
+                "sessions_per_gateway and target_sessions_per_gateway must be positive")
         if self.gateway_cpus < 0 or self.engine_cpus < 0:
             raise ValueError(f"gateway_cpus and engine_cpus must be >= 0, got {self.gateway_cpus} "
                              f"and {self.engine_cpus}")

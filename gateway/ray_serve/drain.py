@@ -56,7 +56,8 @@ def install(drain: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoo
         return False
     original = getattr(Replica, "perform_graceful_shutdown", None)
     if original is None:
-        log.warning("scale-down will not drain: Ray Serve's replica has no perform_graceful_shutdown")
+        log.warning("scale-down will not drain: Ray Serve's replica has no "
+                    "perform_graceful_shutdown")
         return False
     original = getattr(original, _WRAPPED, original)  # installed twice: wrap Serve's method once
 
@@ -72,7 +73,8 @@ def install(drain: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoo
 
 async def run_drain(drain: Callable[[], Awaitable[None]], loop: asyncio.AbstractEventLoop,
                     timeout_s: float) -> None:
-    """`drain()` on `loop` (maybe another thread's), waited for at most `timeout_s`; never raises."""
+    """`drain()` on `loop` (maybe another thread's), waited for at most `timeout_s`; never
+    raises."""
     async def on_loop() -> None:
         await drain()
 
@@ -80,6 +82,7 @@ async def run_drain(drain: Callable[[], Awaitable[None]], loop: asyncio.Abstract
         future = asyncio.run_coroutine_threadsafe(on_loop(), loop)
         await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
     except asyncio.TimeoutError:
-        log.warning("the gateway's drain took over %.0f s; Serve stops the replica as it is", timeout_s)
+        log.warning("the gateway's drain took over %.0f s; Serve stops the replica as it is",
+                    timeout_s)
     except Exception:  # a failed drain must not stop Serve from stopping the replica
         log.exception("the gateway's drain failed; Serve stops the replica as it is")

@@ -66,7 +66,8 @@ class EngineReplica:
             raise RuntimeError("the engine loop stopped or its backend keeps failing")
 
     # -- requests -------------------------------------------------------------
-    async def synthesize(self, request: dict[str, Any], replica: str = "") -> AsyncIterator[dict[str, Any]]:
+    async def synthesize(self, request: dict[str, Any],
+                         replica: str = "") -> AsyncIterator[dict[str, Any]]:
         """One request's audio chunks as wire dicts; an error ends the stream as a wire error."""
         synthesis = wire.request_from_wire(request)
         try:
@@ -117,8 +118,10 @@ class EngineReplica:
 
     async def info(self, replica: str = "") -> dict[str, Any]:
         e = self.engine
-        return {"replica": self.replica, "sample_rate": e.sample_rate, "backend_name": e.backend_name,
-                "can_register_voices": e.can_register_voices, "needs_transcript": e.needs_transcript,
+        return {"replica": self.replica, "sample_rate": e.sample_rate,
+                "backend_name": e.backend_name,
+                "can_register_voices": e.can_register_voices,
+                "needs_transcript": e.needs_transcript,
                 "voice_features_version": e.voice_features_version,
                 "voices": [wire.voice_to_wire(v) for v in e.voices]}
 

@@ -18,15 +18,20 @@ log = logging.getLogger("voxgate.gateway")
 
 def add_parser(sub: Any) -> None:
     """The `ray-serve` subcommand's flags (gateway/cli.py calls this)."""
-    parser = sub.add_parser("ray-serve", help="serve on Ray Serve: a gateway tier and an engine tier "
+    parser = sub.add_parser("ray-serve",
+                            help="serve on Ray Serve: a gateway tier and an engine tier "
                             "(needs the extra: pip install 'voxgate[ray]')")
     parser.add_argument("--gateway-replicas", default="1",
-                        help="gateway replicas, or 'auto' to autoscale on open sessions (default 1)")
-    parser.add_argument("--engine-replicas", type=int, default=1, help="engine replicas (default 1)")
+                        help="gateway replicas, or 'auto' to autoscale on open sessions "
+                        "(default 1)")
+    parser.add_argument("--engine-replicas", type=int, default=1,
+                        help="engine replicas (default 1)")
     parser.add_argument("--host", default="127.0.0.1", help="the Serve proxy's bind address")
-    parser.add_argument("--port", type=int, default=8000, help="the Serve proxy's port (default 8000)")
+    parser.add_argument("--port", type=int, default=8000,
+                        help="the Serve proxy's port (default 8000)")
     parser.add_argument("--address", help="join this Ray cluster (default: start a local one)")
-    parser.add_argument("--engine", choices=["piper", "cosyvoice"], help="speech engine (default piper)")
+    parser.add_argument("--engine", choices=["piper", "cosyvoice"],
+                        help="speech engine (default piper)")
     parser.add_argument("--engine-gpus", type=float, default=0.0,
                         help="GPUs per engine replica (1 for cosyvoice)")
     parser.add_argument("--gateway-cpus", type=float, default=1.0,
@@ -38,8 +43,10 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--max-batch-size", type=int, help="most segments per engine step")
     parser.add_argument("--sessions-per-gateway", type=int, default=200,
                         help="sockets one gateway replica holds (Serve's max_ongoing_requests)")
-    parser.add_argument("--api-keys-file", help="file of API keys, one per line (also VOXGATE_API_KEYS); "
-                        "every gateway replica reads it, so a path on every node (docs/operations.md)")
+    parser.add_argument("--api-keys-file",
+                        help="file of API keys, one per line (also VOXGATE_API_KEYS); "
+                        "every gateway replica reads it, so a path on every node "
+                        "(docs/operations.md)")
     parser.add_argument("--admin-keys-file", help="file of admin keys, one per line (also "
                         "VOXGATE_ADMIN_KEYS); a path on every node, like --api-keys-file")
     parser.add_argument("--allowed-origins", help="comma-separated browser origins allowed on the "
@@ -56,7 +63,8 @@ def _gateway_options(args: argparse.Namespace) -> dict[str, Any]:
                  "allowed_origins"):
         value = getattr(args, name)
         if value is not None:
-            options[name] = str(Path(value).absolute()) if name.endswith(("_dir", "_file")) else value
+            is_path = name.endswith(("_dir", "_file"))
+            options[name] = str(Path(value).absolute()) if is_path else value
     if args.no_auth:
         options["no_auth"] = True
     return options
@@ -106,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         serve.run(build_app({"gateway_replicas": replicas, "engine_replicas": args.engine_replicas,
                              "engine_gpus": args.engine_gpus, "gateway_cpus": args.gateway_cpus,
                              "engine_cpus": args.engine_cpus,
-                             "sessions_per_gateway": args.sessions_per_gateway, "gateway": gateway}),
+                             "sessions_per_gateway": args.sessions_per_gateway,
+                             "gateway": gateway}),
                   name="voxgate", route_prefix="/")
     except RuntimeError as exc:  # a replica refused to start (no keys where it runs, a bad option)
         print(f"voxgate: the deploy failed: {exc}")

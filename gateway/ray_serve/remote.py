@@ -236,7 +236,8 @@ class RemoteEngine:
         self._streams[request.request_id] = stream
         return stream
 
-    async def _iterate(self, request: SynthesisRequest, replica_id: str) -> AsyncIterator[AudioChunk]:
+    async def _iterate(self, request: SynthesisRequest,
+                       replica_id: str) -> AsyncIterator[AudioChunk]:
         refused: set[str] = set()
         stream = self._open(request, replica_id)
         try:
@@ -272,7 +273,8 @@ class RemoteEngine:
             if live is not None:
                 live.cancel()  # type: ignore[no-untyped-call, unused-ignore]  # a no-op once it ended
 
-    async def _next(self, stream: DeploymentResponseGenerator[Any], replica_id: str) -> dict[str, Any]:
+    async def _next(self, stream: DeploymentResponseGenerator[Any],
+                    replica_id: str) -> dict[str, Any]:
         """The next chunk; fails when the replica stops answering polls for `stall_s`."""
         pending = asyncio.ensure_future(_anext(stream))
         try:
@@ -303,7 +305,8 @@ class RemoteEngine:
     async def make_voice_features(self, audio: np.ndarray, sample_rate: int,
                                   transcript: str) -> bytes | None:
         pcm = np.ascontiguousarray(audio, dtype=np.float32).tobytes()
-        features: bytes | None = await self._ask("make_voice_features", pcm, sample_rate, transcript)
+        features: bytes | None = await self._ask("make_voice_features", pcm, sample_rate,
+                                                 transcript)
         return features
 
     async def _everywhere(self, method: str, *args: Any) -> list[dict[str, Any]]:
@@ -317,7 +320,8 @@ class RemoteEngine:
                 raise wire.error_from_wire(answer)
         return answers
 
-    async def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
+    async def add_voice(self, voice_id: str, features: bytes | None,
+                        meta: dict[str, Any]) -> VoiceInfo:
         previous = self._added.get(voice_id)
         self._added[voice_id] = (features, meta)  # first: a replica turning ready meanwhile gets it
         try:

@@ -47,7 +47,8 @@ class SchedulerTotals:
         return self.total_contexts
 
 
-def roomiest(replicas: Iterable[Replica], exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
+def roomiest(replicas: Iterable[Replica],
+             exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
     """The ready replica with the most room, outside `exclude`; None when none has room."""
     ready = [r for r in replicas if r.is_ready and r.replica_id not in exclude and r.room > 0]
     return max(ready, key=lambda r: r.room, default=None)
@@ -65,7 +66,9 @@ def sum_reports(reports: list[dict[str, Any]]) -> tuple[SchedulerTotals, EngineS
             setattr(totals.stats, name, getattr(totals.stats, name) + value)
         for name, value in report["stats"].items():
             if name == "step_bucket_counts":
-                stats.step_bucket_counts = [a + b for a, b in zip(stats.step_bucket_counts, value)]
+                # a replica of another version may count other buckets: the common ones add up
+                pairs = zip(stats.step_bucket_counts, value, strict=False)
+                stats.step_bucket_counts = [a + b for a, b in pairs]
             elif name == "waits":
                 for reason, count in value.items():
                     stats.waits[reason] = stats.waits.get(reason, 0) + count

@@ -28,7 +28,8 @@ _LIVE: dict[str, tuple[str, ...]] = {}  # deployment name -> replica unique ids
 
 
 def live_replicas(deployment: str) -> tuple[str, ...]:
-    """The replica ids this process's router last saw for `deployment` (empty before its first call)."""
+    """The replica ids this process's router last saw for `deployment` (empty before its first
+    call)."""
     return _LIVE.get(deployment, ())
 
 
@@ -39,7 +40,8 @@ class PinnedRouter(RequestRouter):  # type: ignore[misc, unused-ignore]  # Any w
         super().update_replicas(replicas)
         # Through the imported module: Serve may ship this class by value, and a copy's
         # globals are not the module's.
-        importlib.import_module(__name__)._LIVE[self._deployment_id.name] = tuple(r.replica_id.unique_id for r in replicas)
+        importlib.import_module(__name__)._LIVE[self._deployment_id.name] = tuple(
+            r.replica_id.unique_id for r in replicas)
 
     async def _select_from_candidate_replicas(self, candidates: list[RunningReplica],
                                               backoff_index: int) -> RunningReplica | None:
@@ -56,8 +58,9 @@ class PinnedRouter(RequestRouter):  # type: ignore[misc, unused-ignore]  # Any w
                 return live
         return None
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+            self, candidate_replicas: list[RunningReplica],
+            pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if pending_request is None:  # a routing task without a request of its own: the oldest
             pending_request = self._oldest_unrouted()
         wanted = _wanted(pending_request)

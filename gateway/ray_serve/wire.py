@@ -65,8 +65,10 @@ def chunk_to_wire(chunk: AudioChunk) -> dict[str, Any]:
 
 def chunk_from_wire(request_id: RequestId, wire: dict[str, Any]) -> AudioChunk:
     words = None if wire["words"] is None else [WordTiming(*w) for w in wire["words"]]
-    return AudioChunk(request_id, np.frombuffer(wire["pcm"], dtype=np.float32), wire["sample_rate"],
-                      wire["is_last"], words, step_ms=wire.get("step_ms", 0.0))  # absent: an older replica
+    pcm = np.frombuffer(wire["pcm"], dtype=np.float32)
+    # step_ms absent: an older replica
+    return AudioChunk(request_id, pcm, wire["sample_rate"], wire["is_last"], words,
+                      step_ms=wire.get("step_ms", 0.0))
 
 
 def error_to_wire(exc: BaseException) -> dict[str, Any]:

@@ -88,7 +88,8 @@ class AudioEvent:
         return b"".join(self.payloads)
 
     def to_wire(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"type": self.type, "context_id": self.context_id, "seq": self.seq,
+        message: dict[str, Any] = {"type": self.type, "context_id": self.context_id,
+                                   "seq": self.seq,
                                    "pts_ms": round(self.pts_ms, 3), "duration_ms": self.duration_ms,
                                    "codec": self.codec}
         if self.codec == "opus":
@@ -108,8 +109,8 @@ class ContextDone:
     num_segments: int
 
     def to_wire(self) -> dict[str, Any]:
-        return {"type": self.type, "context_id": self.context_id, "audio_ms": round(self.audio_ms, 1),
-                "segments": self.num_segments}
+        return {"type": self.type, "context_id": self.context_id,
+                "audio_ms": round(self.audio_ms, 1), "segments": self.num_segments}
 
 
 @dataclass(slots=True, frozen=True)
@@ -126,7 +127,8 @@ class Cancelled:
 
     def to_wire(self) -> dict[str, Any]:
         return {"type": self.type, "context_id": self.context_id,
-                "audio_ms_sent": None if self.audio_ms_sent is None else round(self.audio_ms_sent, 1),
+                "audio_ms_sent": None if self.audio_ms_sent is None
+                else round(self.audio_ms_sent, 1),
                 "played_ms": self.played_ms, "spoken_text": self.spoken_text,
                 "unspoken_text": self.unspoken_text}
 

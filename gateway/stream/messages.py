@@ -74,7 +74,8 @@ class CloseMessage:
     """Finish every open context, then close the socket with 1000."""
 
 
-ClientMessage = TextMessage | FlushMessage | CancelMessage | PlaybackMessage | SessionUpdate | CloseMessage
+ClientMessage = (TextMessage | FlushMessage | CancelMessage | PlaybackMessage | SessionUpdate
+                 | CloseMessage)
 
 #: each message type's fields besides `type` (session.update's are the options)
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -111,7 +112,8 @@ def decode_object(raw: str | bytes, max_bytes: int, *,
     (or JSON binary, `is_binary_json`: the vendor sockets, gateway/compat)."""
     size = len(raw.encode("utf-8")) if isinstance(raw, str) else len(raw)
     if size > max_bytes:
-        raise ProtocolError("message_too_large", f"message is {size} bytes; the limit is {max_bytes}")
+        raise ProtocolError("message_too_large",
+                            f"message is {size} bytes; the limit is {max_bytes}")
     is_json = isinstance(raw, str) or is_binary_json
     try:
         if is_json:
@@ -125,7 +127,8 @@ def decode_object(raw: str | bytes, max_bytes: int, *,
         kind = "JSON" if is_json else "msgpack"
         raise ProtocolError("bad_message", f"frame is not valid {kind}: {str(exc)[:200]}") from None
     if not isinstance(message, dict):
-        raise ProtocolError("bad_message", f"a message must be an object, got {type(message).__name__}")
+        raise ProtocolError("bad_message",
+                            f"a message must be an object, got {type(message).__name__}")
     return message
 
 
@@ -175,7 +178,8 @@ def _build(obj: dict[str, Any]) -> ClientMessage:
                                 context_id=context_id)
         flush = obj.get("flush", False)
         if not isinstance(flush, bool):
-            raise ProtocolError("bad_message", f"flush must be a boolean, got {type(flush).__name__}")
+            raise ProtocolError("bad_message",
+                                f"flush must be a boolean, got {type(flush).__name__}")
         return TextMessage(context_id, text, flush)
     if kind == "flush":
         context_id = context_id_of(obj, required=True)
@@ -200,7 +204,8 @@ def context_id_of(obj: dict[str, Any], *, required: bool) -> str | None:
             raise ProtocolError("bad_message", f"'{obj['type']}' needs a string field 'context_id'")
         return None
     if not isinstance(value, str):
-        raise ProtocolError("bad_message", f"context_id must be a string, got {type(value).__name__}")
+        raise ProtocolError("bad_message",
+                            f"context_id must be a string, got {type(value).__name__}")
     if not CONTEXT_ID.fullmatch(value):
         raise ProtocolError("bad_context_id",
                             "context_id must be 1-64 characters of [A-Za-z0-9._:-], got "

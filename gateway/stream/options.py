@@ -61,7 +61,8 @@ class Limits:
         if self.idle_timeout_s <= 0:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
         if self.context_idle_timeout_s <= 0:
-            raise ValueError(f"context_idle_timeout_s must be > 0, got {self.context_idle_timeout_s}")
+            raise ValueError("context_idle_timeout_s must be > 0, got "
+                             f"{self.context_idle_timeout_s}")
         if self.max_text_chars_per_s <= 0 or self.max_messages_per_s <= 0 or self.burst_s <= 0:
             raise ValueError("rate limits must be > 0")
         if self.auth_timeout_s <= 0:
@@ -201,7 +202,8 @@ def check_option(key: Any, value: Any) -> Any:
         _expect(value, int, "max_buffer_delay_ms")
         if not 0 <= value <= 60000:
             raise ProtocolError("unsupported_option",
-                                f"max_buffer_delay_ms must be within 0-60000, got {str(value)[:40]}")
+                                "max_buffer_delay_ms must be within 0-60000, got "
+                                f"{str(value)[:40]}")
         return value
     raise ProtocolError("unsupported_option", f"unknown option {str(key)[:40]!r}; expected one of "
                         f"{', '.join(OPTION_NAMES)}")
@@ -229,7 +231,8 @@ def apply_update(options: SessionOptions, changes: Mapping[str, Any],
     """
     checked = check_options(changes)
     voice = checked.get("voice")
-    if voice is not None and voice not in voice_ids:  # the answer lists no voice: they may be a tenant's
+    # the answer lists no voice: they may be a tenant's
+    if voice is not None and voice not in voice_ids:
         raise ProtocolError("unknown_voice", unknown_voice_message(voice))
     for mapped in checked.get("voice_for", {}).values():
         if mapped is not None and mapped not in voice_ids:
@@ -257,9 +260,11 @@ def options_from_query(query: Mapping[str, str], base: SessionOptions,
             continue
         raw = query[key]
         try:
-            changes[key] = int(raw) if key in _INT_OPTIONS else float(raw) if key == "speed" else raw
+            changes[key] = (int(raw) if key in _INT_OPTIONS
+                            else float(raw) if key == "speed" else raw)
         except ValueError:
-            raise ProtocolError("bad_message", f"query parameter {key} must be a number, got {raw!r}") from None
+            raise ProtocolError("bad_message",
+                                f"query parameter {key} must be a number, got {raw!r}") from None
     return apply_update(base, changes, voice_ids)
 
 

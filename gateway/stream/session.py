@@ -111,8 +111,10 @@ class Session:
         self.is_closing = False
         self.last_activity = 0.0
         limits = self.limits
-        self._message_rate = TokenBucket(limits.max_messages_per_s, limits.max_messages_per_s * limits.burst_s)
-        self._text_rate = TokenBucket(limits.max_text_chars_per_s, limits.max_text_chars_per_s * limits.burst_s)
+        self._message_rate = TokenBucket(limits.max_messages_per_s,
+                                         limits.max_messages_per_s * limits.burst_s)
+        self._text_rate = TokenBucket(limits.max_text_chars_per_s,
+                                      limits.max_text_chars_per_s * limits.burst_s)
 
     # -- entry points -------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -225,7 +227,8 @@ class Session:
     def next_wakeup(self) -> float | None:
         times = [t for c in self.contexts.values()
                  if c.state is ContextState.OPEN and (t := c.segmenter.next_deadline()) is not None]
-        times += [c.last_text_at + self.limits.context_idle_timeout_s for c in self.contexts.values()
+        times += [c.last_text_at + self.limits.context_idle_timeout_s
+                  for c in self.contexts.values()
                   if c.state is ContextState.OPEN]
         active = self._active_context()
         if active is not None and (due := active.playout.next_release()) is not None:
@@ -258,14 +261,17 @@ class Session:
         if context is None:
             return self._closed_answer(context_id)
         if context.state is not ContextState.OPEN:
-            raise ProtocolError("context_closed", f"context {context_id!r} was flushed; no more text is taken",
+            raise ProtocolError("context_closed",
+                                f"context {context_id!r} was flushed; no more text is taken",
                                 context_id=context_id)
         if context.num_text_chars + len(text) > self.limits.max_text_per_context:
             raise ProtocolError("text_too_long", f"context {context_id!r} would exceed "
-                                f"{self.limits.max_text_per_context} characters; the delta was dropped",
+                                f"{self.limits.max_text_per_context} characters; the delta was "
+                                "dropped",
                                 context_id=context_id)
         if not self._text_rate.take(len(text), now):
-            raise ProtocolError("rate_limited", f"more than {self.limits.max_text_chars_per_s:g} characters "
+            raise ProtocolError("rate_limited",
+                                f"more than {self.limits.max_text_chars_per_s:g} characters "
                                 "of text per second; the delta was dropped", context_id=context_id)
         context.num_text_chars += len(text)
         context.last_text_at = now
@@ -280,7 +286,8 @@ class Session:
         if context is None:
             if context_id in self._closed:
                 return self._closed_answer(context_id)
-            raise ProtocolError("bad_context_id", f"no open context {context_id!r}; send text first",
+            raise ProtocolError("bad_context_id",
+                                f"no open context {context_id!r}; send text first",
                                 context_id=context_id)
         return self._flush_context(context, now) + self._pump(now)
 
@@ -302,14 +309,16 @@ class Session:
             # Already cancelled (or long finished): answer idempotently, nothing to stop.
             return [Send(Cancelled(context_id, None, played_ms, None, None))]
         else:
-            raise ProtocolError("bad_context_id", f"no open context {context_id!r}", context_id=context_id)
+            raise ProtocolError("bad_context_id", f"no open context {context_id!r}",
+                                context_id=context_id)
         actions: list[Action] = []
         spoken_all: list[str] = []
         unspoken_all: list[str] = []
         sent_total = 0.0
         for context in targets:
             # a played_ms reported with a cancel of all contexts applies to none of them alone
-            spoken, unspoken = context.split_heard(context.heard_ms(played_ms if context_id else None))
+            spoken, unspoken = context.split_heard(
+                context.heard_ms(played_ms if context_id else None))
             sent_total += context.audio_ms_sent
             spoken_all.append(spoken)
             unspoken_all.append(unspoken)
@@ -354,7 +363,8 @@ class Session:
         if context_id in self._closed:
             return None
         if len(self.contexts) >= self.limits.max_open_contexts:
-            raise ProtocolError("too_many_contexts", f"this socket holds {self.limits.max_open_contexts} "
+            raise ProtocolError("too_many_contexts",
+                                f"this socket holds {self.limits.max_open_contexts} "
                                 "open contexts; flush or cancel one first", context_id=context_id)
         # Engine capacity is taken later, when the first segment goes to the
         # engine (`Synthesis.submit_ready`): text that never makes a segment holds none.
@@ -363,7 +373,8 @@ class Session:
         config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
         playout = Playout(context_id, self._open_encoder(context_id, options),
                           is_realtime=options.pacing == "realtime")
-        context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now,
+        context = Context(context_id, key, Segmenter(config), playout, options, now,
+                          last_text_at=now,
                           voice_for=merge_voice_for(self._synthesis.voice_for, options.voice_for))
         self.contexts[context_id] = context
         hold_voices(self.catalog, hold=context.voices)
@@ -408,8 +419,9 @@ class Session:
         context.segmenter.clear()
         context.state = state
         if state is ContextState.DONE:
-            if context.playout.play_started_at is not None:
-                self._playback_end = context.playout.play_started_at + context.audio_ms_sent / 1000.0
+            started_at = context.playout.play_started_at
+            if started_at is not None:
+                self._playback_end = started_at + context.audio_ms_sent / 1000.0
             self._recent_done[context.context_id] = context
             while len(self._recent_done) > MAX_RECENT_DONE:
                 self._recent_done.popitem(last=False)

@@ -73,7 +73,8 @@ class Synthesis:
                               voice=context.options.voice)
             if self._scripts is not None:
                 routed = route(text, context.options.voice, context.voice_for, self._scripts)
-                segment.text, segment.voice, segment.pieces = routed.text, routed.voice, routed.pieces
+                segment.text, segment.voice = routed.text, routed.voice
+                segment.pieces = routed.pieces
                 # nothing to say: no request; it passes in order, announcing what it skipped
                 segment.is_skipped = segment.is_synthesized = not routed.text
             context.segments.append(segment)
@@ -126,7 +127,8 @@ class Synthesis:
         try:
             self._admit(context.key)
         except VoxgateError as exc:
-            actions += [Send(error_message(exc, context.context_id)), Observe("error:" + exc.code, 1)]
+            actions += [Send(error_message(exc, context.context_id)),
+                        Observe("error:" + exc.code, 1)]
             return False
         context.is_admitted = True
         return True
@@ -194,7 +196,8 @@ def frame_ready_audio(context: Context, now: float, actions: list[Action]) -> No
                 duration = (chunk.duration_ms if chunk.is_last
                             else chunk.words[-1].end_ms if chunk.words else None)
                 actions.append(Send(SegmentEvent(context.context_id, segment.segment_id,
-                                                 segment.text, segment.pts_ms, duration, chunk.words)))
+                                                 segment.text, segment.pts_ms, duration,
+                                                 chunk.words)))
                 actions.append(SegmentStarted(context.context_id, segment.segment_id,
                                               segment.request_id, segment.pts_ms))
                 _announce_skipped(context, segment, actions)

@@ -94,7 +94,9 @@ def strip_marks(text: str) -> str:
     text = text.replace(CODE_OPEN, "").replace(CODE_CLOSE, "")
     if BREAK not in text:
         return text
-    return _BREAK_RE.sub(lambda m: m.group(1) + ("" if is_cjk(m.group(1)) and is_cjk(m.group(2)) else " "), text)
+    def join(m: re.Match[str]) -> str:
+        return m.group(1) + ("" if is_cjk(m.group(1)) and is_cjk(m.group(2)) else " ")
+    return _BREAK_RE.sub(join, text)
 
 
 class SpeechCleaner(BlockReader):
@@ -126,7 +128,8 @@ class SpeechCleaner(BlockReader):
         # within `_hold_limit` characters, cannot decide it (`_hold`).
         self._waits_for: re.Pattern[str] | None = None
         self._hold_limit = 0
-        self._delimiters: tuple[str, int, str] | None = None  # a run at the end: (char, count, before)
+        # a run at the end: (char, count, before)
+        self._delimiters: tuple[str, int, str] | None = None
         self._is_dropping_ticks = False  # a backtick run too long for any code span goes on
         self._line_of: str | None = None  # a rule or fence line judged early: its char goes on
 
@@ -143,7 +146,8 @@ class SpeechCleaner(BlockReader):
 
     def feed(self, delta: str) -> str:
         waits = self._waits_for
-        if waits is not None and len(self._raw) + len(delta) <= self._hold_limit and waits.fullmatch(delta):
+        if (waits is not None and len(self._raw) + len(delta) <= self._hold_limit
+                and waits.fullmatch(delta)):
             self._raw += delta  # still undecided: the held text is not read again
             self.num_examined += len(delta)
             return ""

@@ -59,7 +59,8 @@ class VoiceCatalog:
                  on_unheld: Callable[[str], None] | None = None,
                  owners: Mapping[str, str] | None = None) -> None:
         self._listed = frozenset(voice_ids)
-        self._owners = {k: v for k, v in (owners or {}).items() if v}  # voice id -> tenant ("": none)
+        # voice id -> tenant ("": none)
+        self._owners = {k: v for k, v in (owners or {}).items() if v}
         self._holds: dict[str, int] = {}  # voice id -> holders (entries > 0 only)
         self._retired: set[str] = set()
         self.on_unheld = on_unheld

@@ -51,7 +51,8 @@ class VoiceConfig:
         if self.assets_dir is not None:
             self.assets_dir = Path(self.assets_dir)
         if self.max_concurrent_uploads < 1:
-            raise ValueError(f"max_concurrent_uploads must be >= 1, got {self.max_concurrent_uploads}")
+            raise ValueError("max_concurrent_uploads must be >= 1, got "
+                             f"{self.max_concurrent_uploads}")
         if self.upload_timeout_s <= 0:
             raise ValueError(f"upload_timeout_s must be > 0, got {self.upload_timeout_s}")
         if self.sync_interval_s < 0:
@@ -64,10 +65,12 @@ class VoiceConfig:
         """VOXGATE_VOICE_ASSETS, VOXGATE_VOICE_<FIELD> (e.g. VOXGATE_VOICE_SYNC_INTERVAL_S) and
         VOXGATE_VOICE_QUOTA_<FIELD> (e.g. VOXGATE_VOICE_QUOTA_MAX_VOICES_PER_OWNER)."""
         env = {k: v for k, v in (os.environ if environ is None else environ).items()
-               if k not in ("VOXGATE_VOICE_LIMITS", "VOXGATE_VOICE_QUOTA", "VOXGATE_VOICE_ASSETS_DIR",
+               if k not in ("VOXGATE_VOICE_LIMITS", "VOXGATE_VOICE_QUOTA",
+                            "VOXGATE_VOICE_ASSETS_DIR",
                             "VOXGATE_VOICE_DATA_DIR", "VOXGATE_VOICE_DEFAULT_VOICE")}
         assets = getattr(config, "voice_assets", None) or env.get("VOXGATE_VOICE_ASSETS") or None
-        quota = config_from_options(Quota, "voice quota", {}, env_prefix="VOXGATE_VOICE_QUOTA_", environ=env)
+        quota = config_from_options(Quota, "voice quota", {}, env_prefix="VOXGATE_VOICE_QUOTA_",
+                                    environ=env)
         options = {"data_dir": config.data_dir, "assets_dir": Path(assets) if assets else None,
                    "default_voice": config.voice, "quota": quota}
         return config_from_options(cls, "voice", options, env_prefix="VOXGATE_VOICE_", environ=env)

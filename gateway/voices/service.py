@@ -78,7 +78,8 @@ from gateway.voices.upload import (
 log = logging.getLogger("voxgate.gateway")
 
 def _store_full() -> VoiceUploadError:
-    return VoiceUploadError(507, "insufficient_storage", "the disk holding the voice store is full; "
+    return VoiceUploadError(507, "insufficient_storage",
+                            "the disk holding the voice store is full; "
                             "delete voices or free disk space")
 
 
@@ -90,7 +91,8 @@ def _store_failed() -> VoiceUploadError:
 class VoiceService(ReplicaSync):
     """Registered voices of this process: store, engine and catalog kept in step."""
 
-    def __init__(self, config: VoiceConfig, engine: EngineClient, catalog: VoiceCatalog | None = None) -> None:
+    def __init__(self, config: VoiceConfig, engine: EngineClient,
+                 catalog: VoiceCatalog | None = None) -> None:
         self.config = config
         self.engine = engine
         self.catalog = catalog if catalog is not None else VoiceCatalog()
@@ -157,7 +159,8 @@ class VoiceService(ReplicaSync):
             stored = None
         try:
             if stored is None:
-                reference = await asyncio.to_thread(decode_reference, record.audio, self.config.limits)
+                reference = await asyncio.to_thread(decode_reference, record.audio,
+                                                    self.config.limits)
                 features = await self._features(reference, record.transcript)
                 await self.registry.put_features(record.voice_id, engine.backend_name,
                                                  engine.voice_features_version, features)
@@ -179,11 +182,13 @@ class VoiceService(ReplicaSync):
             features = await self.engine.make_voice_features(reference.pcm, reference.sample_rate,
                                                              transcript)
         except ValueError as exc:
-            raise VoiceUploadError(422, "unusable_audio", f"the engine cannot use this reference: {exc}") from None
+            raise VoiceUploadError(422, "unusable_audio",
+                                   f"the engine cannot use this reference: {exc}") from None
         except Exception as exc:  # a backend failure must not become a 500
             log.exception("computing voice features failed")
-            raise VoiceUploadError(422, "voice_features_failed", "the engine failed to compute this "
-                                   f"voice's features ({type(exc).__name__}); the server logged it") from None
+            raise VoiceUploadError(422, "voice_features_failed",
+                                   "the engine failed to compute this voice's features "
+                                   f"({type(exc).__name__}); the server logged it") from None
         self.num_features_computed += 1
         return features
 
@@ -197,7 +202,8 @@ class VoiceService(ReplicaSync):
     def _base_voice(self, requested: str | None) -> str:
         if requested is not None:
             if requested not in self.installed:
-                raise VoiceUploadError(400, "unknown_voice", f"unknown base voice {requested[:64]!r}; "
+                raise VoiceUploadError(400, "unknown_voice",
+                                       f"unknown base voice {requested[:64]!r}; "
                                        "expected an installed voice (GET /v1/voices: builtin)")
             return requested
         if self.config.default_voice in self.installed:
@@ -242,18 +248,22 @@ class VoiceService(ReplicaSync):
             source_digest=source_digest(upload.audio, upload.transcript), owner=owner)
         quota = self.config.quota if source == "upload" else None  # the operator's assets: none
         async with self._lock:
-            await self._check_free(voice_id, owner, replace_existing)  # before the engine hears of it
+            # before the engine hears of it
+            await self._check_free(voice_id, owner, replace_existing)
             try:
                 info = await self._add_to_engine(record, features)
             except (VoxgateError, ValueError) as exc:
-                code = exc.code if isinstance(exc, (UnknownVoiceError, UnsupportedOptionError)) else "bad_voice"
+                code = (exc.code if isinstance(exc, (UnknownVoiceError, UnsupportedOptionError))
+                        else "bad_voice")
                 raise VoiceUploadError(400, code, str(exc)) from None
             try:
-                await self.registry.insert(record, (engine.backend_name, engine.voice_features_version,
-                                                    features), replace_existing=replace_existing,
+                await self.registry.insert(record,
+                                           (engine.backend_name, engine.voice_features_version,
+                                            features), replace_existing=replace_existing,
                                            quota=quota)
             except (VoiceExistsError, QuotaExceededError, StoreFullError) as exc:
-                await engine.remove_voice(voice_id)  # (exists: another process took the id meanwhile)
+                # (exists: another process took the id meanwhile)
+                await engine.remove_voice(voice_id)
                 raise VoiceUploadError(exc.status, exc.code, str(exc)) from None
             except (sqlite3.Error, OSError) as exc:  # disk full, read-only, locked too long
                 log.exception("storing voice %r failed", voice_id)
@@ -277,10 +287,12 @@ class VoiceService(ReplicaSync):
         would replace it under them, in the engine shared by every backend (engine/voice_table.py).
         """
         if is_reserved(voice_id, self.installed):
-            raise VoiceUploadError(409, "reserved_voice_id", f"{voice_id!r} is a built-in voice name "
-                                   "(an installed voice, an OpenAI voice name or a piper model name); "
-                                   "choose another id")
-        is_taken = not replace_existing and (voice_id in self.registered or voice_id in self.unavailable)
+            raise VoiceUploadError(409, "reserved_voice_id",
+                                   f"{voice_id!r} is a built-in voice name "
+                                   "(an installed voice, an OpenAI voice name or a piper model "
+                                   "name); choose another id")
+        is_taken = not replace_existing and (voice_id in self.registered
+                                             or voice_id in self.unavailable)
         if is_taken or await self.registry.claimant(voice_id) not in (None, owner):
             # ids are one namespace: this says the id is taken, never whose it is, or since when
             raise VoiceUploadError(409, "voice_exists", f"voice id {voice_id!r} is taken; choose "
@@ -298,18 +310,21 @@ class VoiceService(ReplicaSync):
             text_path = wav.with_suffix(".txt")
             try:
                 audio = wav.read_bytes()
-                transcript = text_path.read_text(encoding="utf-8").strip() if text_path.is_file() else ""
+                transcript = (text_path.read_text(encoding="utf-8").strip()
+                              if text_path.is_file() else "")
             except (OSError, UnicodeDecodeError) as exc:
                 log.warning("voice asset %s skipped: %s", wav, exc)
                 continue
             existing = self.registered.get(voice_id)
             if existing is not None:
                 if existing["source"] != "assets":
-                    log.warning("voice asset %s skipped: %r was registered by upload", wav, voice_id)
+                    log.warning("voice asset %s skipped: %r was registered by upload", wav,
+                                voice_id)
                     continue
                 if self._digests.get(voice_id) == source_digest(audio, transcript):
                     continue  # registered already, unchanged
-            upload = VoiceUpload(audio=audio, transcript=transcript, voice_id=voice_id, name=voice_id)
+            upload = VoiceUpload(audio=audio, transcript=transcript, voice_id=voice_id,
+                                 name=voice_id)
             try:
                 await self.register(upload, source="assets", replace_existing=existing is not None)
             except VoiceUploadError as exc:
@@ -336,7 +351,8 @@ class VoiceService(ReplicaSync):
             if not self.is_visible(voice_id, principal):
                 raise self._unknown(voice_id)
             if not may_delete(self.owners.get(voice_id, ""), principal):
-                raise VoiceUploadError(403, "forbidden", f"voice {voice_id!r} belongs to the operator; "
+                raise VoiceUploadError(403, "forbidden",
+                                       f"voice {voice_id!r} belongs to the operator; "
                                        "deleting it takes an admin key")
             await self._delete_stored(voice_id)
             await self._forget(voice_id)
@@ -384,7 +400,8 @@ class VoiceService(ReplicaSync):
     @staticmethod
     def describe_info(info: VoiceInfo) -> dict[str, Any]:
         return {"id": info.voice_id, "name": info.name, "language": info.language,
-                "languages": list(info.languages), "backend": info.backend, "sample_rate": info.sample_rate, "builtin": info.is_builtin,
+                "languages": list(info.languages), "backend": info.backend,
+                "sample_rate": info.sample_rate, "builtin": info.is_builtin,
                 "supports_instructions": info.supports_instructions}
 
     def describe_registered(self, info: VoiceInfo, summary: dict[str, Any]) -> dict[str, Any]:
@@ -395,7 +412,8 @@ class VoiceService(ReplicaSync):
     def listing(self, principal: Principal = OPERATOR) -> dict[str, Any]:
         voices = [{**self.describe_info(v), "registered": v.voice_id in self.registered}
                   for v in self.engine.voices if self.is_visible(v.voice_id, principal)]
-        unavailable = [{"id": k, "code": c, "message": m} for k, (c, m) in sorted(self.unavailable.items())
+        unavailable = [{"id": k, "code": c, "message": m}
+                       for k, (c, m) in sorted(self.unavailable.items())
                        if self.is_visible(k, principal)]
         return {"voices": voices, "default": self.config.default_voice, "unavailable": unavailable}
 

@@ -119,7 +119,8 @@ class SpaceReserve:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 self.path.unlink()
-            log.warning("could not keep a %d-byte space reserve at %s: %s", self.size, self.path, exc)
+            log.warning("could not keep a %d-byte space reserve at %s: %s", self.size, self.path,
+                        exc)
 
     def release(self) -> bool:
         """Give the reserve up (a delete met a full disk); False when there was none."""

@@ -106,11 +106,13 @@ class VoiceStore:
             self._db = sqlite3.connect(str(self.path), timeout=5.0, isolation_level=None,
                                        check_same_thread=False)
         except OSError as exc:
-            raise RegistryError(f"cannot create the voice store at {str(self.path)!r}: {exc}") from exc
+            raise RegistryError(
+                f"cannot create the voice store at {str(self.path)!r}: {exc}") from exc
         try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.execute("PRAGMA synchronous=FULL")  # an answered registration survives power loss
+            # an answered registration survives power loss
+            self._db.execute("PRAGMA synchronous=FULL")
             migrate(self._db, self.path)
         except sqlite3.DatabaseError as exc:
             self._db.close()
@@ -140,7 +142,8 @@ class VoiceStore:
         Raises VoiceExistsError, QuotaExceededError, or StoreFullError when the disk
         lacks room for it beyond the reserve kept for deletes.
         """
-        self.reserve.check_room(len(record.audio) + len(features[2] or b"") if features else len(record.audio))
+        self.reserve.check_room(len(record.audio) + len(features[2] or b"") if features
+                                else len(record.audio))
         with transaction(self._db):
             if replace_existing:
                 self._db.execute("DELETE FROM voices WHERE voice_id = ?", (record.voice_id,))
@@ -152,7 +155,8 @@ class VoiceStore:
                 self._check_quota(record, quota)
             try:
                 self._db.execute(
-                    f"INSERT INTO voices ({VOICE_COLUMNS}, checksum) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO voices ({VOICE_COLUMNS}, checksum) VALUES "
+                    "(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (record.voice_id, record.name, record.language, record.transcript, record.audio,
                      record.audio_format, record.sample_rate, record.duration_s, record.base_voice,
                      record.source, record.source_digest, record.created_at, record.owner,
@@ -164,14 +168,15 @@ class VoiceStore:
 
     def _check_quota(self, record: VoiceRecord, quota: Quota) -> None:
         size = len(record.audio)
-        count, used = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(audio)), 0) FROM voices "
-                                       "WHERE owner = ?", (record.owner,)).fetchone()
+        count, used = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(audio)), 0) FROM "
+                                       "voices WHERE owner = ?", (record.owner,)).fetchone()
         if over_quota(quota.max_voices_per_owner, count, 1):
             raise QuotaExceededError(f"this key has {count} voices registered; the limit is "
                                      f"{quota.max_voices_per_owner}: delete one first")
         if over_quota(quota.max_bytes_per_owner, used, size):
             raise QuotaExceededError(f"this key's voices hold {used} reference bytes; {size} more "
-                                     f"would pass its limit of {quota.max_bytes_per_owner}: delete one first")
+                                     f"would pass its limit of {quota.max_bytes_per_owner}: delete "
+                                     "one first")
         count, used = self._db.execute("SELECT COUNT(*), COALESCE(SUM(LENGTH(audio)), 0) "
                                        "FROM voices").fetchone()
         if over_quota(quota.max_voices, count, 1) or over_quota(quota.max_bytes, used, size):
@@ -189,7 +194,8 @@ class VoiceStore:
         """Every intact voice, and {voice_id: problem} for the corrupt ones."""
         records: list[VoiceRecord] = []
         corrupt: dict[str, str] = {}
-        for row in self._db.execute(f"SELECT {VOICE_COLUMNS}, checksum FROM voices ORDER BY created_at"):
+        for row in self._db.execute(f"SELECT {VOICE_COLUMNS}, checksum FROM voices ORDER BY "
+                                    "created_at"):
             try:
                 records.append(self._record(row))
             except CorruptRecordError as exc:
@@ -198,19 +204,23 @@ class VoiceStore:
 
     def owners(self) -> dict[str, str]:
         """{voice_id: owner} as stored, unchecked: whom a corrupt record is shown to."""
-        return {str(r[0]): str(r[1]) for r in self._db.execute("SELECT voice_id, owner FROM voices")}
+        return {str(r[0]): str(r[1])
+                for r in self._db.execute("SELECT voice_id, owner FROM voices")}
 
     def checksums(self) -> dict[str, str]:
         """{voice_id: stored checksum}: what changed since the last look, without the audio."""
-        return {str(r[0]): str(r[1]) for r in self._db.execute("SELECT voice_id, checksum FROM voices")}
+        return {str(r[0]): str(r[1])
+                for r in self._db.execute("SELECT voice_id, checksum FROM voices")}
 
     def claimant(self, voice_id: str) -> str | None:
         """Whose the id is: the owner of its voice or of its retired id; None when it is free."""
-        row = self._db.execute("SELECT owner FROM voices WHERE voice_id = ?", (voice_id,)).fetchone()
+        row = self._db.execute("SELECT owner FROM voices WHERE voice_id = ?",
+                               (voice_id,)).fetchone()
         return str(row[0]) if row is not None else self._retired_owner(voice_id)
 
     def _retired_owner(self, voice_id: str) -> str | None:
-        row = self._db.execute("SELECT owner FROM retired_ids WHERE voice_id = ?", (voice_id,)).fetchone()
+        row = self._db.execute("SELECT owner FROM retired_ids WHERE voice_id = ?",
+                               (voice_id,)).fetchone()
         return None if row is None else str(row[0])
 
     def delete(self, voice_id: str) -> bool:
@@ -231,7 +241,8 @@ class VoiceStore:
 
     def _delete(self, voice_id: str) -> bool:
         with transaction(self._db):
-            row = self._db.execute("SELECT owner FROM voices WHERE voice_id = ?", (voice_id,)).fetchone()
+            row = self._db.execute("SELECT owner FROM voices WHERE voice_id = ?",
+                                   (voice_id,)).fetchone()
             if row is None:
                 return False
             self._db.execute("DELETE FROM voices WHERE voice_id = ?", (voice_id,))
@@ -243,8 +254,8 @@ class VoiceStore:
     def _record(row: tuple[Any, ...]) -> VoiceRecord:
         try:
             record = VoiceRecord(str(row[0]), row[1], row[2], row[3], bytes(row[4]), row[5],
-                                 int(row[6]), float(row[7]), row[8], row[9], row[10], float(row[11]),
-                                 str(row[12]))
+                                 int(row[6]), float(row[7]), row[8], row[9], row[10],
+                                 float(row[11]), str(row[12]))
             is_intact = record.checksum() == row[13]
         except (TypeError, ValueError) as exc:
             raise CorruptRecordError(f"voice {row[0]!r} has a malformed column: {exc}") from None
@@ -255,26 +266,30 @@ class VoiceStore:
 
     # -- features -----------------------------------------------------------
 
-    def put_features(self, voice_id: str, backend: str, version: str, features: bytes | None) -> None:
+    def put_features(self, voice_id: str, backend: str, version: str,
+                     features: bytes | None) -> None:
         with transaction(self._db):
             self._put_features(voice_id, backend, version, features)
 
-    def _put_features(self, voice_id: str, backend: str, version: str, features: bytes | None) -> None:
+    def _put_features(self, voice_id: str, backend: str, version: str,
+                      features: bytes | None) -> None:
         self._db.execute(
-            "INSERT OR REPLACE INTO voice_features (voice_id, backend, version, features, checksum) "
-            "VALUES (?,?,?,?,?)",
+            "INSERT OR REPLACE INTO voice_features (voice_id, backend, version, features, "
+            "checksum) VALUES (?,?,?,?,?)",
             (voice_id, backend, version, features, digest(voice_id, backend, version, features)))
 
     def get_features(self, voice_id: str, backend: str, version: str) -> StoredFeatures | None:
         """Stored features, None when absent; raises CorruptRecordError when damaged."""
         row = self._db.execute(
-            "SELECT features, checksum FROM voice_features WHERE voice_id=? AND backend=? AND version=?",
+            "SELECT features, checksum FROM voice_features WHERE voice_id=? AND backend=? AND "
+            "version=?",
             (voice_id, backend, version)).fetchone()
         if row is None:
             return None
         features = None if row[0] is None else bytes(row[0])
         if digest(voice_id, backend, version, features) != row[1]:
-            raise CorruptRecordError(f"the {backend} features of voice {voice_id!r} fail their checksum")
+            raise CorruptRecordError(f"the {backend} features of voice {voice_id!r} fail their "
+                                     "checksum")
         return StoredFeatures(features)
 
 
@@ -308,7 +323,8 @@ class VoiceRegistry:
         try:
             return VoiceStore(self.path, reserve_bytes=self.reserve_bytes)
         except DamagedStoreError as exc:
-            aside = self.path.with_name(f"{self.path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+            aside = self.path.with_name(
+                f"{self.path.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
             for suffix in ("", "-wal", "-shm"):  # the journal belongs to the damaged file
                 with contextlib.suppress(FileNotFoundError):
                     os.replace(f"{self.path}{suffix}", f"{aside}{suffix}")
@@ -323,7 +339,8 @@ class VoiceRegistry:
             self._store = None
         self._executor.shutdown(wait=True)
 
-    async def insert(self, record: VoiceRecord, features: tuple[str, str, bytes | None] | None = None,
+    async def insert(self, record: VoiceRecord,
+                     features: tuple[str, str, bytes | None] | None = None,
                      *, replace_existing: bool = False, quota: Quota | None = None) -> None:
         await self._call(self.store.insert, record, features, replace_existing=replace_existing,
                          quota=quota)
@@ -349,7 +366,8 @@ class VoiceRegistry:
     async def claimant(self, voice_id: str) -> str | None:
         return await self._call(self.store.claimant, voice_id)
 
-    async def get_features(self, voice_id: str, backend: str, version: str) -> StoredFeatures | None:
+    async def get_features(self, voice_id: str, backend: str,
+                           version: str) -> StoredFeatures | None:
         return await self._call(self.store.get_features, voice_id, backend, version)
 
     async def put_features(self, voice_id: str, backend: str, version: str,

@@ -111,23 +111,27 @@ async def read_upload(request: Request, limits: UploadLimits, timeout_s: float) 
     content_type = request.headers.get("content-type", "")
     if not content_type.lower().startswith("multipart/form-data"):
         raise VoiceUploadError(415, "not_multipart", "expected a multipart/form-data body with an "
-                               f"'audio' file and its 'text' transcript, got {content_type or 'none'!r}")
+                               "'audio' file and its 'text' transcript, got "
+                               f"{content_type or 'none'!r}")
     limit = limits.max_upload_bytes + 64 * 1024  # room for the other fields
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise VoiceUploadError(413, "upload_too_large",
                                f"the upload is {declared} bytes; the limit is {limit} bytes")
     parser = MultiPartParser(request.headers, _capped(request, limit, timeout_s),
-                             max_files=len(FIELDS), max_fields=2 * len(FIELDS), max_part_size=64 * 1024)
+                             max_files=len(FIELDS), max_fields=2 * len(FIELDS),
+                             max_part_size=64 * 1024)
     try:
         form = await parser.parse()
     except MultiPartException as exc:
-        raise VoiceUploadError(400, "bad_multipart", f"the multipart body is malformed: {exc.message}") from None
+        raise VoiceUploadError(400, "bad_multipart",
+                               f"the multipart body is malformed: {exc.message}") from None
     except BodyTimeoutError as exc:
         raise VoiceUploadError(408, "upload_timeout", f"{exc}; send it faster, or a smaller "
                                "recording") from None
     except ClientDisconnect:
-        raise VoiceUploadError(400, "bad_request", "the client went away while sending the body") from None
+        raise VoiceUploadError(400, "bad_request",
+                               "the client went away while sending the body") from None
     try:
         return await _fields(form.multi_items())
     finally:
@@ -149,12 +153,14 @@ async def _fields(items: list[tuple[str, str | UploadFile]]) -> VoiceUpload:
                                "expected the reference recording as a file in the 'audio' field")
     if not isinstance(audio, UploadFile):
         raise VoiceUploadError(400, "audio_not_a_file",
-                               "expected 'audio' to be a file part (with a filename), got a text field")
+                               "expected 'audio' to be a file part (with a filename), got a text "
+                               "field")
     texts: dict[str, str] = {}
     for key in ("text", "name", "language", "id", "base_voice"):
         field_value = seen.get(key)
         if isinstance(field_value, UploadFile):
-            raise VoiceUploadError(400, "bad_field", f"expected {key!r} to be a text field, got a file")
+            raise VoiceUploadError(400, "bad_field",
+                                   f"expected {key!r} to be a text field, got a file")
         texts[key] = (field_value or "").strip()
     data = await audio.read()
     if not data:
@@ -168,15 +174,18 @@ def check_fields(upload: VoiceUpload, limits: UploadLimits, *, needs_transcript:
     """The text fields: voice id, name, language, transcript. Raises VoiceUploadError."""
     if upload.voice_id is not None and not VOICE_ID_RE.fullmatch(upload.voice_id):
         raise VoiceUploadError(400, "bad_voice_id", "expected an id of 1-64 characters from "
-                               f"[A-Za-z0-9._-], starting with a letter or digit, got {upload.voice_id!r}")
+                               "[A-Za-z0-9._-], starting with a letter or digit, got "
+                               f"{upload.voice_id!r}")
     if upload.name is not None and len(upload.name) > MAX_NAME_CHARS:
         raise VoiceUploadError(400, "bad_field", f"expected a name of at most {MAX_NAME_CHARS} "
                                f"characters, got {len(upload.name)}")
     if upload.language and not LANGUAGE_RE.fullmatch(upload.language):
         raise VoiceUploadError(400, "bad_language",
-                               f"expected a language tag such as 'en' or 'en-US', got {upload.language!r}")
+                               "expected a language tag such as 'en' or 'en-US', got "
+                               f"{upload.language!r}")
     if needs_transcript and not upload.transcript:
-        raise VoiceUploadError(400, "missing_transcript", "this engine clones from the reference and "
+        raise VoiceUploadError(400, "missing_transcript",
+                               "this engine clones from the reference and "
                                "needs what it says: expected the transcript in the 'text' field")
     if len(upload.transcript) > limits.max_transcript_chars:
         raise VoiceUploadError(400, "text_too_long", f"the transcript has {len(upload.transcript)} "
@@ -208,7 +217,8 @@ def decode_reference(data: bytes, limits: UploadLimits) -> ReferenceAudio:
         raise _too_long(limits)
     if duration < limits.min_duration_s:
         raise VoiceUploadError(422, "audio_too_short", f"the reference lasts {duration:.2f} s; "
-                               f"expected {limits.min_duration_s:g}-{limits.max_duration_s:g} s of speech")
+                               f"expected {limits.min_duration_s:g}-{limits.max_duration_s:g} s of "
+                               "speech")
     if not np.isfinite(pcm).all() or float(np.abs(pcm).max()) < MIN_PEAK:
         raise VoiceUploadError(422, "silent_audio", "the reference is silent; expected a recording "
                                "of the voice speaking")
@@ -225,10 +235,12 @@ def _check_header(container: av.container.InputContainer, stream: av.AudioStream
                   limits: UploadLimits) -> None:
     """Rate, channels and declared duration, from the container header alone."""
     if rate < limits.min_sample_rate:
-        raise VoiceUploadError(422, "sample_rate_too_low", f"the reference is sampled at {rate} Hz; "
+        raise VoiceUploadError(422, "sample_rate_too_low",
+                               f"the reference is sampled at {rate} Hz; "
                                f"expected at least {limits.min_sample_rate} Hz")
     if rate > limits.max_sample_rate:
-        raise VoiceUploadError(422, "sample_rate_too_high", f"the reference is sampled at {rate} Hz; "
+        raise VoiceUploadError(422, "sample_rate_too_high",
+                               f"the reference is sampled at {rate} Hz; "
                                f"expected at most {limits.max_sample_rate} Hz")
     channels = int(stream.codec_context.channels or 0)
     if channels > limits.max_channels:

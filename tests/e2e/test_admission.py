@@ -27,7 +27,8 @@ import websockets
 
 from tests.support.server import ServerProcess, start_server
 
-#: one key per route, so that the routes' socket caps are independent; SHARED for the cross-route cap
+#: one key per route, so that the routes' socket caps are independent; SHARED for the cross-route
+#: cap
 KEYS = {"native": "sk-admit-native-0001", "elevenlabs": "sk-admit-eleven-0001",
         "elevenlabs-multi": "sk-admit-multi-00001", "cartesia": "sk-admit-cartesia-01",
         "deepgram": "sk-admit-deepgram-01"}
@@ -56,7 +57,8 @@ class Route:
 
 ROUTES = [
     Route("native", "native", "/v1/stream"),
-    Route("elevenlabs", "elevenlabs", "/v1/text-to-speech/joe/stream-input?output_format=pcm_16000"),
+    Route("elevenlabs", "elevenlabs",
+          "/v1/text-to-speech/joe/stream-input?output_format=pcm_16000"),
     Route("elevenlabs-multi", "elevenlabs",
           "/v1/text-to-speech/joe/multi-stream-input?output_format=pcm_16000"),
     Route("cartesia", "cartesia", "/tts/websocket?cartesia_version=2025-04-16"),
@@ -80,11 +82,13 @@ def admissions(server: ServerProcess) -> Counter[tuple[str, str]]:
         if line.startswith("voxgate_socket_admissions_total{"):
             labels, value = line[line.index("{") + 1:line.index("}")], line.rsplit(" ", 1)[1]
             fields = dict(item.split("=", 1) for item in labels.split(","))
-            counts[(fields["protocol"].strip('"'), fields["result"].strip('"'))] += int(float(value))
+            key = (fields["protocol"].strip('"'), fields["result"].strip('"'))
+            counts[key] += int(float(value))
     return counts
 
 
-async def refused(server: ServerProcess, route: Route, headers: dict[str, str]) -> tuple[int | None, str]:
+async def refused(server: ServerProcess, route: Route,
+                  headers: dict[str, str]) -> tuple[int | None, str]:
     """Connect; (close code, the one frame sent before it)."""
     async with websockets.connect(f"ws://127.0.0.1:{server.port}{route.path}",
                                   additional_headers=headers) as ws:
@@ -125,7 +129,8 @@ def test_every_socket_route_runs_the_one_admission_once_per_handshake(keyed: Ser
         out: dict[str, dict[str, tuple[int | None, str]]] = {}
         for route in ROUTES:
             key = KEYS[route.name]
-            answers = {"foreign origin": await refused(keyed, route, {**route.headers(key), "Origin": EVIL})}
+            answers = {"foreign origin": await refused(keyed, route,
+                                                       {**route.headers(key), "Origin": EVIL})}
             if route.protocol != "elevenlabs":  # ElevenLabs may send its key in the first message
                 answers["no key"] = await refused(keyed, route, {})
             first = await opened(keyed, route, key)
@@ -156,7 +161,8 @@ def test_every_socket_route_runs_the_one_admission_once_per_handshake(keyed: Ser
     assert delta == expected
 
 
-def test_a_keys_socket_cap_is_shared_by_the_native_and_the_vendor_routes(keyed: ServerProcess) -> None:
+def test_a_keys_socket_cap_is_shared_by_the_native_and_the_vendor_routes(
+        keyed: ServerProcess) -> None:
     native, deepgram, cartesia = ROUTES[0], ROUTES[4], ROUTES[3]
 
     async def scenario() -> list[tuple[int | None, str]]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from tests.support.server import ServerProcess, start_server
 from voxgate_client import (
     AsyncVoxgate,
     AudioChunk,
@@ -31,8 +33,6 @@ from voxgate_client import (
     Unauthorized,
     Voxgate,
 )
-
-from tests.support.server import ServerProcess, start_server
 
 ANSWER = "Sure! The capital of France is Paris. It has been the capital since the tenth century."
 LONG = " ".join(f"This is sentence number {n} of a long answer, and it keeps the voice busy."

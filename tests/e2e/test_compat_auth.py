@@ -46,9 +46,11 @@ async def _turn(ws: Any, first: dict[str, Any]) -> list[dict[str, Any]]:
             return out
 
 
-def test_elevenlabs_takes_the_key_in_the_header_or_in_the_first_message(voxgate: ServerProcess) -> None:
+def test_elevenlabs_takes_the_key_in_the_header_or_in_the_first_message(
+        voxgate: ServerProcess) -> None:
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        async with websockets.connect(_elevenlabs(voxgate), additional_headers={"xi-api-key": KEY}) as ws:
+        async with websockets.connect(_elevenlabs(voxgate),
+                                      additional_headers={"xi-api-key": KEY}) as ws:
             by_header = await _turn(ws, {"text": " ", "context_id": "a"})
         async with websockets.connect(_elevenlabs(voxgate)) as ws:
             by_message = await _turn(ws, {"text": " ", "context_id": "a", "xi_api_key": KEY})
@@ -62,7 +64,8 @@ def test_elevenlabs_without_a_valid_key_gets_an_error_and_a_close(voxgate: Serve
 
     async def run() -> tuple[dict[str, Any], int | None]:
         async with websockets.connect(_elevenlabs(voxgate)) as ws:
-            await ws.send(json.dumps({"text": "Hello there. ", "context_id": "a", "xi_api_key": "wrong-key-000"}))
+            await ws.send(json.dumps({"text": "Hello there. ", "context_id": "a",
+                                      "xi_api_key": "wrong-key-000"}))
             error = json.loads(await asyncio.wait_for(ws.recv(), 30))
             with pytest.raises(websockets.ConnectionClosed):
                 await asyncio.wait_for(ws.recv(), 30)
@@ -82,15 +85,17 @@ def test_cartesia_and_deepgram_refuse_a_missing_key_and_take_theirs(voxgate: Ser
 
     async def deepgram_speaks() -> bytes:
         url = f"ws://127.0.0.1:{voxgate.port}/v1/speak?model=joe&sample_rate=16000"
-        async with websockets.connect(url, additional_headers={"Authorization": f"Token {KEY}"}) as ws:
+        async with websockets.connect(url,
+                                      additional_headers={"Authorization": f"Token {KEY}"}) as ws:
             return await deepgram_speak(ws, "Token accepted.")
 
     async def cartesia_speaks() -> list[dict[str, Any]]:
         url = f"ws://127.0.0.1:{voxgate.port}/tts/websocket?api_key={KEY}&cartesia_version=2025-04-16"
         async with websockets.connect(url) as ws:
-            await ws.send(json.dumps({"transcript": "Key accepted.", "context_id": "c", "continue": False,
-                                      "voice": {"mode": "id", "id": "joe"}, "output_format": {
-                                          "container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000}}))
+            output = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 16000}
+            await ws.send(json.dumps({"transcript": "Key accepted.", "context_id": "c",
+                                      "continue": False, "voice": {"mode": "id", "id": "joe"},
+                                      "output_format": output}))
             out = []
             while True:
                 message = json.loads(await asyncio.wait_for(ws.recv(), 60))

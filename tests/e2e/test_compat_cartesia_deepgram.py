@@ -35,7 +35,8 @@ def voxgate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 
 @pytest.fixture(scope="module")
 def quick_idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("compat-idle"), env={"VOXGATE_LIMIT_IDLE_TIMEOUT_S": "1"})
+    proc = start_server(tmp_path_factory.mktemp("compat-idle"),
+                        env={"VOXGATE_LIMIT_IDLE_TIMEOUT_S": "1"})
     yield proc
     proc.stop()
 
@@ -43,8 +44,10 @@ def quick_idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProce
 def _cartesia(context_id: str, transcript: str, *, more: bool, encoding: str = "pcm_s16le",
               rate: int = 16000) -> str:
     return json.dumps({"model_id": "sonic-2", "transcript": transcript, "context_id": context_id,
-                       "voice": {"mode": "id", "id": "joe"}, "continue": more, "add_timestamps": True,
-                       "output_format": {"container": "raw", "encoding": encoding, "sample_rate": rate}})
+                       "voice": {"mode": "id", "id": "joe"}, "continue": more,
+                       "add_timestamps": True,
+                       "output_format": {"container": "raw", "encoding": encoding,
+                                         "sample_rate": rate}})
 
 
 async def _cartesia_until_done(ws: Any, context_id: str) -> list[dict[str, Any]]:
@@ -70,7 +73,8 @@ def test_cartesia_context_speaks_with_word_timestamps_at_the_stated_rate(
             await ws.send(_cartesia("c1", "", more=False, encoding=encoding, rate=rate))
             return await _cartesia_until_done(ws, "c1")
     messages = asyncio.run(run())
-    kinds = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
+    kinds = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw",
+             "pcm_alaw": "alaw"}
     data = b"".join(base64.b64decode(m["data"]) for m in messages if m["type"] == "chunk")
     pcm = decode_raw(data, OutputFormat(kinds[encoding], rate))
     words: list[str] = []
@@ -86,7 +90,8 @@ def test_cartesia_context_speaks_with_word_timestamps_at_the_stated_rate(
     assert 0.01 < float(np.sqrt(np.mean(pcm ** 2))) < 0.5
 
 
-def test_cartesia_cancel_stops_the_audio_and_cancels_the_engine_work(voxgate: ServerProcess) -> None:
+def test_cartesia_cancel_stops_the_audio_and_cancels_the_engine_work(
+        voxgate: ServerProcess) -> None:
     cancelled_before = voxgate.metric("voxgate_engine_requests_cancelled_total")
 
     async def run() -> list[dict[str, Any]]:
@@ -105,7 +110,8 @@ def test_cartesia_cancel_stops_the_audio_and_cancels_the_engine_work(voxgate: Se
     assert voxgate.metric("voxgate_engine_requests_cancelled_total") > cancelled_before
 
 
-def test_a_bad_cartesia_message_gets_a_cartesia_error_and_the_socket_goes_on(voxgate: ServerProcess) -> None:
+def test_a_bad_cartesia_message_gets_a_cartesia_error_and_the_socket_goes_on(
+        voxgate: ServerProcess) -> None:
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         url = f"ws://127.0.0.1:{voxgate.port}/tts/websocket"
         async with websockets.connect(url) as ws:
@@ -128,7 +134,8 @@ def test_deepgram_speak_flush_clear_and_close(voxgate: ServerProcess) -> None:
 
     async def run() -> tuple[list[Any], list[Any], int | None]:
         url = f"ws://127.0.0.1:{voxgate.port}/v1/speak?model=joe&encoding=linear16&sample_rate=16000"
-        async with websockets.connect(url, additional_headers={"Authorization": "Token unused-key"}) as ws:
+        headers = {"Authorization": "Token unused-key"}
+        async with websockets.connect(url, additional_headers=headers) as ws:
             first: list[Any] = []
             await ws.send(json.dumps({"type": "Speak", "text": "Hello from the first turn."}))
             await ws.send(json.dumps({"type": "Flush"}))
@@ -165,7 +172,8 @@ def test_deepgram_speak_flush_clear_and_close(voxgate: ServerProcess) -> None:
     assert code == 1000
 
 
-def test_cartesia_flushes_are_answered_with_flush_done_after_their_audio(voxgate: ServerProcess) -> None:
+def test_cartesia_flushes_are_answered_with_flush_done_after_their_audio(
+        voxgate: ServerProcess) -> None:
     busy_before = voxgate.metric("voxgate_engine_busy_seconds_total")
 
     async def run() -> list[dict[str, Any]]:
@@ -180,15 +188,16 @@ def test_cartesia_flushes_are_answered_with_flush_done_after_their_audio(voxgate
             return await _cartesia_until_done(ws, "f")
     messages = asyncio.run(run())
     busy_ms = 1000.0 * (voxgate.metric("voxgate_engine_busy_seconds_total") - busy_before)
-    kinds = [(m["type"], m.get("flush_id")) for m in messages if m["type"] in ("chunk", "flush_done", "done")]
+    kinds = [(m["type"], m.get("flush_id")) for m in messages
+             if m["type"] in ("chunk", "flush_done", "done")]
     # group 1's chunks, its flush_done, group 2's chunks, its flush_done, then done
     first_done = kinds.index(("flush_done", 1))
     assert set(kinds[:first_done]) == {("chunk", 1)}
     assert set(kinds[first_done + 1:-2]) == {("chunk", 2)}
     assert kinds[-2:] == [("flush_done", 2), ("done", None)]
     flush_done = next(m for m in messages if m["type"] == "flush_done")
-    assert flush_done == {"type": "flush_done", "context_id": "f", "status_code": 206, "done": False,
-                          "flush_done": True, "flush_id": 1}
+    assert flush_done == {"type": "flush_done", "context_id": "f", "status_code": 206,
+                          "done": False, "flush_done": True, "flush_id": 1}
     # step_time: the engine's step time behind each chunk (ms); each step is counted once for
     # every segment of this context it made (up to the four the session keeps in flight)
     chunks = [m for m in messages if m["type"] == "chunk"]
@@ -196,7 +205,8 @@ def test_cartesia_flushes_are_answered_with_flush_done_after_their_audio(voxgate
     assert 1.0 < sum(m["step_time"] for m in chunks) <= 4 * busy_ms + 1.0
 
 
-def test_an_idle_cartesia_socket_is_closed_normally_with_no_message(quick_idle: ServerProcess) -> None:
+def test_an_idle_cartesia_socket_is_closed_normally_with_no_message(
+        quick_idle: ServerProcess) -> None:
     async def run() -> tuple[list[Any], int | None]:
         url = f"ws://127.0.0.1:{quick_idle.port}/tts/websocket?api_key=unused-key"
         async with websockets.connect(url) as ws:
@@ -214,7 +224,8 @@ def test_an_idle_cartesia_socket_is_closed_normally_with_no_message(quick_idle: 
 def test_an_idle_deepgram_socket_is_closed_1011_with_net_0001(quick_idle: ServerProcess) -> None:
     async def run() -> tuple[list[Any], int | None, str | None]:
         url = f"ws://127.0.0.1:{quick_idle.port}/v1/speak?model=joe&encoding=linear16&sample_rate=16000"
-        async with websockets.connect(url, additional_headers={"Authorization": "Token unused-key"}) as ws:
+        headers = {"Authorization": "Token unused-key"}
+        async with websockets.connect(url, additional_headers=headers) as ws:
             received: list[Any] = []
             with pytest.raises(websockets.ConnectionClosed):
                 while True:
@@ -222,4 +233,5 @@ def test_an_idle_deepgram_socket_is_closed_1011_with_net_0001(quick_idle: Server
             return received, ws.close_code, ws.close_reason
     received, code, reason = asyncio.run(run())
     assert code == 1011 and reason is not None and reason.startswith("NET-0001")
-    assert [json.loads(m)["type"] for m in received] == ["Metadata"]  # nothing else: the reason says it
+    # nothing else: the reason says it
+    assert [json.loads(m)["type"] for m in received] == ["Metadata"]

@@ -52,7 +52,8 @@ def voxgate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
     proc.stop()
 
 
-def _url(server: ServerProcess, kind: str = "multi-stream-input", voice: str = "joe", **query: str) -> str:
+def _url(server: ServerProcess, kind: str = "multi-stream-input", voice: str = "joe",
+         **query: str) -> str:
     qs = "&".join(f"{k}={v}" for k, v in query.items())
     return f"ws://127.0.0.1:{server.port}/v1/text-to-speech/{voice}/{kind}?{qs}"
 
@@ -63,14 +64,16 @@ async def _until_final(ws: Any, context_id: str | None = None) -> list[dict[str,
     while True:
         message = json.loads(await asyncio.wait_for(ws.recv(), 60))
         out.append(message)
-        if message.get("isFinal") and (context_id is None or message.get("contextId") == context_id):
+        if message.get("isFinal") and (context_id is None
+                                       or message.get("contextId") == context_id):
             return out
 
 
 def _speak_turn(server: ServerProcess, text: str, output_format: str) -> list[dict[str, Any]]:
     async def run() -> list[dict[str, Any]]:
         async with websockets.connect(_url(server, output_format=output_format)) as ws:
-            await ws.send(json.dumps({"text": " ", "context_id": "c1", "voice_settings": {"speed": 1.0}}))
+            await ws.send(json.dumps({"text": " ", "context_id": "c1",
+                                      "voice_settings": {"speed": 1.0}}))
             await ws.send(json.dumps({"text": text + " ", "context_id": "c1"}))
             await ws.send(json.dumps({"context_id": "c1", "flush": True}))
             await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
@@ -108,12 +111,14 @@ def test_alignment_chars_join_to_the_text_and_end_with_the_audio(voxgate: Server
 
 @pytest.mark.parametrize("name", ["ulaw_8000", "alaw_8000", "pcm_8000", "pcm_16000", "pcm_22050",
                                   "pcm_44100", "pcm_48000"])
-def test_raw_output_formats_decode_to_speech_at_the_stated_rate(voxgate: ServerProcess, name: str) -> None:
+def test_raw_output_formats_decode_to_speech_at_the_stated_rate(voxgate: ServerProcess,
+                                                                name: str) -> None:
     messages = _speak_turn(voxgate, TEXT, name)
     fmt = parse_output_format(name)
     pcm = decode_raw(_audio(messages), fmt)
     _, end_ms = _alignment_span(messages)
-    seconds = len(pcm) / fmt.sample_rate  # read at the stated rate, the audio lasts as the speech does
+    # read at the stated rate, the audio lasts as the speech does
+    seconds = len(pcm) / fmt.sample_rate
     assert abs(seconds * 1000 - end_ms) <= 50, (seconds, end_ms)
     rms = float(np.sqrt(np.mean(pcm ** 2)))
     assert 0.01 < rms < 0.5, rms  # speech, neither silence nor noise at full scale
@@ -126,7 +131,8 @@ def test_raw_output_formats_decode_to_speech_at_the_stated_rate(voxgate: ServerP
 def test_close_context_mid_answer_cancels_the_engine_work_and_sends_no_more_audio(
         voxgate: ServerProcess) -> None:
     cancelled_before = voxgate.metric("voxgate_engine_requests_cancelled_total")
-    long_text = " ".join(f"Sentence number {n} of a long answer goes on for a while." for n in range(30))
+    long_text = " ".join(f"Sentence number {n} of a long answer goes on for a while."
+                         for n in range(30))
 
     async def run() -> list[dict[str, Any]]:
         async with websockets.connect(_url(voxgate, output_format="pcm_16000")) as ws:
@@ -137,7 +143,8 @@ def test_close_context_mid_answer_cancels_the_engine_work_and_sends_no_more_audi
             after = await _until_final(ws, "talk")
             # the socket goes on: a new context speaks
             await ws.send(json.dumps({"text": "Still here. ", "context_id": "next"}))
-            await ws.send(json.dumps({"context_id": "next", "flush": True}))  # a bare flush ends the turn
+            # a bare flush ends the turn
+            await ws.send(json.dumps({"context_id": "next", "flush": True}))
             await ws.send(json.dumps({"context_id": "next", "close_context": True}))
             tail = await _until_final(ws, "next")
             return after + tail
@@ -149,7 +156,8 @@ def test_close_context_mid_answer_cancels_the_engine_work_and_sends_no_more_audi
     assert voxgate.metric("voxgate_engine_requests_cancelled_total") > cancelled_before
 
 
-def test_a_bad_message_gets_an_elevenlabs_error_and_the_socket_goes_on(voxgate: ServerProcess) -> None:
+def test_a_bad_message_gets_an_elevenlabs_error_and_the_socket_goes_on(
+        voxgate: ServerProcess) -> None:
     async def run() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         async with websockets.connect(_url(voxgate, output_format="pcm_16000")) as ws:
             await ws.send("this is not json")
@@ -174,7 +182,8 @@ def test_a_54_kb_frame_of_chinese_text_is_taken_whole_and_speaks(voxgate: Server
     assert 50_000 < len(frame.encode("utf-8")) < 65_536 < len(json.dumps({"text": text}))
 
     async def run() -> list[dict[str, Any]]:
-        async with websockets.connect(_url(voxgate, output_format="pcm_16000"), max_size=None) as ws:
+        async with websockets.connect(_url(voxgate, output_format="pcm_16000"),
+                                      max_size=None) as ws:
             await ws.send(frame)
             heard: list[dict[str, Any]] = []
             while not any(m.get("alignment") for m in heard):  # the first segment, spoken whole
@@ -185,7 +194,8 @@ def test_a_54_kb_frame_of_chinese_text_is_taken_whole_and_speaks(voxgate: Server
     messages = asyncio.run(run())
     assert not [m for m in messages if "error" in m]
     pcm = decode_raw(_audio(messages), parse_output_format("pcm_16000"))
-    assert len(pcm) > 0.5 * 16000 and float(np.sqrt(np.mean(pcm ** 2))) > 0.01  # speech, not silence
+    # speech, not silence
+    assert len(pcm) > 0.5 * 16000 and float(np.sqrt(np.mean(pcm ** 2))) > 0.01
     chars, _ = _alignment_span(messages)
     assert chars and text.startswith(chars)  # the alignment is of the text sent, from its start
 
@@ -240,8 +250,10 @@ def test_an_unknown_voice_gets_an_error_and_a_policy_close(voxgate: ServerProces
 
 def test_stream_input_closes_with_1000_after_the_audio_of_its_end(voxgate: ServerProcess) -> None:
     async def run() -> tuple[list[dict[str, Any]], int | None]:
-        async with websockets.connect(_url(voxgate, "stream-input", output_format="pcm_22050")) as ws:
-            await ws.send(json.dumps({"text": " ", "generation_config": {"chunk_length_schedule": [50]}}))
+        async with websockets.connect(_url(voxgate, "stream-input",
+                                           output_format="pcm_22050")) as ws:
+            await ws.send(json.dumps({"text": " ",
+                                      "generation_config": {"chunk_length_schedule": [50]}}))
             await ws.send(json.dumps({"text": "Short and sweet. ", "try_trigger_generation": True}))
             await ws.send(json.dumps({"text": ""}))
             messages = []
@@ -264,7 +276,8 @@ def test_a_socket_idle_past_its_inactivity_timeout_gets_input_timeout_exceeded_a
     async def run() -> tuple[list[dict[str, Any]], int | None, str | None]:
         async with websockets.connect(_url(voxgate, kind, output_format="pcm_16000",
                                            inactivity_timeout="1")) as ws:
-            await ws.send(json.dumps({"text": "A short turn first. ", "context_id": "c1", "flush": True}))
+            await ws.send(json.dumps({"text": "A short turn first. ", "context_id": "c1",
+                                      "flush": True}))
             messages = []
             try:
                 while True:
@@ -285,17 +298,20 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+    names = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                         x509.DNSName("localhost")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                        x509.DNSName("localhost")]), critical=False)
+            .add_extension(names, critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
     cert_path, key_path = directory / "cert.pem", directory / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
     return cert_path, key_path
 
@@ -317,7 +333,8 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, 
         while True:
             assert process.poll() is None, (directory / "server.log").read_text()
             try:
-                if httpx.get(f"https://127.0.0.1:{port}/readyz", verify=trust, timeout=1).status_code == 200:
+                if httpx.get(f"https://127.0.0.1:{port}/readyz", verify=trust,
+                             timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -346,9 +363,11 @@ def _join_retrying_an_unopened_socket(speak: Callable[[], Iterator[bytes]], serv
         for chunk in speak():
             chunks.append(chunk)  # noqa: PERF402 - what came before a failure counts
     except (InvalidHandshake, ConnectionClosed, OSError) as exc:
-        in_opening = any(frame.name == "handshake" for frame in traceback.extract_tb(exc.__traceback__))
+        in_opening = any(frame.name == "handshake"
+                         for frame in traceback.extract_tb(exc.__traceback__))
         if may_retry and in_opening and not chunks and not isinstance(exc, InvalidStatus):
-            print(f"the socket failed before it opened ({exc!r}, cause {exc.__cause__!r}); trying once more")
+            print(f"the socket failed before it opened ({exc!r}, cause {exc.__cause__!r}); trying "
+                  "once more")
             return _join_retrying_an_unopened_socket(speak, server_log, may_retry=False)
         raise AssertionError(f"{exc!r}; server log:\n{server_log.read_text()[-4000:]}") from exc
     return b"".join(chunks)
@@ -358,7 +377,8 @@ def _join_retrying_an_unopened_socket(speak: Callable[[], Iterator[bytes]], serv
 @pytest.mark.filterwarnings("ignore:ConnectionClosed.code is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("output_format", ["pcm_16000", "mp3_44100_128"])
 def test_the_elevenlabs_sdk_convert_realtime_speaks_over_tls(
-        tls_server: tuple[int, Path, Path], monkeypatch: pytest.MonkeyPatch, output_format: str) -> None:
+        tls_server: tuple[int, Path, Path], monkeypatch: pytest.MonkeyPatch,
+        output_format: str) -> None:
     sdk = pytest.importorskip("elevenlabs.client",
                               reason="the compat-test extra: pip install -e '.[compat-test]'")
     ElevenLabs = sdk.ElevenLabs
@@ -369,7 +389,8 @@ def test_the_elevenlabs_sdk_convert_realtime_speaks_over_tls(
 
     def speak() -> Iterator[bytes]:
         text = iter(["Hello from the official client. ", "It speaks through voxgate over TLS. "])
-        return client.text_to_speech.convert_realtime(voice_id="joe", text=text, output_format=output_format)
+        return client.text_to_speech.convert_realtime(voice_id="joe", text=text,
+                                                      output_format=output_format)
 
     audio = _join_retrying_an_unopened_socket(speak, server_log)
     if output_format.startswith("pcm"):

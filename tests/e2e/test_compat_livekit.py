@@ -89,10 +89,12 @@ def test_livekit_elevenlabs_plugin_streams_audio_of_the_expected_duration(
     assert abs(seconds - reference_s) <= DURATION_SLACK * reference_s, (seconds, reference_s)
 
 
-def test_livekit_cartesia_plugin_streams_audio_of_the_expected_duration(voxgate: ServerProcess) -> None:
+def test_livekit_cartesia_plugin_streams_audio_of_the_expected_duration(
+        voxgate: ServerProcess) -> None:
     rate_24k, seconds_24k = _cartesia(voxgate.port, 24000)
     rate_44k, seconds_44k = _cartesia(voxgate.port, 44100)
     assert (rate_24k, rate_44k) == (24000, 44100)
     assert 3.0 < seconds_24k < 10.0, seconds_24k  # two sentences of speech
     # the same turn lasts as long at either rate: each stream's bytes are at its stated rate
-    assert abs(seconds_44k - seconds_24k) <= DURATION_SLACK * seconds_24k, (seconds_24k, seconds_44k)
+    assert abs(seconds_44k - seconds_24k) <= DURATION_SLACK * seconds_24k, \
+        (seconds_24k, seconds_44k)

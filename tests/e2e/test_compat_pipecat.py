@@ -109,7 +109,8 @@ class _AtInterruption(BaseObserver):
         if data.processor is self._service and isinstance(data.frame, InterruptionFrame) \
                 and self.at is None:
             self.at = time.monotonic()
-            self.sent_s = await asyncio.to_thread(self._server.metric, "voxgate_audio_sent_seconds_total")
+            self.sent_s = await asyncio.to_thread(self._server.metric,
+                                                  "voxgate_audio_sent_seconds_total")
 
 
 @pytest.mark.parametrize("kind", ["elevenlabs", "cartesia", "deepgram"])
@@ -123,7 +124,8 @@ def test_an_interruption_mid_answer_stops_the_audio_and_cancels_the_engine_work(
               SleepFrame(sleep=1.5), InterruptionFrame(), SleepFrame(sleep=3.0)]
     down, _ = asyncio.run(run_test(service, frames_to_send=frames, observers=[seen]))
     index = next(i for i, f in enumerate(down) if isinstance(f, InterruptionFrame))
-    assert any(isinstance(f, TTSAudioRawFrame) for f in down[:index]), "no audio before the interruption"
+    assert any(isinstance(f, TTSAudioRawFrame) for f in down[:index]), \
+        "no audio before the interruption"
     assert not any(isinstance(f, TTSAudioRawFrame) for f in down[index:])
     # the server stopped too: its requests were cancelled, and it sent little after. The answer
     # streams as fast as the box makes it, so what went out before is the box's pace, not a
@@ -136,8 +138,9 @@ def test_an_interruption_mid_answer_stops_the_audio_and_cancels_the_engine_work(
     sent_before_s = seen.sent_s - sent_before
     pace = sent_before_s / (seen.at - seen.first_audio_at)  # audio seconds a second, this box
     assert SENTENCE_S * len(LONG_ANSWER) - sent_before_s > 0.5 * pace * window_s, \
-        f"{sent_before_s:.1f} s went out before the interruption: too little of the answer was left " \
-        "for a server that went on to show (a longer LONG_ANSWER for a box this fast)"
+        f"{sent_before_s:.1f} s went out before the interruption: too little of the answer " \
+        "was left for a server that went on to show (a longer LONG_ANSWER for a box this fast)"
     assert sent_after_s < 0.2 * pace * window_s, \
-        f"{sent_after_s:.1f} s sent after the interruption ({sent_before_s:.1f} s before, {pace:.1f} s/s)"
+        f"{sent_after_s:.1f} s sent after the interruption " \
+        f"({sent_before_s:.1f} s before, {pace:.1f} s/s)"
 

@@ -1,4 +1,5 @@
-"""End to end: `voxgate serve --engine cosyvoice` on a tiny random model speaks Opus over the socket."""
+"""End to end: `voxgate serve --engine cosyvoice` on a tiny random model speaks Opus over the
+socket."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
              for arg in ("--engine-option", f"{key}={value}")]
     env = {"VOXGATE_COSYVOICE_TOKENIZER": "bytes"}  # the environment maps onto the same options
     proc = start_server(tmp_path_factory.mktemp("cosyvoice-server"), "--engine", "cosyvoice",
-                        "--model-dir", str(options["model_dir"]), "--voice", "default", *flags, env=env,
-                        ready_timeout=180.0)
+                        "--model-dir", str(options["model_dir"]), "--voice", "default", *flags,
+                        env=env, ready_timeout=180.0)
     yield proc
     proc.stop()
 
 
 def expected_tokens(base: Path, text: str) -> int:
-    """How many speech tokens the same model speaks for `text` (greedy decoding is deterministic)."""
+    """How many speech tokens the same model speaks for `text` (greedy decoding is
+    deterministic)."""
     backend = tiny_backend(base)  # the server's options: greedy tokens are the same
     assert isinstance(backend, CosyVoiceBackend)
     item = backend.prepare(SynthesisRequest(RequestId("expected"), text, "default"))
@@ -65,7 +67,8 @@ def test_session_speed_speaks_the_same_tokens_faster(
         return client
 
     client = asyncio.run(asyncio.wait_for(scenario(), 120))
-    want_ms = int(2 * expected_tokens(tmp_path_factory.getbasetemp(), TEXT) / 1.5) * MS_PER_TOKEN / 2
+    want_ms = int(
+        2 * expected_tokens(tmp_path_factory.getbasetemp(), TEXT) / 1.5) * MS_PER_TOKEN / 2
     assert not client.received.of("error")
     assert abs(client.received.of("context.done", "fast")[0]["audio_ms"] - want_ms) <= 40
 
@@ -73,7 +76,8 @@ def test_session_speed_speaks_the_same_tokens_faster(
 def test_a_cancelled_turn_stops_and_the_next_one_speaks(server: ServerProcess) -> None:
     async def scenario() -> Client:
         client = await Client.connect(server.ws_url)
-        await client.send({"type": "text", "context_id": "long", "text": "Hello world. " * 3, "flush": True})
+        await client.send({"type": "text", "context_id": "long", "text": "Hello world. " * 3,
+                           "flush": True})
         await client.until("audio", "long")
         await client.send({"type": "cancel", "context_id": "long"})
         await client.until("cancelled", "long")
@@ -93,7 +97,8 @@ def test_a_registered_reference_voice_is_cloned_and_speaks(
         server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
     base = tmp_path_factory.mktemp("voice")
     wav = write_reference_wav(base / "alice.wav", seconds=2.0, rate=22050)
-    response = httpx.post(server.url + "/v1/voices", data={"id": "alice", "text": "Testing one two."},
+    response = httpx.post(server.url + "/v1/voices",
+                          data={"id": "alice", "text": "Testing one two."},
                           files={"audio": ("alice.wav", wav.read_bytes(), "audio/wav")}, timeout=60)
     assert response.status_code == 201, response.text
     listed = {v["id"]: v for v in httpx.get(server.url + "/v1/voices").json()["voices"]}

@@ -47,14 +47,15 @@ prepare = Requests("req")
 @pytest.fixture(scope="module")
 def options(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     base = tmp_path_factory.mktemp("cosyvoice-vllm")
-    model_dir = write_random_model_dir(base / "model", 2, qwen=QWEN_HEAD_64, seed=1, flow_size="tiny",
-                                       with_frontend=True)
+    model_dir = write_random_model_dir(base / "model", 2, qwen=QWEN_HEAD_64, seed=1,
+                                       flow_size="tiny", with_frontend=True)
     state = torch.load(model_dir / "llm.pt")
     bias = state["llm_decoder.bias"].clone()  # [6564]
     bias[6561] = bias.max() + 1.0
     state["llm_decoder.bias"] = bias
     torch.save(state, model_dir / "llm.pt")
-    return {"model_dir": str(model_dir), "tokenizer": "bytes", "sampling": "greedy", "num_threads": "1",
+    return {"model_dir": str(model_dir), "tokenizer": "bytes", "sampling": "greedy",
+            "num_threads": "1",
             "default_voice_audio": str(reference_wav(base)), "default_voice_text": REFERENCE_TEXT}
 
 
@@ -88,7 +89,8 @@ def state_of(item: BackendRequest) -> Sequence:
     return item.state
 
 
-def speak_all(backend: CosyVoiceBackend, items: list[BackendRequest]) -> list[tuple[list[int], int]]:
+def speak_all(backend: CosyVoiceBackend,
+              items: list[BackendRequest]) -> list[tuple[list[int], int]]:
     """Step the items as one batch until each finished: (speech tokens, audio samples) each."""
     spoken = run(backend, items, max_steps=MAX_STEPS)
     return [(spoken[item.request_id][0], len(spoken[item.request_id][1])) for item in items]
@@ -161,7 +163,8 @@ def test_a_preempted_stream_resumes_from_its_tokens_where_it_stopped(
 
 
 @pytest.fixture(scope="module")
-def server(options: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(options: dict[str, str],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     flags = [arg for key, value in options.items() for arg in ("--engine-option", f"{key}={value}")]
     flags += ["--lm-backend", "vllm"]
     proc = start_server(tmp_path_factory.mktemp("cosyvoice-vllm-server"), "--engine", "cosyvoice",

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from voxgate_client import ListSink
 
 from tests.support.server import REPO, ServerProcess
+from voxgate_client import ListSink
 
 CLIENT_PATH = {"PYTHONPATH": os.pathsep.join([str(REPO / "clients/python"),
                                               os.environ.get("PYTHONPATH", "")])}

@@ -28,9 +28,11 @@ FIELDS = ["context_id", "text", "flush", "played_ms", "voice", "codec", "speed",
           "frame_ms", "encoding", "pacing", "audio_as", "bitrate", "max_buffer_delay_ms", "type"]
 
 junk = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(
+        allow_nan=True, allow_infinity=True)
     | st.text(max_size=40) | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
     max_leaves=8)
 
 valid = st.one_of(

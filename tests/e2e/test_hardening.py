@@ -61,7 +61,8 @@ def test_a_socket_without_a_valid_key_is_closed_with_4401(secured: ServerProcess
 
 def test_a_valid_key_works_as_bearer_header_or_query_parameter(secured: ServerProcess) -> None:
     async def scenario() -> None:
-        for kwargs, url in [({"additional_headers": {"Authorization": f"Bearer {KEY}"}}, secured.ws_url),
+        for kwargs, url in [({"additional_headers": {"Authorization": f"Bearer {KEY}"}},
+                             secured.ws_url),
                             ({}, secured.ws_url + f"?api_key={KEY}")]:
             client = await Client.connect(url, **kwargs)
             await speak(client, "c", "Authorized.")
@@ -72,7 +73,8 @@ def test_a_valid_key_works_as_bearer_header_or_query_parameter(secured: ServerPr
 
 def test_http_api_needs_the_key_but_health_does_not(secured: ServerProcess) -> None:
     assert httpx.get(secured.url + "/v1/voices").status_code == 401
-    assert httpx.get(secured.url + "/v1/voices", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(secured.url + "/v1/voices",
+                     headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     assert httpx.get(secured.url + "/healthz").status_code == 200
 
 
@@ -96,7 +98,8 @@ def test_server_refuses_a_public_address_without_keys() -> None:
     assert "VOXGATE_API_KEYS" in result.stderr
 
 
-def test_a_flood_of_messages_is_rate_limited_and_the_session_survives(server: ServerProcess) -> None:
+def test_a_flood_of_messages_is_rate_limited_and_the_session_survives(
+        server: ServerProcess) -> None:
     async def scenario() -> tuple[list[str], Client]:
         client = await Client.connect(server.ws_url)
         codes: list[str] = []
@@ -136,11 +139,11 @@ def test_a_client_that_never_reads_is_cut_off_and_server_memory_stays_flat(tmp_p
             await warm_up()
             baseline = proc.rss_mb()
             audio_before = proc.metric("voxgate_engine_audio_seconds_total")
-            ws = await websockets.connect(proc.ws_url + "?codec=pcm16&sample_rate=48000", max_queue=1,
-                                          max_size=None)
+            ws = await websockets.connect(proc.ws_url + "?codec=pcm16&sample_rate=48000",
+                                          max_queue=1, max_size=None)
             for n in range(16):  # about 860 s of speech asked for
-                await ws.send(json.dumps({"type": "text", "context_id": f"c{n}", "text": sentence * 12,
-                                          "flush": True}))
+                await ws.send(json.dumps({"type": "text", "context_id": f"c{n}",
+                                          "text": sentence * 12, "flush": True}))
             peak = baseline
 
             def cut_off() -> bool:  # never read; watch the server's memory meanwhile
@@ -179,7 +182,8 @@ def test_a_thousand_interrupted_turns_leak_no_context(tmp_path) -> None:
         async def scenario() -> None:
             client = await Client.connect(proc.ws_url)
             for turn in range(1000):
-                await client.send({"type": "text", "context_id": f"t{turn}", "text": "Hello there, friend. And"})
+                await client.send({"type": "text", "context_id": f"t{turn}",
+                                   "text": "Hello there, friend. And"})
                 await client.send({"type": "cancel", "context_id": f"t{turn}", "played_ms": 0})
                 await client.until("cancelled", f"t{turn}")
                 client.received.audio.clear()
@@ -191,7 +195,7 @@ def test_a_thousand_interrupted_turns_leak_no_context(tmp_path) -> None:
         names = ("voxgate_contexts", "voxgate_engine_active_contexts", "voxgate_engine_queue_depth")
         # the socket's close frees what it held; a leak never comes back to 0
         wait_until(lambda: [proc.metric(name) for name in names] == [0, 0, 0], timeout=10,
-                   message=lambda: f"still held: {[proc.metric(name) for name in names]} of {names}")
+                   message=lambda: f"still held: {[proc.metric(n) for n in names]} of {names}")
     finally:
         proc.stop()
 
@@ -201,7 +205,8 @@ def test_many_sessions_with_barge_ins_leave_memory_near_where_it_started(tmp_pat
     try:
         async def session(n: int) -> None:
             client = await Client.connect(proc.ws_url)
-            await client.send({"type": "text", "context_id": "a", "text": f"Session {n} says hello. Then more."})
+            await client.send({"type": "text", "context_id": "a",
+                               "text": f"Session {n} says hello. Then more."})
             while not client.received.audio_of("a"):
                 await client.recv()
             await client.send({"type": "cancel", "context_id": "a", "played_ms": 100})
@@ -242,8 +247,8 @@ def test_an_injected_backend_fault_hits_only_its_own_context(tmp_path) -> None:
     try:
         async def victim() -> Client:
             client = await Client.connect(proc.ws_url)
-            await client.send({"type": "text", "context_id": "bad", "text": "This FAULT breaks the model.",
-                               "flush": True})
+            await client.send({"type": "text", "context_id": "bad",
+                               "text": "This FAULT breaks the model.", "flush": True})
             await client.until("error")
             await speak(client, "good", "The same socket goes on.")
             await client.close()
@@ -277,7 +282,8 @@ def test_sigterm_during_speech_drains_then_exits_zero(tmp_path) -> None:
         async def scenario() -> tuple[Client, int | None, int | None]:
             client = await Client.connect(proc.ws_url + "?pacing=realtime")
             await client.send({"type": "text", "context_id": "c", "flush": True,
-                               "text": "We are speaking when the signal comes. The turn still ends. Then bye."})
+                               "text": "We are speaking when the signal comes. The turn still "
+                                       "ends. Then bye."})
             while not client.received.audio_of("c"):
                 await client.recv()
             proc.process.send_signal(signal.SIGTERM)
@@ -305,7 +311,8 @@ def test_sigterm_during_speech_drains_then_exits_zero(tmp_path) -> None:
 # -- fair share of the engine, and connections (issue 21) ------------------------------
 
 OTHER_ADDRESS = ("127.0.0.2", 0)  # a second client address on loopback (Linux routes all of 127/8)
-LONG_INPUT = " ".join(f"Sentence number {n} is here to make a long answer for the test." for n in range(60))
+LONG_INPUT = " ".join(f"Sentence number {n} is here to make a long answer for the test."
+                      for n in range(60))
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +320,9 @@ def fair(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     """Auth off with a share set (loopback mode's own default is no cap); 16 engine contexts,
     so a client's share is 8; 4 sockets per client address."""
     proc = start_server(tmp_path_factory.mktemp("fair"), "--max-contexts", "16",
-                        env={"VOXGATE_MAX_ENGINE_SHARE": "0.5", "VOXGATE_LIMIT_IDLE_TIMEOUT_S": "15", "VOXGATE_MAX_SOCKETS_PER_KEY": "4",
+                        env={"VOXGATE_MAX_ENGINE_SHARE": "0.5",
+                             "VOXGATE_LIMIT_IDLE_TIMEOUT_S": "15",
+                             "VOXGATE_MAX_SOCKETS_PER_KEY": "4",
                              "VOXGATE_LIMIT_SLOW_CONSUMER_TIMEOUT_S": "2"})
     yield proc
     proc.stop()
@@ -342,14 +351,17 @@ def test_a_hoarding_client_holds_at_most_its_share_and_another_client_speaks_wit
         await lazy.send({"type": "session.update"})
         await lazy.until("session.updated")
         assert fair.metric("voxgate_engine_active_contexts") == 0
-        # Sockets whose turns do reach the engine, never flushed: the address's share (8) and no more.
+        # Sockets whose turns do reach the engine, never flushed: the address's share (8) and no
+        # more.
         hoarders = [await Client.connect(fair.ws_url) for _ in range(3)]
         opened += hoarders
         refused = []
         for hoarder in hoarders:
             for n in range(16):
-                await hoarder.send({"type": "text", "context_id": f"h{n}", "text": "Hold this. And"})
-        for hoarder in hoarders:  # a socket has at most 4 segments with the engine: 4 + 4, then refusals
+                await hoarder.send({"type": "text", "context_id": f"h{n}",
+                                    "text": "Hold this. And"})
+        # a socket has at most 4 segments with the engine: 4 + 4, then refusals
+        for hoarder in hoarders:
             while True:
                 try:
                     event = await hoarder.next_event(timeout=1.0)
@@ -375,7 +387,8 @@ def test_a_hoarding_client_holds_at_most_its_share_and_another_client_speaks_wit
         async with httpx.AsyncClient(timeout=60) as http:
             own = await http.post(fair.url + "/v1/audio/speech", json={"input": "Me again."})
         assert own.status_code == 429 and own.json()["code"] == "rate_limited"
-        assert fair.metric("voxgate_engine_active_contexts") == 8  # the hoarder still holds its share
+        # the hoarder still holds its share
+        assert fair.metric("voxgate_engine_active_contexts") == 8
 
         # The idle timeout counts the client's frames, not its open contexts (15 s here).
         closes = []
@@ -413,7 +426,8 @@ def test_with_auth_off_the_socket_cap_applies_per_client_address(fair: ServerPro
     run(scenario())
 
 
-def raw_http(port: int, head: str, body: bytes = b"", *, rcvbuf: int | None = None) -> socket.socket:
+def raw_http(port: int, head: str, body: bytes = b"", *,
+             rcvbuf: int | None = None) -> socket.socket:
     sock = socket.socket()
     if rcvbuf is not None:  # set before connecting: the window the server may fill
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -423,8 +437,8 @@ def raw_http(port: int, head: str, body: bytes = b"", *, rcvbuf: int | None = No
 
 
 def speech_head(port: int, body: bytes, content_type: str = "application/json") -> str:
-    return (f"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {content_type}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n")
+    return (f"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: "
+            f"{content_type}\r\nContent-Length: {len(body)}\r\n\r\n")
 
 
 def read_head(sock: socket.socket, timeout: float = 30.0) -> bytes:
@@ -456,7 +470,8 @@ def settled_audio_seconds(proc: ServerProcess, timeout: float = 60.0) -> float:
         last.append(now)
         return now if same else None
 
-    made = wait_until(unchanged, timeout=timeout, interval=1.0, message="the engine kept synthesizing")
+    made = wait_until(unchanged, timeout=timeout, interval=1.0,
+                      message="the engine kept synthesizing")
     return float(made)
 
 
@@ -472,23 +487,27 @@ def test_speech_requests_whose_clients_reset_stop_synthesizing(fair: ServerProce
     assert made < 60, f"5 reset requests still made {made:.1f} s of audio"
 
 
-def test_a_speech_client_that_stops_reading_is_cut_off_by_the_write_timeout(fair: ServerProcess) -> None:
+def test_a_speech_client_that_stops_reading_is_cut_off_by_the_write_timeout(
+        fair: ServerProcess) -> None:
     before = settled_audio_seconds(fair)
     body = json.dumps({"input": LONG_INPUT, "response_format": "pcm"}).encode()
     sock = raw_http(fair.port, speech_head(fair.port, body), body, rcvbuf=4096)
     try:
         assert read_head(sock).startswith(b"HTTP/1.1 200")
         # never read again: the server's buffers fill, its send waits, the 2 s write timeout ends it
-        made = settled_audio_seconds(fair, timeout=200) - before  # ~4 MB to fill: slow on a busy machine
+        # ~4 MB to fill: slow on a busy machine
+        made = settled_audio_seconds(fair, timeout=200) - before
         assert "the client read nothing for 2 s" in fair.log()
         assert made < 200, f"{made:.0f} s of audio made for a client that stopped reading"
     finally:
         sock.close()
 
 
-def test_a_speech_body_is_refused_from_its_length_or_type_before_it_is_read(fair: ServerProcess) -> None:
+def test_a_speech_body_is_refused_from_its_length_or_type_before_it_is_read(
+        fair: ServerProcess) -> None:
     rss_before = fair.rss_mb()
-    head = speech_head(fair.port, b"").replace("Content-Length: 0", f"Content-Length: {100 * 1024 * 1024}")
+    head = speech_head(fair.port, b"").replace("Content-Length: 0",
+                                               f"Content-Length: {100 * 1024 * 1024}")
     sock = raw_http(fair.port, head, b'{"input": "' + b"x" * 65536)
     try:
         answer = read_head(sock)
@@ -504,12 +523,14 @@ def test_a_speech_body_is_refused_from_its_length_or_type_before_it_is_read(fair
 
 
 def test_connections_that_never_finish_their_headers_are_closed(tmp_path) -> None:
-    proc = start_server(tmp_path, env={"VOXGATE_HEADER_TIMEOUT_S": "1", "VOXGATE_MAX_CONNECTIONS": "4"})
+    proc = start_server(tmp_path,
+                        env={"VOXGATE_HEADER_TIMEOUT_S": "1", "VOXGATE_MAX_CONNECTIONS": "4"})
     try:
         silent = [raw_http(proc.port, "") for _ in range(4)]
         # they hold every connection slot: the next request is refused, not queued behind them
         assert httpx.get(proc.url + "/healthz").status_code == 503
-        slow = raw_http(proc.port, f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{proc.port}\r\nX-Slow: ")
+        slow = raw_http(proc.port,
+                        f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{proc.port}\r\nX-Slow: ")
         slow.settimeout(15)
         # The trickle is the subject: one header byte every 0.1 s never completes the head,
         # and the 1 s header timeout ends it well inside the 10 s this loop may take.

@@ -38,13 +38,15 @@ def test_voices_list_the_embedded_joe_voice(server: ServerProcess) -> None:
     assert any(v["id"] == "joe" and v["backend"] == "piper" for v in body["voices"])
 
 
-def test_official_openai_client_streams_speech_to_a_decodable_file(server: ServerProcess, tmp_path) -> None:
+def test_official_openai_client_streams_speech_to_a_decodable_file(
+        server: ServerProcess, tmp_path) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     path = tmp_path / "speech.mp3"
     with client.audio.speech.with_streaming_response.create(
-            model="voxgate", voice="alloy", input="The official client can stream this. Twice over.",
+            model="voxgate", voice="alloy",
+            input="The official client can stream this. Twice over.",
             response_format="mp3") as response:
         response.stream_to_file(path)
     duration, rms = decode_file(path.read_bytes())
@@ -64,7 +66,8 @@ def test_each_response_format_decodes(server: ServerProcess, fmt: str) -> None:
 
 def test_pcm_format_is_raw_24khz_samples(server: ServerProcess) -> None:
     response = httpx.post(server.url + "/v1/audio/speech",
-                          json={"input": "Raw pcm.", "voice": "joe", "response_format": "pcm"}, timeout=60)
+                          json={"input": "Raw pcm.", "voice": "joe", "response_format": "pcm"},
+                          timeout=60)
     pcm = np.frombuffer(response.content, dtype="<i2")
     assert response.headers["content-type"].startswith("audio/pcm")
     assert 0.3 < len(pcm) / 24000 < 4.0
@@ -74,9 +77,11 @@ def test_sse_stream_format_sends_deltas_then_done(server: ServerProcess) -> None
     response = httpx.post(server.url + "/v1/audio/speech",
                           json={"input": "Server sent events. In two parts.", "voice": "joe",
                                 "response_format": "wav", "stream_format": "sse"}, timeout=60)
-    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ")]
     assert events[-1]["type"] == "speech.audio.done"
-    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events
+                     if e["type"] == "speech.audio.delta")
     assert audio[:4] == b"RIFF" and len(audio) > 24000
 
 
@@ -99,6 +104,8 @@ def test_bad_speech_requests_get_a_clear_4xx(server: ServerProcess, body: dict, 
 
 def test_metrics_expose_sessions_ttfa_and_engine_counters(server: ServerProcess) -> None:
     text = httpx.get(server.url + "/metrics").text
-    for name in ("voxgate_sessions", "voxgate_ttfa_seconds_bucket", "voxgate_audio_sent_seconds_total",
-                 "voxgate_engine_queue_depth", "voxgate_engine_max_contexts", "voxgate_errors_total"):
+    for name in ("voxgate_sessions", "voxgate_ttfa_seconds_bucket",
+                 "voxgate_audio_sent_seconds_total",
+                 "voxgate_engine_queue_depth", "voxgate_engine_max_contexts",
+                 "voxgate_errors_total"):
         assert name in text, name

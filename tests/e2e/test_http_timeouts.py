@@ -24,7 +24,8 @@ from tests.support.wait import wait_until
 async def hello(scope: Any, receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
 
 

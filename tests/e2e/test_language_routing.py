@@ -110,7 +110,8 @@ def test_a_chinese_sentence_with_no_voice_for_it_is_skipped_and_the_english_arou
 def test_with_a_mandarin_voice_mapped_both_speak_in_order_with_contiguous_audio(
         mandarin: ServerProcess) -> None:
     client = run(turn(mandarin.ws_url, MIXED))
-    assert in_order(client) == [("segment", 0), ("segment", 1), ("segment", 2), ("context.done", None)]
+    assert in_order(client) == [("segment", 0), ("segment", 1), ("segment", 2),
+                                ("context.done", None)]
     segments = client.received.of("segment", "c")
     assert [s["text"] for s in segments] == ["Hello there, my good friend.", CHINESE,
                                              "See you tomorrow at the station."]
@@ -174,7 +175,8 @@ def test_a_vendor_socket_skips_silently_logs_no_text_and_counts_it(server: Serve
         url = f"ws://127.0.0.1:{server.port}/v1/text-to-speech/joe/stream-input?output_format=pcm_16000"
         async with websockets.connect(url, max_size=None) as ws:
             await ws.send(json.dumps({"text": " "}))
-            await ws.send(json.dumps({"text": "Hello there, my friend. Привет, как дела? Goodbye now. "}))
+            await ws.send(json.dumps({"text": "Hello there, my friend. Привет, как дела? Goodbye "
+                                              "now. "}))
             await ws.send(json.dumps({"text": ""}))
             out: list[dict[str, Any]] = []
             while not (out and out[-1].get("isFinal")):

@@ -107,17 +107,19 @@ async def _connect(cluster: Cluster, query: str = "") -> tuple[Client, str]:
     return client, client.ws.response.headers[REPLICA_HEADER.decode()]
 
 
-def test_eight_sessions_speak_through_the_proxy_each_on_one_gateway_replica(cluster: Cluster) -> None:
+def test_eight_sessions_speak_through_the_proxy_each_on_one_gateway_replica(
+        cluster: Cluster) -> None:
     async def one(i: int) -> tuple[str, list[float]]:
         client, replica = await _connect(cluster)
         try:
             audio_ms = []
             for turn in range(2):  # two turns on one socket: the same connection, one replica
                 try:
-                    done = await asyncio.wait_for(speak(client, f"c{turn}", f"Session {i} says "
-                                                        f"hello, turn {turn}. The weather is fine."), 60)
+                    sentence = f"Session {i} says hello, turn {turn}. The weather is fine."
+                    done = await asyncio.wait_for(speak(client, f"c{turn}", sentence), 60)
                 except asyncio.TimeoutError:
-                    events = [{k: e.get(k) for k in ("type", "context_id", "segment_id", "code", "message")}
+                    events = [{k: e.get(k)
+                               for k in ("type", "context_id", "segment_id", "code", "message")}
                               for e in client.received.events]
                     raise AssertionError(f"session {i} turn {turn}: {events}") from None
                 audio_ms.append(done["audio_ms"])
@@ -143,7 +145,8 @@ def test_a_cancel_frees_the_work_on_the_engine_replica(cluster: Cluster) -> None
     async def run() -> dict[str, Any]:
         client, _ = await _connect(cluster)
         try:
-            await client.send({"type": "text", "context_id": "long", "text": LONG_TEXT, "flush": True})
+            await client.send({"type": "text", "context_id": "long", "text": LONG_TEXT,
+                               "flush": True})
             while not client.received.audio:
                 await client.recv(timeout=30)
             await client.send({"type": "cancel", "context_id": "long"})
@@ -164,7 +167,8 @@ def test_a_cancel_frees_the_work_on_the_engine_replica(cluster: Cluster) -> None
     assert sum(after.values()) > sum(before.get(k, 0) for k in after), (before, after)
 
 
-def test_a_voice_registered_through_one_gateway_replica_speaks_through_the_other(cluster: Cluster) -> None:
+def test_a_voice_registered_through_one_gateway_replica_speaks_through_the_other(
+        cluster: Cluster) -> None:
     response = register(cluster.url, "ray-voice", name="Ray voice")
     assert response.status_code == 201, response.text
     first = response.headers[REPLICA_HEADER.decode()]
@@ -180,7 +184,8 @@ def test_a_voice_registered_through_one_gateway_replica_speaks_through_the_other
             try:
                 if replica == first:
                     continue
-                return await asyncio.wait_for(speak(client, "v", "Hello from the other replica."), 60)
+                return await asyncio.wait_for(speak(client, "v", "Hello from the other replica."),
+                                              60)
             finally:
                 await client.close()
         raise AssertionError("no socket reached the other gateway replica with the voice")
@@ -195,7 +200,8 @@ def test_an_engine_replica_killed_mid_turn_errors_within_5_s_and_the_next_turn_s
     async def run() -> tuple[float, dict[str, Any]]:
         client, _ = await _connect(cluster)
         try:
-            await client.send({"type": "text", "context_id": "k1", "text": LONG_TEXT, "flush": True})
+            await client.send({"type": "text", "context_id": "k1", "text": LONG_TEXT,
+                               "flush": True})
             while not client.received.audio:
                 await client.recv(timeout=30)
             serving = [r["replica"] for r in await asyncio.to_thread(cluster.engine_reports)
@@ -215,7 +221,8 @@ def test_an_engine_replica_killed_mid_turn_errors_within_5_s_and_the_next_turn_s
     waited, done = asyncio.run(run())
     assert waited < 5.0, f"the error came {waited:.1f} s after the kill"
     assert done["audio_ms"] > 300
-    _wait(lambda: cluster.gateway_metric("voxgate_contexts") == {0.0}, 20, "no open context on any gateway")
+    _wait(lambda: cluster.gateway_metric("voxgate_contexts") == {0.0}, 20,
+          "no open context on any gateway")
     _wait(lambda: all(r["num_contexts"] == 0 for r in cluster.engine_reports()), 30,
           "no context held on any engine replica")
 
@@ -230,7 +237,8 @@ def _gateway_states(app: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in status.deployments["Gateway"].replica_states.items()}
 
 
-async def _read_until_done_or_closed(client: Client, context_id: str, timeout_s: float) -> int | None:
+async def _read_until_done_or_closed(client: Client, context_id: str,
+                                     timeout_s: float) -> int | None:
     """Read (recording) until `context_id` is done, then until the socket closes or `timeout_s`
     pass; the close code, or None while it stays open."""
     loop = asyncio.get_running_loop()
@@ -306,13 +314,15 @@ def test_a_gateway_replica_the_autoscaler_removes_finishes_its_turn_then_closes_
         result = asyncio.run(asyncio.wait_for(scenario(), 300))
     finally:
         serve.delete("drain")
-    assert result["done_when_stopping"] is False, "the replica was stopped after the turn, not during it"
+    assert result["done_when_stopping"] is False, \
+        "the replica was stopped after the turn, not during it"
     assert result["code"] == 1001
     # The whole turn came before the close: every sentence, and all of its audio.
     got = result["client"].received
     (done,) = got.of("context.done", "turn")
     assert done["segments"] == len(got.of("segment", "turn")) == 4
-    assert sum(frame["duration_ms"] for frame in got.audio_of("turn")) == pytest.approx(done["audio_ms"], abs=100)
+    assert sum(frame["duration_ms"] for frame in got.audio_of("turn")) == pytest.approx(
+        done["audio_ms"], abs=100)
     assert done["audio_ms"] > 4 * 2000
     assert got.of("error") == []
     assert result["drained"] not in result["newcomers"], result["newcomers"]
@@ -325,7 +335,8 @@ def test_the_serve_config_file_is_valid_for_serve_deploy_and_the_builder() -> No
 
     from gateway.ray_serve.app import RayServeConfig, _engine_options, _gateway_options
 
-    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "serve-config.yaml").read_text())
+    config = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "deploy" / "serve-config.yaml").read_text())
     ServeDeploySchema(**config)
     (app,) = config["applications"]
     assert app["import_path"] == "gateway.ray_serve.app:build_app"

@@ -51,11 +51,11 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **extra}
 
 
-# -- the launcher refuses before Ray starts ---------------------------------------------------------
+# -- the launcher refuses before Ray starts --------------------------------------------------------
 
 def _launch(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "ray-serve", *args], check=False, cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "ray-serve", *args], check=False,
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
 def test_ray_serve_refuses_a_public_host_unless_keys_really_loaded(tmp_path: Path) -> None:
@@ -71,11 +71,12 @@ def test_ray_serve_refuses_a_public_host_unless_keys_really_loaded(tmp_path: Pat
         assert done.returncode == 2, (why, done.stdout, done.stderr)
         assert "refusing to listen on 0.0.0.0 without API keys" in done.stdout, (why, done.stdout)
         assert "Started a local Ray instance" not in done.stdout + done.stderr, why
-    missing = _launch(["--host", "0.0.0.0", "--api-keys-file", str(tmp_path / "absent")], _clean_env())
+    missing = _launch(["--host", "0.0.0.0", "--api-keys-file", str(tmp_path / "absent")],
+                      _clean_env())
     assert missing.returncode == 2 and "bad configuration" in missing.stdout
 
 
-# -- a cluster with keys ------------------------------------------------------------------------------
+# -- a cluster with keys ---------------------------------------------------------------------------
 
 def _outward_address() -> str:
     """This machine's own non-loopback address (no packet is sent), else loopback."""
@@ -97,18 +98,20 @@ class KeyedCluster:
         return self.log_path.read_text(errors="replace")
 
     async def socket(self, path: str, headers: dict[str, str] | None = None) -> Any:
-        """A WebSocket to `address`, its Host header `localhost:<port>` as a rebound client sends."""
+        """A WebSocket to `address`, its Host header `localhost:<port>` as a rebound client
+        sends."""
         sock = socket.create_connection((self.address, self.port), timeout=30)
         sock.setblocking(False)
-        return await websockets.connect(f"ws://localhost:{self.port}{path}", sock=sock, max_size=None,
-                                        additional_headers=headers or {})
+        return await websockets.connect(f"ws://localhost:{self.port}{path}", sock=sock,
+                                        max_size=None, additional_headers=headers or {})
 
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedCluster]:
     tmp = tmp_path_factory.mktemp("ray-auth")
     port, log_path = free_port(), tmp / "ray-serve.log"
-    command = [sys.executable, "-m", "gateway.cli", "ray-serve", "--host", "0.0.0.0", "--port", str(port),
+    command = [sys.executable, "-m", "gateway.cli", "ray-serve", "--host", "0.0.0.0", "--port",
+               str(port),
                "--gateway-replicas", "1", "--engine-replicas", "1", "--gateway-cpus", "0.25",
                "--engine-cpus", "0.5", "--data-dir", str(tmp / "data")]
     env = _clean_env(VOXGATE_API_KEYS=KEY, PYTHONPATH=str(REPO))
@@ -119,7 +122,8 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedCluster]:
     try:
         deadline = time.monotonic() + 300
         while True:
-            assert process.poll() is None, f"voxgate ray-serve exited {process.returncode}:\n{cluster.log()}"
+            assert process.poll() is None, \
+                f"voxgate ray-serve exited {process.returncode}:\n{cluster.log()}"
             assert time.monotonic() < deadline, f"not ready in 300 s:\n{cluster.log()[-4000:]}"
             if "voxgate on Ray Serve: http://" in cluster.log():
                 try:
@@ -151,7 +155,8 @@ async def _answer(ws: Any, send: list[dict[str, Any]], quiet_s: float = 8.0) -> 
     try:
         while True:
             frame = await asyncio.wait_for(ws.recv(), quiet_s)
-            out.append(frame if isinstance(frame, str) else json.dumps(msgpack.unpackb(frame), default=str))
+            out.append(frame if isinstance(frame, str)
+                       else json.dumps(msgpack.unpackb(frame), default=str))
     except asyncio.TimeoutError:
         out.append("open")
     except websockets.ConnectionClosed as closed:
@@ -162,7 +167,8 @@ async def _answer(ws: Any, send: list[dict[str, Any]], quiet_s: float = 8.0) -> 
 async def _keyless_sockets(cluster: KeyedCluster) -> dict[str, list[str]]:
     eleven = "/v1/text-to-speech/joe/stream-input?output_format=pcm_16000"
     turns: dict[str, tuple[str, list[dict[str, Any]]]] = {
-        "stream": ("/v1/stream", [{"type": "text", "context_id": "c", "text": "Hello.", "flush": True}]),
+        "stream": ("/v1/stream",
+                   [{"type": "text", "context_id": "c", "text": "Hello.", "flush": True}]),
         "stream.token": ("/v1/stream?token=vxt_forged", []),
         "stream.api_key": ("/v1/stream?api_key=sk-wrong-0123456789", []),
         "elevenlabs.wrong_key": (eleven, [{"text": " ", "xi_api_key": "sk-wrong-0123456789"}]),
@@ -172,7 +178,8 @@ async def _keyless_sockets(cluster: KeyedCluster) -> dict[str, list[str]]:
         "cartesia": ("/tts/websocket?cartesia_version=2025-04-16",
                      [{"transcript": "Hello.", "context_id": "c", "continue": False,
                        "voice": {"mode": "id", "id": "joe"}, "output_format": CARTESIA_PCM}]),
-        "deepgram": ("/v1/speak?model=joe&sample_rate=16000", [{"type": "Speak", "text": "Hello."}]),
+        "deepgram": ("/v1/speak?model=joe&sample_rate=16000",
+                     [{"type": "Speak", "text": "Hello."}]),
     }
     answers = {}
     for name, (path, send) in turns.items():
@@ -186,18 +193,22 @@ async def _keyless_sockets(cluster: KeyedCluster) -> dict[str, list[str]]:
     return answers
 
 
-def test_every_route_refuses_a_caller_without_a_key_whatever_host_it_names(keyed: KeyedCluster) -> None:
+def test_every_route_refuses_a_caller_without_a_key_whatever_host_it_names(
+        keyed: KeyedCluster) -> None:
     host = {"Host": "localhost"}  # what passed loopback mode's check
     with httpx.Client(base_url=keyed.url, timeout=60, headers=host) as http:
         answers = {
             "GET /v1/voices": http.get("/v1/voices"),
             "GET /v1/voices/joe": http.get("/v1/voices/joe"),
-            "POST /v1/voices": http.post("/v1/voices", data={"id": "mine", "text": "Hello, this is me."},
+            "POST /v1/voices": http.post("/v1/voices",
+                                         data={"id": "mine", "text": "Hello, this is me."},
                                          files={"audio": ("ref.wav", make_wav(1.5), "audio/wav")}),
             "DELETE /v1/voices/mine": http.delete("/v1/voices/mine"),
-            "POST /v1/audio/speech": http.post("/v1/audio/speech", json={"input": "Hello.", "voice": "joe"}),
+            "POST /v1/audio/speech": http.post("/v1/audio/speech",
+                                               json={"input": "Hello.", "voice": "joe"}),
             "POST /v1/session-tokens": http.post("/v1/session-tokens"),
-            "a wrong key": http.get("/v1/voices", headers={"Authorization": "Bearer sk-wrong-0123456789"}),
+            "a wrong key": http.get("/v1/voices",
+                                    headers={"Authorization": "Bearer sk-wrong-0123456789"}),
         }
         assert {route: r.status_code for route, r in answers.items()} == dict.fromkeys(answers, 401)
         assert all(r.json()["code"] == "unauthorized" for r in answers.values())
@@ -212,13 +223,15 @@ def test_every_route_refuses_a_caller_without_a_key_whatever_host_it_names(keyed
         assert not any('"audio"' in f or '"chunk"' in f for f in frames), (name, frames)
 
 
-def test_the_key_from_the_launchers_environment_speaks_on_every_kind_of_route(keyed: KeyedCluster) -> None:
+def test_the_key_from_the_launchers_environment_speaks_on_every_kind_of_route(
+        keyed: KeyedCluster) -> None:
     assert "auth is on: 1 API key(s)" in keyed.log()
     bearer = {"Authorization": f"Bearer {KEY}", "Host": "localhost"}
     with httpx.Client(base_url=keyed.url, timeout=120) as http:
         assert http.get("/v1/voices", headers=bearer).status_code == 200
         speech = http.post("/v1/audio/speech", headers=bearer,
-                           json={"input": "Keys reach the replicas.", "voice": "joe", "response_format": "pcm"})
+                           json={"input": "Keys reach the replicas.", "voice": "joe",
+                                 "response_format": "pcm"})
         assert speech.status_code == 200 and len(speech.content) > 24000  # half a second of PCM16
 
     async def turn() -> dict[str, Any]:

@@ -38,7 +38,8 @@ def two_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess
     """Keys A and B and an admin key; 16 engine contexts, of which one key holds at most 8."""
     proc = start_server(tmp_path_factory.mktemp("security"), "--max-contexts", "16",
                         env={"VOXGATE_API_KEYS": f"{KEY_A},{KEY_B}", "VOXGATE_ADMIN_KEYS": ADMIN,
-                             "VOXGATE_MAX_ENGINE_SHARE": "0.5", "VOXGATE_LIMIT_IDLE_TIMEOUT_S": "30"})
+                             "VOXGATE_MAX_ENGINE_SHARE": "0.5",
+                             "VOXGATE_LIMIT_IDLE_TIMEOUT_S": "30"})
     yield proc
     proc.stop()
 
@@ -83,7 +84,8 @@ async def exchange(url: str, send: Sequence[dict[str, Any] | str] = (), *,
                 if isinstance(frame, str):
                     out.append(frame)
     except websockets.ConnectionClosed as closed:
-        out.append(f"close {closed.rcvd.code} {closed.rcvd.reason}" if closed.rcvd else "close none")
+        out.append(f"close {closed.rcvd.code} {closed.rcvd.reason}" if closed.rcvd
+                   else "close none")
     except websockets.InvalidStatus as refused:
         out.append(f"refused {refused.response.status_code} {refused.response.body!r}")
     return out
@@ -113,7 +115,8 @@ async def every_route(server: ServerProcess, voice_id: str, key: str | None,
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
         requests = {
             "speech": http.post("/v1/audio/speech", headers=headers,
-                                json={"input": "Hello.", "voice": voice_id, "response_format": "pcm"}),
+                                json={"input": "Hello.", "voice": voice_id,
+                                      "response_format": "pcm"}),
             "voices.get": http.get(f"/v1/voices/{voice_id}", headers=headers),
             "voices.base_voice": http.post(
                 "/v1/voices", headers=headers, data={"text": "Hi there.", "base_voice": voice_id},
@@ -134,7 +137,8 @@ async def every_route(server: ServerProcess, voice_id: str, key: str | None,
                                          send=[cartesia_turn(voice_id)])
     eleven_headers = {k: v for k, v in headers.items() if k != "Authorization"}
     answers["elevenlabs.header"] = await exchange(
-        elevenlabs(server, voice_id), headers={**eleven_headers, **({"xi-api-key": key} if key else {})},
+        elevenlabs(server, voice_id),
+        headers={**eleven_headers, **({"xi-api-key": key} if key else {})},
         send=[{"text": " "}, {"text": "Hello there. "}, {"text": ""}])
     first: dict[str, Any] = {"text": " ", **({"xi_api_key": key} if key else {})}
     answers["elevenlabs.first_message"] = await exchange(
@@ -202,7 +206,8 @@ def test_another_keys_voice_is_unknown_on_every_route_as_a_voice_that_never_exis
     absent = scrub_ids(without(run(every_route(two_keys, never, KEY_B)), never))
     assert theirs == absent
     assert any("unknown_voice" in a for a in theirs["speech"] + theirs["stream.query"]
-               + theirs["cartesia"] + theirs["elevenlabs.header"] + theirs["elevenlabs.first_message"])
+               + theirs["cartesia"] + theirs["elevenlabs.header"]
+               + theirs["elevenlabs.first_message"])
     # Deepgram's model falls back to the default voice with a Warning, for either id
     metadata = json.loads(theirs["deepgram"][0])
     assert metadata["type"] == "Metadata" and metadata["model_name"] == "joe"
@@ -212,9 +217,11 @@ def test_a_key_speaks_with_its_own_voice_on_every_route_and_an_admin_with_every_
         two_keys: ServerProcess, a_voice: str) -> None:
     for key in (KEY_A, ADMIN):
         answers = run(every_route(two_keys, a_voice, key, delete=False))
-        assert answers["speech"][0].startswith("200 ") and answers["voices.get"][0].startswith("200 ")
-        assert not any("unknown_voice" in a for route in ("stream.query", "stream.update", "cartesia",
-                                                           "elevenlabs.header", "elevenlabs.first_message")
+        assert answers["speech"][0].startswith("200 ")
+        assert answers["voices.get"][0].startswith("200 ")
+        assert not any("unknown_voice" in a
+                       for route in ("stream.query", "stream.update", "cartesia",
+                                      "elevenlabs.header", "elevenlabs.first_message")
                        for a in answers[route]), answers
         assert any('"type":"chunk"' in a.replace(" ", "") for a in answers["cartesia"])
         assert any('"audio":"' in a.replace(" ", "") for a in answers["elevenlabs.first_message"])
@@ -228,14 +235,16 @@ def test_elevenlabs_checks_the_key_and_the_origin_before_the_voice(two_keys: Ser
             "foreign origin, a key": await exchange(
                 elevenlabs(two_keys, "nope"), headers={"xi-api-key": KEY_B, "Origin": "https://evil.example"}),
             "no key, a wrong first message": await exchange(
-                elevenlabs(two_keys, "nope"), send=[{"text": " ", "xi_api_key": "sk-wrong-000000"}]),
+                elevenlabs(two_keys, "nope"),
+                send=[{"text": " ", "xi_api_key": "sk-wrong-000000"}]),
             "a key": await exchange(elevenlabs(two_keys, "nope"), headers={"xi-api-key": KEY_B}),
         }
     answers = run(scenario())
     assert answers["foreign origin, a key"][-1].startswith("close 4403")
     assert '"unauthorized"' in answers["no key, a wrong first message"][0]
     assert answers["no key, a wrong first message"][-1].startswith("close 4401")
-    assert '"unknown_voice"' in answers["a key"][0] and answers["a key"][-1].startswith("close 1008")
+    assert '"unknown_voice"' in answers["a key"][0]
+    assert answers["a key"][-1].startswith("close 1008")
 
 
 # -- fair share, however the key arrives ----------------------------------------------------------
@@ -262,7 +271,8 @@ async def drain(sock: Any, errors: list[str], quiet_s: float = 1.5) -> None:
             errors.append(str(message["error"]))
 
 
-def test_a_key_sent_in_the_first_message_counts_against_that_keys_share(two_keys: ServerProcess) -> None:
+def test_a_key_sent_in_the_first_message_counts_against_that_keys_share(
+        two_keys: ServerProcess) -> None:
     url = ws(two_keys, "/v1/text-to-speech/joe/multi-stream-input?output_format=pcm_16000")
 
     async def scenario() -> float:

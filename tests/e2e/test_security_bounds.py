@@ -57,7 +57,8 @@ def six_sessions(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 @pytest.fixture(scope="module")
 def bodies(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("bodies"),
-                        env={"VOXGATE_API_KEYS": f"{KEY_A},{KEY_B},{KEY_C}", "VOXGATE_MAX_SOCKETS_PER_KEY": "2",
+                        env={"VOXGATE_API_KEYS": f"{KEY_A},{KEY_B},{KEY_C}",
+                             "VOXGATE_MAX_SOCKETS_PER_KEY": "2",
                              "VOXGATE_VOICE_UPLOAD_TIMEOUT_S": str(BODY_TIMEOUT_S),
                              "VOXGATE_LIMIT_SLOW_CONSUMER_TIMEOUT_S": str(BODY_TIMEOUT_S)})
     yield proc
@@ -68,7 +69,8 @@ def elevenlabs(server: ServerProcess) -> str:
     return f"ws://127.0.0.1:{server.port}/v1/text-to-speech/joe/stream-input?output_format=pcm_16000"
 
 
-async def until_closed(ws: Any, timeout: float = 30.0) -> tuple[list[dict[str, Any]], int | None, float]:
+async def until_closed(ws: Any,
+                       timeout: float = 30.0) -> tuple[list[dict[str, Any]], int | None, float]:
     """Read until the server closes: (its JSON frames, the close code, when it closed)."""
     frames = []
     try:
@@ -91,16 +93,19 @@ def test_keyless_sockets_wait_in_a_pool_of_their_own_and_are_closed_at_the_authe
             frames, code, _ = await until_closed(ws)
         assert code == 1013 and frames[0]["error"] == "rate_limited", frames
         # the server's six sessions are all free for keyed clients while eight sockets wait
-        keyed = [await websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_A})
+        keyed = [await websockets.connect(elevenlabs(six_sessions),
+                                          additional_headers={"xi-api-key": KEY_A})
                  for _ in range(6)]
-        async with websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_B}) as ws:
+        async with websockets.connect(elevenlabs(six_sessions),
+                                      additional_headers={"xi-api-key": KEY_B}) as ws:
             frames, code, _ = await until_closed(ws)
         assert code == 1013 and frames[0]["error"] == "busy"  # the seventh keyed one: full now
         await keyed[0].send(json.dumps({"text": " "}))
         await keyed[0].send(json.dumps({"text": "Keyed clients speak while others wait. "}))
         await keyed[0].send(json.dumps({"text": ""}))
         frames, code, _ = await until_closed(keyed[0], timeout=60)
-        assert code == 1000 and any(f.get("audio") for f in frames) and frames[-1]["isFinal"] is True
+        assert code == 1000 and any(f.get("audio") for f in frames)
+        assert frames[-1]["isFinal"] is True
         closes = await asyncio.gather(*(until_closed(ws) for ws in keyless))
         for frames, code, closed_at in closes:
             assert code == 1008
@@ -115,7 +120,8 @@ def test_keyless_sockets_wait_in_a_pool_of_their_own_and_are_closed_at_the_authe
 
 def test_a_key_in_the_first_message_on_a_full_server_is_busy(six_sessions: ServerProcess) -> None:
     async def scenario() -> tuple[list[dict[str, Any]], int | None]:
-        keyed = [await websockets.connect(elevenlabs(six_sessions), additional_headers={"xi-api-key": KEY_A})
+        keyed = [await websockets.connect(elevenlabs(six_sessions),
+                                          additional_headers={"xi-api-key": KEY_A})
                  for _ in range(6)]
         try:
             async with websockets.connect(elevenlabs(six_sessions)) as ws:  # admitted: it waits
@@ -153,7 +159,8 @@ def test_a_keyless_socket_sending_junk_is_rate_limited_and_still_closed_at_the_d
 def test_a_key_in_the_first_message_takes_a_place_in_that_keys_socket_count(
         bodies: ServerProcess) -> None:
     async def scenario() -> tuple[list[dict[str, Any]], int | None]:
-        held = [await websockets.connect(elevenlabs(bodies), additional_headers={"xi-api-key": KEY_B})
+        held = [await websockets.connect(elevenlabs(bodies),
+                                         additional_headers={"xi-api-key": KEY_B})
                 for _ in range(2)]  # key B's two sockets, its cap here
         try:
             async with websockets.connect(elevenlabs(bodies)) as ws:
@@ -165,7 +172,8 @@ def test_a_key_in_the_first_message_takes_a_place_in_that_keys_socket_count(
         return frames, code
 
     frames, code = run(scenario())
-    assert code == 1013 and frames[0]["error"] == "rate_limited" and "2 sockets" in frames[0]["message"]
+    assert code == 1013 and frames[0]["error"] == "rate_limited"
+    assert "2 sockets" in frames[0]["message"]
 
 
 # -- bodies ---------------------------------------------------------------------------------------
@@ -179,8 +187,8 @@ def multipart_head(port: int, key: str, boundary: str, length: int) -> bytes:
 def stalled_upload(port: int, key: str) -> socket.socket:
     """An upload that sends its head and the start of its audio part, then nothing."""
     boundary = uuid.uuid4().hex
-    start = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"audio\"; filename=\"a.wav\"\r\n"
-             "Content-Type: audio/wav\r\n\r\nRIFF").encode()
+    start = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"audio\"; "
+             "filename=\"a.wav\"\r\nContent-Type: audio/wav\r\n\r\nRIFF").encode()
     sock = socket.create_connection(("127.0.0.1", port))
     sock.sendall(multipart_head(port, key, boundary, 200_000) + start)
     return sock
@@ -223,8 +231,8 @@ def trickled_answer(sock: socket.socket, data: bytes, until: float = math.inf
 
 
 def register(server: ServerProcess, key: str, voice_id: str) -> httpx.Response:
-    return httpx.post(server.url + "/v1/voices", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                      data={"id": voice_id, "text": "Hello, this is me."},
+    return httpx.post(server.url + "/v1/voices", headers={"Authorization": f"Bearer {key}"},
+                      timeout=60, data={"id": voice_id, "text": "Hello, this is me."},
                       files={"audio": ("ref.wav", make_wav(1.5), "audio/wav")})
 
 
@@ -255,7 +263,8 @@ def test_an_upload_trickled_in_is_cut_off_by_its_total_deadline(bodies: ServerPr
         part = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"text\"\r\n\r\n").encode()
         sock.sendall(part)
         # ends when the server answers, within the deadline + 10 s
-        status, body, came = trickled_answer(sock, b"x" * 200_000, until=started + BODY_TIMEOUT_S + 10)
+        status, body, came = trickled_answer(sock, b"x" * 200_000,
+                                             until=started + BODY_TIMEOUT_S + 10)
     finally:
         sock.close()
     assert (status, body["code"]) == (408, "upload_timeout")
@@ -280,7 +289,8 @@ def test_a_speech_body_trickled_in_is_cut_off_by_its_total_deadline(bodies: Serv
 
 # -- one tenant ---------------------------------------------------------------------------------
 
-def test_a_one_tenant_server_past_its_capacity_answers_busy_not_rate_limited(tmp_path: Path) -> None:
+def test_a_one_tenant_server_past_its_capacity_answers_busy_not_rate_limited(
+        tmp_path: Path) -> None:
     """Loopback mode: every client is the operator's, the share is the whole engine, and a
     turn past it finds the engine full: `busy`, the code a client's back-off knows."""
     proc = start_server(tmp_path, "--max-contexts", "2")
@@ -289,7 +299,8 @@ def test_a_one_tenant_server_past_its_capacity_answers_busy_not_rate_limited(tmp
             client = await Client.connect(proc.ws_url)
             try:
                 for n in range(3):  # each turn reaches the engine and stays open
-                    await client.send({"type": "text", "context_id": f"c{n}", "text": "Hold this. And"})
+                    await client.send({"type": "text", "context_id": f"c{n}",
+                                       "text": "Hold this. And"})
                 return await client.until("error", timeout=30)
             finally:
                 await client.close()

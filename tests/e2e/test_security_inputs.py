@@ -81,7 +81,8 @@ def error_code(message: dict[str, Any]) -> str | None:
 
 
 VENDORS = {
-    "elevenlabs": ("/v1/text-to-speech/joe/multi-stream-input?output_format=pcm_16000", {"xi-api-key": KEY}),
+    "elevenlabs": ("/v1/text-to-speech/joe/multi-stream-input?output_format=pcm_16000",
+                   {"xi-api-key": KEY}),
     "cartesia": ("/tts/websocket?cartesia_version=2025-04-16", {"X-API-Key": KEY}),
     "deepgram": ("/v1/speak?model=joe", {"Authorization": f"Token {KEY}"}),
 }
@@ -92,8 +93,8 @@ HUGE_NUMBERS = {
     "elevenlabs": ['{"text": "Hi. ", "context_id": "a", "voice_settings": {"speed": ' + HUGE + "}}",
                    '{"text": "Hi. ", "context_id": ' + HUGE + "}"],
     "cartesia": ['{"context_id": "c", "transcript": "Hi.", "voice": {"mode": "id", "id": "joe"}, '
-                 '"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": ' + HUGE + "}}",
-                 '{"context_id": ' + HUGE + "}"],
+                 '"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": '
+                 + HUGE + "}}", '{"context_id": ' + HUGE + "}"],
     "deepgram": ['{"type": "Speak", "text": ' + HUGE + "}", '{"type": ' + HUGE + "}"],
 }
 
@@ -112,7 +113,8 @@ def test_deep_nesting_and_huge_numbers_are_refused_on_every_vendor_socket_which_
     assert "Traceback" not in voxgate.log()
 
 
-def test_a_keyless_elevenlabs_socket_answers_malformed_frames_with_bad_message(voxgate: ServerProcess) -> None:
+def test_a_keyless_elevenlabs_socket_answers_malformed_frames_with_bad_message(
+        voxgate: ServerProcess) -> None:
     path, _ = VENDORS["elevenlabs"]
     out, code = run(answers(url(voxgate, path), MALFORMED))
     assert [error_code(m) for m in out] == ["bad_message"] * len(MALFORMED), out
@@ -124,13 +126,15 @@ def test_a_keyless_elevenlabs_socket_answers_malformed_frames_with_bad_message(v
 def test_an_elevenlabs_speed_that_is_not_a_finite_number_is_bad_message(voxgate: ServerProcess,
                                                                          speed: str) -> None:
     path, headers = VENDORS["elevenlabs"]
-    frame = '{"text": "Hello there. ", "context_id": "a", "voice_settings": {"speed": ' + speed + "}}"
+    frame = ('{"text": "Hello there. ", "context_id": "a", "voice_settings": {"speed": '
+             + speed + "}}")
     out, code = run(answers(url(voxgate, path), [frame], headers=headers))
     assert [m["error"] for m in out if "error" in m][:1] == ["bad_message"], out
     assert not any(m.get("audio") for m in out) and code is None  # nothing spoken, the socket lives
 
 
-def test_deepgram_takes_the_key_as_a_websocket_subprotocol_and_answers_token(voxgate: ServerProcess) -> None:
+def test_deepgram_takes_the_key_as_a_websocket_subprotocol_and_answers_token(
+        voxgate: ServerProcess) -> None:
     async def scenario() -> tuple[str | None, bytes]:
         async with websockets.connect(url(voxgate, "/v1/speak?model=joe&sample_rate=16000"),
                                       subprotocols=["token", KEY]) as ws:  # type: ignore[list-item]
@@ -153,8 +157,10 @@ def test_deepgram_takes_the_key_as_a_websocket_subprotocol_and_answers_token(vox
     assert code == 4401 and frames[0]["err_code"] == "unauthorized"
 
 
-def test_the_101st_session_token_for_one_key_is_refused_naming_the_cap_per_key(voxgate: ServerProcess) -> None:
-    with httpx.Client(base_url=voxgate.url, headers={"Authorization": f"Bearer {TOKENS_KEY}"}) as http:
+def test_the_101st_session_token_for_one_key_is_refused_naming_the_cap_per_key(
+        voxgate: ServerProcess) -> None:
+    with httpx.Client(base_url=voxgate.url,
+                      headers={"Authorization": f"Bearer {TOKENS_KEY}"}) as http:
         issued = [http.post("/v1/session-tokens") for _ in range(100)]
         assert {r.status_code for r in issued} == {200}
         refused = http.post("/v1/session-tokens")
@@ -165,8 +171,8 @@ def test_the_101st_session_token_for_one_key_is_refused_naming_the_cap_per_key(v
 
 def test_no_key_reaches_the_log_from_any_documented_place_plain_or_percent_encoded(
         voxgate: ServerProcess) -> None:
-    names = ["api_key", "api%5Fkey", "%61pi_key", "token", "%74oken", "xi_api_key", "xi%5Fapi%5Fkey",
-             "API_KEY", "access_token", "key"]
+    names = ["api_key", "api%5Fkey", "%61pi_key", "token", "%74oken", "xi_api_key",
+             "xi%5Fapi%5Fkey", "API_KEY", "access_token", "key"]
 
     async def sockets() -> None:
         for name in names:
@@ -183,13 +189,15 @@ def test_no_key_reaches_the_log_from_any_documented_place_plain_or_percent_encod
                 await answers(url(voxgate, path), ['{"text": " "}'], headers=headers, quiet_s=0.5)
         eleven = url(voxgate, "/v1/text-to-speech/joe/stream-input")
         await answers(eleven, [json.dumps({"text": " ", "xi_api_key": KEY})], quiet_s=0.5)
-        await answers(eleven, [json.dumps({"text": " ", "authorization": f"Bearer {KEY}"})], quiet_s=0.5)
+        await answers(eleven, [json.dumps({"text": " ", "authorization": f"Bearer {KEY}"})],
+                      quiet_s=0.5)
         async with websockets.connect(url(voxgate, "/v1/speak"), subprotocols=["token", KEY]):  # type: ignore[list-item]
             pass
 
     run(sockets())
     with httpx.Client(base_url=voxgate.url) as http:
-        token = http.post("/v1/session-tokens", headers={"Authorization": f"Bearer {KEY}"}).json()["token"]
+        token = http.post("/v1/session-tokens",
+                          headers={"Authorization": f"Bearer {KEY}"}).json()["token"]
         for name in names:
             http.get(f"/v1/voices?{name}={KEY}")
             http.get(f"/healthz?{name}={KEY}")

@@ -22,7 +22,8 @@ OTHER = "sk-token-other-0123456789"
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("tokens"),
-                        env={"VOXGATE_API_KEYS": f"{KEY},{OTHER}", "VOXGATE_SESSION_TOKEN_TTL_S": "2",
+                        env={"VOXGATE_API_KEYS": f"{KEY},{OTHER}",
+                             "VOXGATE_SESSION_TOKEN_TTL_S": "2",
                              "VOXGATE_MAX_SOCKETS_PER_KEY": "1"})
     yield proc
     proc.stop()
@@ -30,10 +31,12 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
 
 def issue(server: ServerProcess, key: str = KEY) -> tuple[str, float]:
     """A new token and the expiry (Unix time) the server gave it."""
-    response = httpx.post(server.url + "/v1/session-tokens", headers={"Authorization": f"Bearer {key}"})
+    response = httpx.post(server.url + "/v1/session-tokens",
+                          headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 200, response.text
     body = response.json()
-    assert 0 < body["expires_at"] - time.time() <= 2.5 and response.headers["cache-control"] == "no-store"
+    assert 0 < body["expires_at"] - time.time() <= 2.5
+    assert response.headers["cache-control"] == "no-store"
     return str(body["token"]), float(body["expires_at"])
 
 
@@ -65,7 +68,8 @@ def test_a_token_expires_unused(secured: ServerProcess) -> None:
     assert code == 4401 and [e["code"] for e in events] == ["unauthorized"]
 
 
-def test_a_made_up_token_is_refused_and_tokens_do_not_authorize_http(secured: ServerProcess) -> None:
+def test_a_made_up_token_is_refused_and_tokens_do_not_authorize_http(
+        secured: ServerProcess) -> None:
     assert asyncio.run(close_code(f"{secured.ws_url}?token=vxt_made-up-token"))[0] == 4401
     assert httpx.get(secured.url + f"/v1/voices?token={new_token(secured)}").status_code == 401
 
@@ -79,9 +83,11 @@ def test_only_a_key_in_the_header_can_make_tokens(secured: ServerProcess) -> Non
 
 
 def test_a_token_acts_for_the_key_that_made_it(secured: ServerProcess) -> None:
-    """One socket per key here: a token of a key that holds its socket is refused, another key's is not."""
+    """One socket per key here: a token of a key that holds its socket is refused, another key's is
+    not."""
     async def scenario() -> tuple[int | None, list[dict]]:
-        holder = await Client.connect(secured.ws_url, additional_headers={"Authorization": f"Bearer {KEY}"})
+        holder = await Client.connect(secured.ws_url,
+                                      additional_headers={"Authorization": f"Bearer {KEY}"})
         try:
             refused = await close_code(f"{secured.ws_url}?token={new_token(secured, KEY)}")
             other = await Client.connect(f"{secured.ws_url}?token={new_token(secured, OTHER)}")

@@ -19,7 +19,8 @@ ANSWER = ("Sure, here is the short version. Voxgate cuts the stream into sentenc
           "That keeps the first audio fast, even for long answers.")
 
 LONG_ANSWER = " ".join(
-    f"This is sentence number {n} of a long answer that goes on for quite a while." for n in range(1, 25))
+    f"This is sentence number {n} of a long answer that goes on for quite a while."
+    for n in range(1, 25))
 
 
 def reference_duration_s(text: str) -> float:
@@ -36,7 +37,8 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(asyncio.wait_for(coro, 120))
 
 
-def test_one_word_deltas_come_back_as_opus_speech_of_the_right_length(server: ServerProcess) -> None:
+def test_one_word_deltas_come_back_as_opus_speech_of_the_right_length(
+        server: ServerProcess) -> None:
     async def scenario() -> Client:
         client = await Client.connect(server.ws_url)
         await speak(client, "turn-1", ANSWER)
@@ -73,7 +75,8 @@ def test_audio_frames_have_gapless_seq_and_contiguous_pts(server: ServerProcess)
 def test_cancel_mid_answer_stops_audio_and_the_next_context_speaks(server: ServerProcess) -> None:
     async def scenario() -> tuple[Client, dict, list]:
         client = await Client.connect(server.ws_url)
-        await client.send({"type": "text", "context_id": "long", "text": LONG_ANSWER, "flush": True})
+        await client.send({"type": "text", "context_id": "long", "text": LONG_ANSWER,
+                           "flush": True})
         # Mid-answer: past the first word (a first window may hold only the leading silence).
         while sum(f["duration_ms"] for f in client.received.audio_of("long")) < 1000:
             await client.recv()
@@ -100,21 +103,23 @@ def test_cancel_mid_answer_stops_audio_and_the_next_context_speaks(server: Serve
 def test_two_sockets_at_once_both_get_their_audio(server: ServerProcess) -> None:
     async def one(name: str) -> Client:
         client = await Client.connect(server.ws_url)
-        await speak(client, name, f"Hello from socket {name}. Both of us should hear our own voice.")
+        await speak(client, name,
+                    f"Hello from socket {name}. Both of us should hear our own voice.")
         await client.close()
         return client
 
     async def scenario() -> list[Client]:
         return list(await asyncio.gather(one("a"), one("b")))
 
-    for client, name in zip(run(scenario()), ("a", "b")):
+    for client, name in zip(run(scenario()), ("a", "b"), strict=True):
         assert len(client.received.opus_of(name)) / 48000 > 1.5
         assert client.received.audio_of("b" if name == "a" else "a") == []
 
 
 def test_pcm16_codec_streams_raw_samples(server: ServerProcess) -> None:
     async def scenario() -> Client:
-        client = await Client.connect(server.ws_url + "?codec=pcm16&sample_rate=24000&encoding=msgpack")
+        client = await Client.connect(server.ws_url
+                                      + "?codec=pcm16&sample_rate=24000&encoding=msgpack")
         await speak(client, "p", "Raw samples for clients without Opus.")
         await client.close()
         return client
@@ -165,7 +170,8 @@ def test_a_misspelt_field_gets_bad_message_naming_it_and_its_delta_is_not_spoken
     async def scenario() -> tuple[dict, Client]:
         client = await Client.connect(server.ws_url)
         await client.send({"type": "text", "context_id": "c", "text": "Hello there."})
-        await client.send({"type": "text", "context_id": "c", "text": " Goodbye now.", "flsh": True})
+        await client.send({"type": "text", "context_id": "c", "text": " Goodbye now.",
+                           "flsh": True})
         error = await client.until("error")
         await client.send({"type": "flush", "context_id": "c"})
         await client.until("context.done", "c")
@@ -191,8 +197,8 @@ def test_first_segment_of_a_long_first_sentence_arrives_before_the_sentence_is_c
         first = await client.until("segment", "c", timeout=60)
         sent_so_far = " ".join((head + tail).split(" ")[:16])
         assert "." not in sent_so_far
-        await client.send({"type": "text", "context_id": "c", "text": "and keep walking until you see the river.",
-                           "flush": True})
+        await client.send({"type": "text", "context_id": "c",
+                           "text": "and keep walking until you see the river.", "flush": True})
         await client.until("context.done", "c")
         await client.close()
         return first, client

@@ -39,7 +39,8 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _deltas_on_a_held_line(server: ServerProcess, held: int) -> tuple[float, dict[str, object]]:
+async def _deltas_on_a_held_line(server: ServerProcess,
+                                 held: int) -> tuple[float, dict[str, object]]:
     client = await Client.connect(server.ws_url)
     try:
         await client.send({"type": "text", "context_id": "c", "text": "_" * held})
@@ -61,4 +62,5 @@ def test_a_held_line_costs_the_same_per_delta_long_or_short(server: ServerProces
     short_s, short_done = asyncio.run(_deltas_on_a_held_line(server, 1_000))
     long_s, long_done = asyncio.run(_deltas_on_a_held_line(server, 18_000))
     assert short_done["segments"] == long_done["segments"] == 0  # a rule: nothing to say
-    assert long_s < 2 * short_s + 0.2, f"{long_s:.2f} s of CPU after 18,000 held, {short_s:.2f} s after 1,000"
+    assert long_s < 2 * short_s + 0.2, \
+        f"{long_s:.2f} s of CPU after 18,000 held, {short_s:.2f} s after 1,000"

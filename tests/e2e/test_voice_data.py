@@ -43,7 +43,8 @@ def test_a_damaged_database_is_moved_aside_and_the_server_starts_degraded(tmp_pa
         proc.stop()
 
 
-def test_replicas_sharing_one_store_see_each_other_s_registrations_and_deletes(tmp_path: Path) -> None:
+def test_replicas_sharing_one_store_see_each_other_s_registrations_and_deletes(
+        tmp_path: Path) -> None:
     env = {"VOXGATE_DATA_DIR": str(tmp_path / "shared"), "VOXGATE_VOICE_SYNC_INTERVAL_S": "0.5"}
     logs = [tmp_path / "a", tmp_path / "b"]
     for folder in logs:
@@ -53,7 +54,8 @@ def test_replicas_sharing_one_store_see_each_other_s_registrations_and_deletes(t
         assert register(first.url, "shared-voice").status_code == 201
         wait_until(lambda: "shared-voice" in listed(second.url), timeout=20, interval=0.2,
                    message="the other replica never listed the voice")
-        done, frames, errors = asyncio.run(say(second.ws_url, "Spoken by the other replica.", "shared-voice"))
+        done, frames, errors = asyncio.run(say(second.ws_url, "Spoken by the other replica.",
+                                               "shared-voice"))
         assert done["type"] == "context.done" and frames > 0 and not errors
         assert httpx.delete(second.url + "/v1/voices/shared-voice").status_code == 200
         wait_until(lambda: "shared-voice" not in listed(first.url), timeout=20, interval=0.2,

@@ -31,14 +31,17 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def register(server: ServerProcess, key: str, voice_id: str, audio: bytes | None = None) -> httpx.Response:
+def register(server: ServerProcess, key: str, voice_id: str,
+             audio: bytes | None = None) -> httpx.Response:
     return httpx.post(server.url + "/v1/voices", headers=bearer(key), timeout=60,
                       data={"id": voice_id, "text": "Hello, this is me."},
-                      files={"audio": ("ref.wav", make_wav(2.0) if audio is None else audio, "audio/wav")})
+                      files={"audio": ("ref.wav", make_wav(2.0) if audio is None else audio,
+                                       "audio/wav")})
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+def replicas(
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     tmp = tmp_path_factory.mktemp("voice-ids")
     assets = tmp / "assets"
     assets.mkdir()
@@ -64,13 +67,16 @@ def test_a_deleted_voice_id_stays_its_tenants_while_a_socket_holds_it_and_after(
     assert register(one, KEY_A, voice_id).status_code == 201
 
     async def scenario() -> dict[str, Any]:
-        client = await Client.connect(f"{one.ws_url}?voice={voice_id}", additional_headers=bearer(KEY_A))
+        client = await Client.connect(f"{one.ws_url}?voice={voice_id}",
+                                      additional_headers=bearer(KEY_A))
         try:
             first = await asyncio.wait_for(speak(client, "t1", "My own voice, first turn."), 60)
             deleted = await asyncio.to_thread(
                 httpx.delete, f"{one.url}/v1/voices/{voice_id}", headers=bearer(KEY_A), timeout=30)
-            taken = [await asyncio.to_thread(register, server, KEY_B, voice_id) for server in (one, two)]
-            second = await asyncio.wait_for(speak(client, "t2", "Still my own voice, second turn."), 60)
+            taken = [await asyncio.to_thread(register, server, KEY_B, voice_id)
+                     for server in (one, two)]
+            second = await asyncio.wait_for(speak(client, "t2", "Still my own voice, second turn."),
+                                            60)
             return {"first": first, "deleted": deleted, "taken": taken, "second": second,
                     "errors": client.received.of("error"),
                     "frames": len(client.received.audio_of("t2"))}
@@ -84,7 +90,8 @@ def test_a_deleted_voice_id_stays_its_tenants_while_a_socket_holds_it_and_after(
     # the socket is gone: nobody holds the voice, and the id is still A's, on either replica
     for server in (one, two):
         assert register(server, KEY_B, voice_id).status_code == 409
-    assert httpx.get(f"{two.url}/v1/voices/{voice_id}", headers=bearer(KEY_B), timeout=30).status_code == 404
+    assert httpx.get(f"{two.url}/v1/voices/{voice_id}", headers=bearer(KEY_B),
+                     timeout=30).status_code == 404
     assert register(two, KEY_A, voice_id).status_code == 201  # its owner takes it back
 
 
@@ -93,7 +100,8 @@ def test_the_operators_mapped_voice_cannot_be_taken_by_a_tenant_once_deleted(
     one, two = replicas
     listing = httpx.get(one.url + "/v1/voices", headers=bearer(KEY_B), timeout=30).json()
     assert "narrator" in {v["id"] for v in listing["voices"]}  # the operator's: every key sees it
-    assert httpx.delete(one.url + "/v1/voices/narrator", headers=bearer(ADMIN), timeout=30).status_code == 200
+    assert httpx.delete(one.url + "/v1/voices/narrator", headers=bearer(ADMIN),
+                        timeout=30).status_code == 200
     for server in (two, one):
         answer = register(server, KEY_B, "narrator")
         assert (answer.status_code, answer.json()["code"]) == (409, "voice_exists"), answer.text

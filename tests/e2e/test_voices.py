@@ -21,7 +21,8 @@ from tests.support.wsclient import Client, speak
 
 def make_wav(seconds: float, rate: int = 22050, amplitude: float = 0.3, channels: int = 1,
              container_format: str = "wav", codec: str = "pcm_s16le") -> bytes:
-    """A 16-bit WAV (or FLAC): a 220 Hz tone with a syllable-rate wobble (what the registry sees)."""
+    """A 16-bit WAV (or FLAC): a 220 Hz tone with a syllable-rate wobble (what the registry
+    sees)."""
     n = int(seconds * rate)
     t = np.arange(n) / rate
     wave = amplitude * np.sin(2 * np.pi * 220 * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t))
@@ -38,8 +39,8 @@ def make_wav(seconds: float, rate: int = 22050, amplitude: float = 0.3, channels
     return buf.getvalue()
 
 
-def register(url: str, voice_id: str | None, audio: bytes | None = None, text: str = "Hello, this is me.",
-             **fields: str) -> httpx.Response:
+def register(url: str, voice_id: str | None, audio: bytes | None = None,
+             text: str = "Hello, this is me.", **fields: str) -> httpx.Response:
     data = {"text": text, **fields}
     if voice_id is not None:
         data["id"] = voice_id
@@ -87,7 +88,8 @@ def test_a_registered_voice_is_listed_described_and_speaks_in_a_websocket_sessio
         voice_server: ServerProcess) -> None:
     async def scenario() -> tuple[httpx.Response, dict[str, Any]]:
         early = await Client.connect(voice_server.ws_url)  # opened before the voice exists
-        response = await asyncio.to_thread(register, voice_server.url, "ada", name="Ada", language="en")
+        response = await asyncio.to_thread(register, voice_server.url, "ada", name="Ada",
+                                           language="en")
         await early.send({"type": "session.update", "voice": "ada"})
         answer = await early.next_event()
         await early.close()
@@ -107,7 +109,8 @@ def test_a_registered_voice_is_listed_described_and_speaks_in_a_websocket_sessio
     assert detail["transcript"] == "Hello, this is me." and detail["reference"]["format"] == "wav"
     assert detail["reference_language"] == "en"
 
-    done, frames, errors = asyncio.run(say(voice_server.ws_url, "Hello from a registered voice.", "ada"))
+    done, frames, errors = asyncio.run(say(voice_server.ws_url, "Hello from a registered voice.",
+                                           "ada"))
     assert errors == [] and frames > 0 and done["audio_ms"] > 500
     speech = httpx.post(voice_server.url + "/v1/audio/speech", timeout=60,
                         json={"input": "Also over HTTP.", "voice": "ada", "response_format": "wav"})
@@ -118,7 +121,8 @@ def test_the_assets_folder_and_a_piper_model_in_the_voices_folder_are_listed_at_
         voice_server: ServerProcess) -> None:
     voices = listed(voice_server.url)
     assert voices["narrator"]["registered"] is True
-    assert httpx.get(voice_server.url + "/v1/voices/narrator").json()["transcript"] == "Once upon a time."
+    narrator = httpx.get(voice_server.url + "/v1/voices/narrator").json()
+    assert narrator["transcript"] == "Once upon a time."
     assert voices["joe-twin"]["registered"] is False and voices["joe-twin"]["backend"] == "piper"
     _, frames, errors = asyncio.run(say(voice_server.ws_url, "The twin speaks.", "joe-twin"))
     assert errors == [] and frames > 0
@@ -145,14 +149,16 @@ def test_the_assets_folder_and_a_piper_model_in_the_voices_folder_are_listed_at_
     ("json_body", 415, "not_multipart"),
     ("too_large", 413, "upload_too_large"),
 ])
-def test_each_bad_upload_gets_its_own_error_code(voice_server: ServerProcess, case: str, status: int,
+def test_each_bad_upload_gets_its_own_error_code(voice_server: ServerProcess, case: str,
+                                                 status: int,
                                                   code: str) -> None:
     url = voice_server.url + "/v1/voices"
     wav = make_wav(2.0)
     if case == "empty":
         response = register(voice_server.url, "x1", audio=b"")
     elif case == "not_audio":
-        response = register(voice_server.url, "x1", audio=b"this is a text file, not a recording\n" * 50)
+        response = register(voice_server.url, "x1",
+                            audio=b"this is a text file, not a recording\n" * 50)
     elif case == "too_long":
         response = register(voice_server.url, "x1", audio=make_wav(31.0, rate=16000))
     elif case == "too_short":
@@ -223,7 +229,8 @@ def test_deleting_a_voice_in_use_keeps_the_session_that_holds_it_speaking(
             await http.aclose()
 
     asyncio.run(scenario())
-    speech = httpx.post(voice_server.url + "/v1/audio/speech", json={"input": "No.", "voice": "brief"})
+    speech = httpx.post(voice_server.url + "/v1/audio/speech",
+                        json={"input": "No.", "voice": "brief"})
     assert speech.status_code == 400 and speech.json()["error"]["code"] == "unknown_voice"
     assert httpx.delete(voice_server.url + "/v1/voices/brief").json()["code"] == "unknown_voice"
     assert httpx.delete(voice_server.url + "/v1/voices/joe").json()["code"] == "builtin_voice"
@@ -237,12 +244,14 @@ def test_concurrent_registrations_and_deletes_leave_a_consistent_registry(
         async with httpx.AsyncClient(base_url=voice_server.url, timeout=60) as client:
             async def post(voice_id: str) -> int:
                 files = {"audio": ("ref.wav", wav, "audio/wav")}
-                response = await client.post("/v1/voices", data={"id": voice_id, "text": "hi"}, files=files)
+                response = await client.post("/v1/voices", data={"id": voice_id, "text": "hi"},
+                                             files=files)
                 return response.status_code
 
             distinct = await asyncio.gather(*(post(f"crowd-{n}") for n in range(6)))
             same = await asyncio.gather(*(post("contested") for _ in range(5)))
-            deletes = await asyncio.gather(*(client.delete(f"/v1/voices/crowd-{n}") for n in range(6)),
+            deletes = await asyncio.gather(*(client.delete(f"/v1/voices/crowd-{n}")
+                                             for n in range(6)),
                                            client.delete("/v1/voices/contested"))
             return list(distinct), list(same), [r.status_code for r in deletes]
 
@@ -268,7 +277,8 @@ def test_registered_voices_survive_a_restart_without_being_registered_again(tmp_
     second = start_server(tmp_path, env=env)
     try:
         after = {v: httpx.get(f"{second.url}/v1/voices/{v}").json() for v in ("keeper", "teller")}
-        done, frames, errors = asyncio.run(say(second.ws_url, "Still here after a restart.", "keeper"))
+        done, frames, errors = asyncio.run(say(second.ws_url, "Still here after a restart.",
+                                               "keeper"))
     finally:
         second.stop()
     assert after == before  # same records: the asset was not registered twice

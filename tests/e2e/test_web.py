@@ -121,7 +121,8 @@ def assert_silent_after_interrupt(page: Page) -> dict[str, Any]:
     before = stats(page)
     page.wait_for_timeout(400)
     after = stats(page)
-    assert after["frames_played"] == before["frames_played"], "audio kept playing after the interrupt"
+    assert after["frames_played"] == before["frames_played"], \
+        "audio kept playing after the interrupt"
     assert after["state"] == "idle"
     assert after["buffer_ms"] == 0
     cut = after["last_cancel"]
@@ -194,7 +195,8 @@ def test_typing_streams_finished_words_so_a_sentence_speaks_before_enter(
     assert "And this" not in pg.inner_text("#captions")
     pg.keyboard.type(" ends it.")
     pg.keyboard.press("Enter")
-    pg.wait_for_function("document.querySelector('#captions').innerText.includes('And this ends it.')",
+    pg.wait_for_function("document.querySelector('#captions').innerText.includes('And this ends "
+                         "it.')",
                          timeout=20_000)
     turns = pg.evaluate("[...window.voxgate.agent.turns.values()].map(t => t.text)")
     assert turns == ["Live typing reaches the voice. And this ends it."]
@@ -342,7 +344,8 @@ def test_an_llm_error_is_shown_and_leaves_no_turn_open(page: tuple[Page, Console
     pg.fill("#llm-input", "Hello?")
     pg.press("#llm-input", "Enter")
     pg.wait_for_selector("#notice:not([hidden])")
-    assert "expected 200 from the LLM endpoint, got 500: model not loaded" in pg.inner_text("#notice")
+    assert "expected 200 from the LLM endpoint, got 500: model not loaded" in pg.inner_text(
+        "#notice")
     states = pg.evaluate("[...window.voxgate.agent.turns.values()].map(t => t.state)")
     assert states == ["played"]  # opened, never sent, closed
     assert pg.inner_text("#llm-send") == "Send"
@@ -465,7 +468,8 @@ WORKLET_SCENARIO = """async () => {
         node.port.postMessage({ type: 'push', ctx: 'a', pts_ms: 0, samples: tone(200) });
     });
     // 'a' runs dry at ~0.24 s; more of it arrives at 0.4 s: a real gap.
-    at(0.4, () => node.port.postMessage({ type: 'push', ctx: 'a', pts_ms: 200, samples: tone(200) }));
+    at(0.4, () => node.port.postMessage({ type: 'push', ctx: 'a', pts_ms: 200,
+                                          samples: tone(200) }));
     // Its end arrives after it ran dry again: not a gap.
     at(0.8, () => node.port.postMessage({ type: 'end', ctx: 'a' }));
     at(1.0, () => {

@@ -37,7 +37,8 @@ from tests.support.wav import write_pcm16_wav
 SIZES = ("tiny", "real")
 
 # Sizes of the official yamls and of the upstream fixture's tiny ones (its README).
-_V3_SIZES = {"real": {"pl": 1024, "dim": 1024, "depth": 22, "heads": 16, "dim_head": 64, "hift": 512},
+_V3_SIZES = {"real": {"pl": 1024, "dim": 1024, "depth": 22, "heads": 16, "dim_head": 64,
+                      "hift": 512},
              "tiny": {"pl": 64, "dim": 64, "depth": 2, "heads": 4, "dim_head": 16, "hift": 32}}
 _V2_SIZES = {"real": {"units": 2048, "blocks": 6, "channels": 256, "head_dim": 64, "n_blocks": 4,
                       "mid": 12, "heads": 8, "hift": 512},
@@ -184,8 +185,9 @@ def flow_hift_yaml(version: int, size: str) -> str:
     return flow + hift
 
 
-def random_flow_hift_state(model_dir: ModelDir, seed: int, dtype: torch.dtype,
-                           device: torch.device | str = "cpu") -> dict[str, dict[str, torch.Tensor]]:
+def random_flow_hift_state(
+        model_dir: ModelDir, seed: int, dtype: torch.dtype,
+        device: torch.device | str = "cpu") -> dict[str, dict[str, torch.Tensor]]:
     """`flow.pt` and `hift.pt` state dicts with seeded random weights, from the directory's yaml."""
     from engine.backends.cosyvoice.models.flow import FlowModel
     from engine.backends.cosyvoice.models.hift import HiFT, HiFTConfig
@@ -253,10 +255,12 @@ def write_onnx_standins(root: Path, version: int, seed: int = 0) -> None:
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, [1, 192])],
         [helper.make_tensor("w", TensorProto.FLOAT, [80, 192], weight.reshape(-1).tolist())],
     ), "campplus.onnx")
-    # speech tokenizer: average 4 Whisper frames (100 -> 25 per second), the loudest bin is the token
+    # speech tokenizer: average 4 Whisper frames (100 -> 25 per second), the loudest bin is the
+    # token
     pool = np.full((128, 1, 4), 0.25, dtype=np.float32)
     save(helper.make_graph(
-        [helper.make_node("Conv", ["feats", "pool"], ["pooled"], group=128, kernel_shape=[4], strides=[4]),
+        [helper.make_node("Conv", ["feats", "pool"], ["pooled"], group=128, kernel_shape=[4],
+                          strides=[4]),
          helper.make_node("ArgMax", ["pooled"], ["indices"], axis=1, keepdims=0)],
         "speech_tokenizer_standin",
         [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, None]),
@@ -267,7 +271,8 @@ def write_onnx_standins(root: Path, version: int, seed: int = 0) -> None:
 
 
 def voiced_signal(seconds: float, rate: int, f0: float = 140.0) -> np.ndarray:
-    """A vowel-like stand-in for reference speech: harmonics of a gliding f0 under a syllable envelope."""
+    """A vowel-like stand-in for reference speech: harmonics of a gliding f0 under a syllable
+    envelope."""
     t = np.arange(int(seconds * rate)) / rate
     pitch = f0 * (1 + 0.1 * np.sin(2 * np.pi * 0.7 * t))
     phase = 2 * np.pi * np.cumsum(pitch) / rate
@@ -277,6 +282,8 @@ def voiced_signal(seconds: float, rate: int, f0: float = 140.0) -> np.ndarray:
 
 
 def write_reference_wav(path: Path, seconds: float = 1.6, rate: int = 16000) -> Path:
-    """`voiced_signal` as a 16-bit mono WAV: a default voice to clone for random model directories."""
-    write_pcm16_wav(path, np.clip(voiced_signal(seconds, rate) * 32767, -32768, 32767).astype("<i2"), rate)
+    """`voiced_signal` as a 16-bit mono WAV: a default voice to clone for random model
+    directories."""
+    write_pcm16_wav(path, np.clip(voiced_signal(seconds, rate) * 32767, -32768,
+                                  32767).astype("<i2"), rate)
     return path

@@ -18,12 +18,13 @@ from engine.types import RequestId, SynthesisRequest
 from tests.support.cosyvoice_tiny import REFERENCE_TEXT, reference_wav, tiny_model_dir
 
 
-def make_backend(base: Path, version: int = 3, load: bool = True, **options: object) -> CosyVoiceBackend:
+def make_backend(base: Path, version: int = 3, load: bool = True,
+                 **options: object) -> CosyVoiceBackend:
     """A greedy, byte-token backend on the tiny model under `base` (loaded unless `load` is False);
     `options` override the defaults."""
     options = {"tokenizer": "bytes", "sampling": "greedy", "max_batch_size": 4, "num_threads": 1,
-               "default_voice_audio": str(reference_wav(base)), "default_voice_text": REFERENCE_TEXT,
-               **options}
+               "default_voice_audio": str(reference_wav(base)),
+               "default_voice_text": REFERENCE_TEXT, **options}
     backend = create_backend("cosyvoice", model_dir=str(tiny_model_dir(base, version)), **options)
     assert isinstance(backend, CosyVoiceBackend)
     if load:
@@ -66,7 +67,8 @@ def run(backend: CosyVoiceBackend, items: list[BackendRequest], max_steps: int =
             pcm[item.request_id].append(result.pcm)
             if result.is_finished:
                 assert isinstance(item.state, Sequence)
-                out[item.request_id] = (list(item.state.tokens), np.concatenate(pcm[item.request_id]))
+                out[item.request_id] = (list(item.state.tokens),
+                                        np.concatenate(pcm[item.request_id]))
                 backend.release(item)
                 live.remove(item)
         if after_step is not None:

@@ -35,8 +35,10 @@ def reference_wav(base: Path) -> Path:
 
 
 def tiny_options(base: Path, version: int = 3) -> dict[str, str]:
-    """Backend options for the tiny model: greedy (reproducible), byte tokens, a synthetic reference."""
-    return {"model_dir": str(tiny_model_dir(base, version)), "tokenizer": "bytes", "sampling": "greedy",
+    """Backend options for the tiny model: greedy (reproducible), byte tokens, a synthetic
+    reference."""
+    return {"model_dir": str(tiny_model_dir(base, version)), "tokenizer": "bytes",
+            "sampling": "greedy",
             "num_threads": "1", "default_voice_audio": str(reference_wav(base)),
             "default_voice_text": REFERENCE_TEXT}
 

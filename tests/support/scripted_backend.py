@@ -26,8 +26,8 @@ class ScriptedBackend(Backend):
     name = "scripted"
     sample_rate = 16000
 
-    def __init__(self, *, max_batch_size: int = 4, chunks_per_request: int = 1, chunk_s: float = 0.1,
-                 step_delay_s: float = 0.0) -> None:
+    def __init__(self, *, max_batch_size: int = 4, chunks_per_request: int = 1,
+                 chunk_s: float = 0.1, step_delay_s: float = 0.0) -> None:
         self.max_batch_size = max_batch_size
         self.chunks_per_request = chunks_per_request
         self.chunk_s = chunk_s

@@ -58,7 +58,8 @@ class ServerProcess:
     async def metric_reaches(self, name: str, value: float, timeout: float = 30.0) -> None:
         """Wait, the event loop running, until an unlabelled metric reads `value`."""
         await async_wait_until(lambda: self.metric(name) == value, timeout=timeout, interval=0.1,
-                               message=lambda: f"{name} stayed at {self.metric(name)}, expected {value}")
+                               message=lambda: f"{name} stayed at {self.metric(name)}, expected "
+                                               f"{value}")
 
     def stop(self, timeout: float = 20.0) -> int:
         if self.process.poll() is None:
@@ -81,7 +82,8 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.setdefault("VOXGATE_DATA_DIR", str(tmp_path / "data"))
     if app_factory is None:
-        command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port",
+                   str(port)]
     else:
         command = [sys.executable, "-m", "uvicorn", app_factory, "--factory", "--host", "127.0.0.1",
                    "--port", str(port)]

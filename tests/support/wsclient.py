@@ -28,7 +28,8 @@ class Received:
 
     def opus_of(self, context_id: str) -> np.ndarray:
         """The context's Opus packets decoded: float PCM at 48 kHz."""
-        return decode_opus_packets([p for frame in self.audio_of(context_id) for p in frame["packets"]], 48000)
+        return decode_opus_packets(
+            [p for frame in self.audio_of(context_id) for p in frame["packets"]], 48000)
 
 
 class Client:
@@ -75,14 +76,16 @@ class Client:
         deadline = loop.time() + timeout
         while True:
             message = await self.recv(max(0.1, deadline - loop.time()))
-            if message["type"] == kind and (context_id is None or message.get("context_id") == context_id):
+            if message["type"] == kind and (context_id is None
+                                            or message.get("context_id") == context_id):
                 return message
 
     async def close(self) -> None:
         await self.ws.close()
 
 
-async def speak(client: Client, context_id: str, text: str, *, words: bool = True) -> dict[str, Any]:
+async def speak(client: Client, context_id: str, text: str, *,
+                words: bool = True) -> dict[str, Any]:
     """Send `text` as one-word deltas (or whole), flush, wait for context.done."""
     if words:
         parts = text.split(" ")

@@ -67,7 +67,8 @@ class CosyVoiceBackend(Backend):
         self.config = config or CosyVoiceBackendConfig()
         if self.config.model_dir is None:
             raise ValueError("the cosyvoice engine needs a model directory; expected "
-                             "--engine-option model_dir=PATH or VOXGATE_COSYVOICE_MODEL_DIR, got none")
+                             "--engine-option model_dir=PATH or VOXGATE_COSYVOICE_MODEL_DIR, "
+                             "got none")
         self.resolved = self.config.resolve(has_cuda())  # every "auto" decided once, here
         self.max_batch_size = self.resolved.batch_size  # 256 on a GPU, 8 on the CPU unless set
         self.model: LoadedModel | None = None
@@ -78,8 +79,10 @@ class CosyVoiceBackend(Backend):
         self.voice_features_version = features_version(self.config)
         self.num_preemptions = 0
         # the text frontend (normalization, tokenization) runs here, off the engine's worker thread
-        self._cpu = ThreadPoolExecutor(self.config.cpu_workers, thread_name_prefix="voxgate-cosyvoice-cpu")
-        self.flow_worker: FlowWorker | None = None  # flow + vocoder on their own thread (GPU default)
+        self._cpu = ThreadPoolExecutor(self.config.cpu_workers,
+                                       thread_name_prefix="voxgate-cosyvoice-cpu")
+        # flow + vocoder on their own thread (GPU default)
+        self.flow_worker: FlowWorker | None = None
 
     # -- Backend --------------------------------------------------------------
 
@@ -193,7 +196,8 @@ class CosyVoiceBackend(Backend):
         if self.model is None:
             return 0
         slots = self.resolved.num_streams
-        flow = self.flow_cache_info().get("stream_capacity")  # the cache's own lock: safe off the worker
+        # the cache's own lock: safe off the worker
+        flow = self.flow_cache_info().get("stream_capacity")
         return min(slots, int(flow)) if flow else slots
 
     def flow_cache_info(self) -> dict[str, float]:
@@ -212,7 +216,8 @@ class CosyVoiceBackend(Backend):
         # so it runs on the CPU executor beside the steps, not on the GPU worker.
         return self._cpu
 
-    def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
+    def make_voice_features(self, audio: np.ndarray, sample_rate: int,
+                            transcript: str) -> bytes | None:
         model = self._loaded()
         return to_bytes(clone_voice(model.frontend, model.mel, audio, sample_rate, transcript))
 

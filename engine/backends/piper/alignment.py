@@ -134,7 +134,7 @@ def word_timings(
     timings: list[WordTiming] = []
     ms_per_sample = 1000.0 / sample_rate
     start = 0
-    for w, (word, (begin, end)) in enumerate(zip(words, spans)):
+    for w, (word, (begin, end)) in enumerate(zip(words, spans, strict=True)):
         if w == len(words) - 1:
             stop = total_samples
         elif end > begin:

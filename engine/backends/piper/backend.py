@@ -292,7 +292,8 @@ class PiperBackend(Backend):
         is_alone = all(plan.is_alone for plan in plans)
         if len(calls) > 1 and self._pool is not None:
             outputs = list(self._pool.map(
-                lambda k: self._run_call(states_per_call[k], k < num_windowed, False), range(len(calls))))
+                lambda k: self._run_call(states_per_call[k], k < num_windowed, False),
+                range(len(calls))))
         else:  # one after another, each on every core unless another lane runs beside it
             outputs = [self._run_call(states, k < num_windowed, is_alone)
                        for k, states in enumerate(states_per_call)]
@@ -310,7 +311,8 @@ class PiperBackend(Backend):
                 if isinstance(item.state, PiperState) else r
                 for item, r in zip(batch, results, strict=True)]
 
-    def _run_call(self, states: list[PiperState], is_window: bool, is_solo: bool) -> list[StepResult]:
+    def _run_call(self, states: list[PiperState], is_window: bool,
+                  is_solo: bool) -> list[StepResult]:
         if is_window:
             return [run_window(states[0], self._plan, states[0].voice.config.sample_rate, is_solo)]
         return self._run_group(states, is_solo=is_solo)
@@ -342,7 +344,8 @@ class PiperBackend(Backend):
         if config.num_speakers > 1:
             sids = np.full(len(states), config.default_speaker_id, dtype=np.int64)
         try:
-            audio, durations = voice.run(ids, lengths, scales, sids, is_solo=is_solo)  # [B, T], [B, L]
+            # [B, T], [B, L]
+            audio, durations = voice.run(ids, lengths, scales, sids, is_solo=is_solo)
         except Exception as exc:  # onnxruntime raises its own types
             logger.exception("piper step failed for a batch of %d", len(states))
             failure = BackendFailure(f"piper synthesis failed: {exc}")

@@ -158,5 +158,5 @@ class PiperBackendConfig:
 
     @property
     def pace_policy(self) -> PacePolicy:
-        return PacePolicy(self.window_urgent_lead_s, self.window_behind_s, self.window_medium_lead_s,
-                          self.window_catchup_lead_s)
+        return PacePolicy(self.window_urgent_lead_s, self.window_behind_s,
+                          self.window_medium_lead_s, self.window_catchup_lead_s)

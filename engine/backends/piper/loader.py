@@ -235,7 +235,8 @@ class LoadedVoice:
         names = self.flow_inputs[:2] if self.has_flow else (self.latent_name,)
         return dict(zip(names, outputs, strict=True)), durations.reshape(durations.shape[0], -1)
 
-    def flow_feeds(self, outputs: dict[str, np.ndarray], sids: np.ndarray | None) -> dict[str, np.ndarray]:
+    def flow_feeds(self, outputs: dict[str, np.ndarray],
+                   sids: np.ndarray | None) -> dict[str, np.ndarray]:
         """The flow's feeds: the front part's z_p and mask, and `sid` where the flow reads it."""
         feeds = dict(outputs)
         if "sid" in self.flow_inputs:
@@ -248,7 +249,8 @@ class LoadedVoice:
         (latent,) = session.run(None, feeds)
         return np.asarray(latent)
 
-    def run_decoder(self, latent: np.ndarray, sids: np.ndarray | None, *, is_solo: bool = False) -> np.ndarray:
+    def run_decoder(self, latent: np.ndarray, sids: np.ndarray | None, *,
+                    is_solo: bool = False) -> np.ndarray:
         """A split voice's decoder over latent [B, C, T]: audio [B, T * hop_length] (raw)."""
         feeds: dict[str, np.ndarray] = {self.latent_name: np.ascontiguousarray(latent)}
         if self.decoder_needs_sid:
@@ -274,7 +276,8 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         logger.warning("piper voice %r: its graph has no %s to split at; it synthesizes whole "
                        "segments (no decoder windows)", files.voice_id, DECODER_ENTRY)
     front, session = fused_front(model.SerializeToString() if split is None else split.front,
-                                 piper_config, files.voice_id, lambda graph: open_session(num_threads, graph),
+                                 piper_config, files.voice_id,
+                                 lambda graph: open_session(num_threads, graph),
                                  lambda graph: open_session(1, graph))
     cores = os.cpu_count() or 1
     # A lone call (light load: the first segment of a turn) may use every core.
@@ -301,8 +304,8 @@ def load_voice(files: VoiceFiles, num_threads: int, target_peak: float | None) -
         voice.lone_session = open_session(cores, front, spin=True) if cores > num_threads else None
         # The 2-D form is faster on one thread and slower on several (measured on joe with
         # both cores: 1-D 15.5 and 60 ms, 2-D 18.8 and 80 ms for 36 and 152 frames).
-        lifted = fastest_decoder(split.decoder, split.latent_name, lambda graph: open_session(1, graph),
-                                 files.voice_id)
+        lifted = fastest_decoder(split.decoder, split.latent_name,
+                                 lambda graph: open_session(1, graph), files.voice_id)
         voice.decoder = open_session(num_threads, lifted if num_threads == 1 else split.decoder)
         voice.solo_decoder = open_session(cores, split.decoder) if cores > num_threads else None
         voice.latent_name = split.latent_name

@@ -77,8 +77,8 @@ class WindowPlan:
     first_flow_context_frames: int
 
     def __post_init__(self) -> None:
-        for name in ("first_frames", "second_frames", "medium_first_frames", "frames", "flow_frames",
-                     "lone_first_frames"):
+        for name in ("first_frames", "second_frames", "medium_first_frames", "frames",
+                     "flow_frames", "lone_first_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("context_frames", "flow_context_frames", "first_flow_context_frames"):
@@ -86,7 +86,8 @@ class WindowPlan:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def flow_end(self, done: int, needed: int, total: int) -> int:
-        """Where the flow's next run ends: at least `needed`, `flow_frames` past `done`, no sliver left."""
+        """Where the flow's next run ends: at least `needed`, `flow_frames` past `done`, no sliver
+        left."""
         end = min(total, max(needed, done + self.flow_frames))
         if total - end < self.flow_frames // 2:
             end = total  # one call over the last short stretch costs less than two
@@ -99,7 +100,8 @@ class WindowPlan:
         its frames are recomputed there exactly and only the first window's audio reads
         them: the flow's error at the slice's end stays in the decoder's context, cut off.
         """
-        return self.first_flow_context_frames < self.flow_context_frames and needed <= self.flow_context_frames
+        return (self.first_flow_context_frames < self.flow_context_frames
+                and needed <= self.flow_context_frames)
 
     @staticmethod
     def is_flow_sliced(pace: Pace, index: int) -> bool:
@@ -116,7 +118,8 @@ class WindowPlan:
         return self.frames
 
     def can_catch_up(self, index: int, pace: Pace) -> bool:
-        """Whether window `index` at `pace`, if due too soon, would be cut shorter (`window_end`)."""
+        """Whether window `index` at `pace`, if due too soon, would be cut shorter
+        (`window_end`)."""
         return index > 0 and self.size(index, pace) > self.second_frames
 
     def window_end(self, start: int, index: int, total: int, pace: Pace = Pace.SHORT,

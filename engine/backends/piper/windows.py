@@ -51,13 +51,15 @@ def run_window(state: PiperState, plan: WindowPlan, sample_rate: int, is_solo: b
             state.num_frames = total = int(frames.sum())
             padded = next(iter(outputs.values())).shape[2]
             if total > padded:
-                raise BackendFailure(f"expected at most {padded} frames from durations, got {total}")
+                raise BackendFailure(
+                    f"expected at most {padded} frames from durations, got {total}")
             words = segment_timings(state, frames, sample_rate)
             if total == 0:
                 return StepResult(words=words, is_finished=True)
             if voice.has_flow:
                 state.prior = flow_slice(voice.flow_feeds(outputs, sids), 0, total, padded)
-                state.latent = np.zeros((1, state.prior[voice.flow_inputs[0]].shape[1], 0), np.float32)
+                state.latent = np.zeros((1, state.prior[voice.flow_inputs[0]].shape[1], 0),
+                                        np.float32)
             else:
                 state.latent = outputs[voice.latent_name][:, :, :total]  # [1, C, T]
         start = state.cursor
@@ -75,7 +77,8 @@ def run_window(state: PiperState, plan: WindowPlan, sample_rate: int, is_solo: b
         return StepResult(pcm=pcm, words=words, is_finished=is_finished)
     except Exception as exc:  # onnxruntime raises its own types
         logger.exception("piper window failed")
-        error = exc if isinstance(exc, BackendFailure) else BackendFailure(f"piper synthesis failed: {exc}")
+        error = (exc if isinstance(exc, BackendFailure)
+                 else BackendFailure(f"piper synthesis failed: {exc}"))
         return StepResult(is_finished=True, error=error)
 
 
@@ -105,7 +108,8 @@ def grow_latent(state: PiperState, plan: WindowPlan, needed: int, is_solo: bool)
         end = needed
         if done == 0 and plan.is_first_slice_provisional(needed):
             hi = min(total, end + plan.first_flow_context_frames)
-            return state.voice.run_flow(flow_slice(prior, 0, hi, total), is_solo=is_solo)[:, :, :end]
+            return state.voice.run_flow(flow_slice(prior, 0, hi, total),
+                                        is_solo=is_solo)[:, :, :end]
     else:
         end = plan.flow_end(done, needed, total)
     lo, hi = max(0, done - context), min(total, end + context)
@@ -132,7 +136,8 @@ def decode_window(
     return audio[cut: cut + (end - start) * hop]
 
 
-def flow_slice(prior: dict[str, np.ndarray], start: int, end: int, total: int) -> dict[str, np.ndarray]:
+def flow_slice(prior: dict[str, np.ndarray], start: int, end: int,
+               total: int) -> dict[str, np.ndarray]:
     """The flow's feeds for frames [start, end) of a segment of `total` frames.
 
     Time-indexed tensors ([B, C, total]: z_p, mask) are sliced; the rest (a

@@ -24,4 +24,5 @@ class FaultyPiper(PiperBackend):
 
 def create_app():  # type: ignore[no-untyped-def]
     config = load_config()
-    return create_voxgate_app(config, engine=Engine(FaultyPiper(PiperBackendConfig()), EngineConfig()))
+    return create_voxgate_app(config,
+                              engine=Engine(FaultyPiper(PiperBackendConfig()), EngineConfig()))

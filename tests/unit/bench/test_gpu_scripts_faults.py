@@ -68,7 +68,8 @@ def test_flow_benchmark_reports_a_failing_batch_and_measures_the_rest(
 
 
 def test_pipeline_benchmark_reports_a_failing_n_and_runs_the_next(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     real_step = CosyVoiceBackend.step
     calls = 0
 
@@ -81,8 +82,8 @@ def test_pipeline_benchmark_reports_a_failing_n_and_runs_the_next(
 
     monkeypatch.setattr(CosyVoiceBackend, "step", failing_third_step)
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp(), 3)
-    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir", str(tmp_path),
-                                          "--json", str(tmp_path / "pipeline.json")])
+    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir",
+                                          str(tmp_path), "--json", str(tmp_path / "pipeline.json")])
     assert list(result["errors"]) == ["1"] and "illegal memory access" in result["errors"]["1"]
     # the failed pass gave its slot back: both streams of the next N ran to the end
     assert [r["streams"] for r in result["rows"]] == [2]
@@ -94,20 +95,23 @@ def test_pipeline_benchmark_reports_a_failing_n_and_runs_the_next(
 def test_pipeline_benchmark_stops_a_pass_that_outlives_its_budget(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp(), 3)
-    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir", str(tmp_path),
-                                          "--budget-s", "0"])
+    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir",
+                                          str(tmp_path), "--budget-s", "0"])
     assert result["rows"] == []
-    assert all(e.startswith("skipped") for e in result["errors"].values()) and len(result["errors"]) == 2
+    assert all(e.startswith("skipped") for e in result["errors"].values())
+    assert len(result["errors"]) == 2
 
 
 def test_pipeline_benchmark_runs_without_pyav(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     # the script swaps in stand-ins for these two; put the originals back afterwards
     monkeypatch.setattr(loader_module, "read_audio", loader_module.read_audio)
     monkeypatch.setattr(voice_prompts_module, "resample", vars(voice_prompts_module)["resample"])
     monkeypatch.setitem(sys.modules, "av", None)  # `import av` now raises ImportError
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp(), 3)
-    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir", str(tmp_path)])
+    result = gpu_cosyvoice_pipeline.main(["--smoke", "--model-dir", str(model_dir), "--workdir",
+                                          str(tmp_path)])
     assert result["pyav"] is False and result["errors"] == {}
     assert all(r["audio_s_mean"] > 0 for r in result["rows"])
 
@@ -115,7 +119,8 @@ def test_pipeline_benchmark_runs_without_pyav(
 def test_the_cosyvoice_backend_imports_without_pyav() -> None:
     code = ("import sys; sys.modules['av'] = None\n"
             "import engine.backends.cosyvoice.backend, engine.backends.cosyvoice.loader\n"
-            "import bench.gpu_cosyvoice_lm, bench.gpu_cosyvoice_pipeline, bench.gpu_flow_estimator\n")
+            "import bench.gpu_cosyvoice_lm, bench.gpu_cosyvoice_pipeline, "
+            "bench.gpu_flow_estimator\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[3], check=False)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -7,10 +7,10 @@ import itertools
 import av
 import numpy as np
 import pytest
-from voxgate_client.audio import Decoder, _mulaw_table
-from voxgate_client.wire import Audio
 
 from gateway.audio.codecs import make_encoder
+from voxgate_client.audio import Decoder, _mulaw_table
+from voxgate_client.wire import Audio
 
 
 def _tone(rate: int, seconds: float) -> np.ndarray:

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from voxgate_client import AudioChunk, MissingExtra, PlaybackClock, Speakers, key_press
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import msgpack
 import pytest
-from voxgate_client import AsyncVoxgate, Audio, TurnListener, TurnState
 from websockets.asyncio.server import ServerConnection, serve
+
+from voxgate_client import AsyncVoxgate, Audio, TurnListener, TurnState
 
 READY = json.dumps({"type": "session.ready", "session_id": "s1", "protocol": 1,
                     "options": {"codec": "opus", "sample_rate": 48000}, "limits": {}})

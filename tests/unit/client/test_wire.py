@@ -8,6 +8,7 @@ import random
 
 import msgpack
 import pytest
+
 from voxgate_client import Busy, ContextClosed, RateLimited, ServerError, Unauthorized
 from voxgate_client.backoff import Reconnect, backoff_s, retry_advice_s
 from voxgate_client.errors import server_error

@@ -23,7 +23,8 @@ def handle(name: str, submitted: float, prev: RequestHandle | None = None,
 
 def make_and_take(h: RequestHandle, seconds: float, now: float) -> None:
     """The engine made `seconds` of audio and its consumer took it at `now`."""
-    chunk = AudioChunk(h.request.request_id, np.zeros(round(seconds * RATE), np.float32), RATE, False)
+    chunk = AudioChunk(h.request.request_id, np.zeros(round(seconds * RATE), np.float32), RATE,
+                       False)
     h.made_s += seconds
     h.took(chunk, now)
 
@@ -72,7 +73,7 @@ def test_the_next_segment_starts_when_the_one_before_it_runs_out() -> None:
     assert second.lead(1.5) == pytest.approx(-0.5)
 
 
-def test_the_listener_that_waited_longest_is_served_first_and_a_new_turn_before_none_waiting() -> None:
+def test_the_longest_waiting_listener_is_served_first_and_a_new_turn_before_none_waiting() -> None:
     now = 10.0
     dry = handle("dry", submitted=0.0)
     make_and_take(dry, 9.5, now=0.0)  # ran out at 9.5

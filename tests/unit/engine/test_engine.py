@@ -42,7 +42,7 @@ def test_requests_from_many_callers_are_batched_and_routed_to_their_owner() -> N
             return sum([len(c.pcm) async for c in engine.submit(request(name))])
 
         names = [f"r{n}" for n in range(6)]
-        totals = dict(zip(names, await asyncio.gather(*(collect(n) for n in names))))
+        totals = dict(zip(names, await asyncio.gather(*(collect(n) for n in names)), strict=True))
         await engine.stop()
         return totals, backend
 
@@ -113,7 +113,8 @@ def test_a_cancel_during_a_batched_step_fails_no_step_and_reruns_nothing() -> No
         return got, backend, engine
 
     got, backend, engine = run(scenario())
-    assert backend.batches[0] == ["victim", "survivor"], "both were in the step that was cancelled into"
+    assert backend.batches[0] == ["victim", "survivor"], \
+        "both were in the step that was cancelled into"
     assert [len(b) for b in backend.batches] == [2, 1, 1], "a step was re-run item by item"
     assert engine.stats.num_failed == 0 and engine.num_failed_steps_in_row == 0
     assert got and got[-1].is_last and sum(len(c.pcm) for c in got) == 3 * 1600
@@ -124,11 +125,13 @@ def test_a_cancel_during_a_batched_step_fails_no_step_and_reruns_nothing() -> No
 def test_a_new_turn_waits_behind_at_most_one_step_of_look_ahead_work() -> None:
     async def scenario() -> list[str]:
         # Four readers far ahead of their listeners (10 s each, look-ahead 0.2 s) keep the box busy.
-        backend = ScriptedBackend(max_batch_size=8, chunks_per_request=100, chunk_s=0.1, step_delay_s=0.005)
+        backend = ScriptedBackend(max_batch_size=8, chunks_per_request=100, chunk_s=0.1,
+                                  step_delay_s=0.005)
         engine = Engine(backend, EngineConfig(scheduler=SchedulerConfig(max_batch_size=8),
                                               warmup_text="", look_ahead_s=0.2))
         await engine.start()
-        readers = [asyncio.create_task(_collect(engine.submit(request(f"bg{n}")))) for n in range(4)]
+        readers = [asyncio.create_task(_collect(engine.submit(request(f"bg{n}"))))
+                   for n in range(4)]
         await async_wait_until(lambda: len(backend.batches) >= 20, timeout=10.0, interval=0.005,
                                message="the readers made fewer than 20 steps")
         mark = len(backend.events)
@@ -142,11 +145,14 @@ def test_a_new_turn_waits_behind_at_most_one_step_of_look_ahead_work() -> None:
 
     events = run(scenario())
     before_prepare = events[: events.index("prepare:new")]
-    assert sum(e.startswith("step:") for e in before_prepare) <= 1, "its prepare waited behind look-ahead steps"
+    assert sum(e.startswith("step:") for e in before_prepare) <= 1, \
+        "its prepare waited behind look-ahead steps"
     after = events[events.index("prepare:new") + 1:]
     first_step = next(i for i, e in enumerate(after) if "new" in e)
-    assert sum(e.startswith("step:") for e in after[:first_step]) <= 1, "its first piece waited behind look-ahead"
-    assert all(e.count(",") == 0 for e in before_prepare + after[:first_step] if e.startswith("step:")), \
+    assert sum(e.startswith("step:") for e in after[:first_step]) <= 1, \
+        "its first piece waited behind look-ahead"
+    assert all(e.count(",") == 0 for e in before_prepare + after[:first_step]
+               if e.startswith("step:")), \
         "look-ahead work ran in batches, not alone"
 
 
@@ -165,7 +171,8 @@ def test_a_failing_request_ends_alone_and_the_others_are_served() -> None:
             except BackendFailure as exc:
                 return exc
 
-        results = await asyncio.gather(collect("ok1", "fine"), collect("bad", "FAIL"), collect("ok2", "fine"))
+        results = await asyncio.gather(collect("ok1", "fine"), collect("bad", "FAIL"),
+                                       collect("ok2", "fine"))
         results.append(await collect("crash", "CRASH whole step"))
         results.append(await collect("after", "still serving"))
         await engine.stop()
@@ -233,7 +240,8 @@ def test_voice_features_run_on_the_backends_own_executor_while_a_step_holds_the_
         def voice_features_executor(self) -> ThreadPoolExecutor:
             return self.cpu
 
-        def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes:
+        def make_voice_features(self, audio: np.ndarray, sample_rate: int,
+                                transcript: str) -> bytes:
             self.feature_threads.append(threading.current_thread().name)
             return b"features"
 
@@ -305,7 +313,8 @@ class LaneBackend(ScriptedBackend):
 
 
 async def blocked_in_a_lane(name: str) -> tuple[LaneBackend, Engine, asyncio.Task]:
-    """A lane engine whose request `name` is blocked inside its first step (until its gate opens)."""
+    """A lane engine whose request `name` is blocked inside its first step (until its gate
+    opens)."""
     backend = LaneBackend(chunks_per_request=5)
     engine = await started(backend)
     backend.gates[name] = threading.Event()
@@ -318,7 +327,8 @@ async def blocked_in_a_lane(name: str) -> tuple[LaneBackend, Engine, asyncio.Tas
 def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
     async def scenario() -> tuple[list[str], LaneBackend]:
         backend, engine, slow = await blocked_in_a_lane("slow")
-        fast = await asyncio.wait_for(_collect(engine.submit(request("fast"))), 5)  # slow still blocked
+        # slow still blocked
+        fast = await asyncio.wait_for(_collect(engine.submit(request("fast"))), 5)
         assert fast and fast[-1].is_last
         log = list(backend.log)
         backend.gates["slow"].set()
@@ -327,7 +337,8 @@ def test_with_lanes_a_long_step_holds_back_no_other_request() -> None:
         return log, backend
 
     log, backend = run(scenario())
-    assert log.count("begin:fast") == 5 and "end:slow" not in log, "fast waited for the slow step beside it"
+    assert log.count("begin:fast") == 5 and "end:slow" not in log, \
+        "fast waited for the slow step beside it"
     assert len(backend.step_threads) == 2, "steps did not run on two lanes"
 
 
@@ -362,7 +373,8 @@ def test_with_lanes_a_cancel_during_a_step_releases_after_that_step_and_fails_no
     async def scenario() -> tuple[LaneBackend, Engine, list]:
         backend, engine, victim = await blocked_in_a_lane("victim")
         engine.cancel(RequestId("victim"))  # its step is running in one lane
-        other = await asyncio.wait_for(_collect(engine.submit(request("other"))), 5)  # the other lane steps
+        # the other lane steps
+        other = await asyncio.wait_for(_collect(engine.submit(request("other"))), 5)
         backend.gates["victim"].set()
         await asyncio.wait_for(victim, 5)
         # released by the next step or the idle loop
@@ -443,14 +455,16 @@ def test_the_callers_config_is_left_as_given_and_the_effective_one_is_shown() ->
     config = EngineConfig(scheduler=scheduler, warmup_text="")
     laned = Engine(LaneBackend(max_batch_size=4), config)
     plain = Engine(ScriptedBackend(max_batch_size=4), config)  # the same config, reused
-    assert (scheduler.max_batch_size, scheduler.parallelism, scheduler.serial_items) == (16, 1, False)
+    assert (scheduler.max_batch_size, scheduler.parallelism,
+            scheduler.serial_items) == (16, 1, False)
     assert config.scheduler is scheduler
     assert laned.num_lanes == 2 and plain.num_lanes == 1
     effective = laned.scheduler_config  # a step per lane, one request each
     assert (effective.max_batch_size, effective.parallelism, effective.serial_items) == (4, 1, True)
     assert laned.scheduler.config is effective
     effective = plain.scheduler_config
-    assert (effective.max_batch_size, effective.parallelism, effective.serial_items) == (4, 1, False)
+    assert (effective.max_batch_size, effective.parallelism,
+            effective.serial_items) == (4, 1, False)
 
 
 class RoomBackend(ScriptedBackend):

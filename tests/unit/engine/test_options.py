@@ -1,4 +1,5 @@
-"""Backend options from flags and the environment (engine/options.py), and the CLI flags that feed them."""
+"""Backend options from flags and the environment (engine/options.py), and the CLI flags that feed
+them."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from tests.support.server import REPO, free_port
 def test_strings_become_the_fields_types_and_options_win_over_the_environment() -> None:
     env = {"VOXGATE_PIPER_NUM_THREADS": "3", "VOXGATE_PIPER_TARGET_PEAK": "0.7",
            "VOXGATE_PIPER_ONE_CALL_PER_ITEM": "false"}
-    config = config_from_options(PiperBackendConfig, "piper", {"target_peak": "0.25", "voices_dir": "/v"},
-                                 "VOXGATE_PIPER_", env)
+    config = config_from_options(PiperBackendConfig, "piper",
+                                 {"target_peak": "0.25", "voices_dir": "/v"}, "VOXGATE_PIPER_", env)
     assert (config.num_threads, config.target_peak, config.one_call_per_item) == (3, 0.25, False)
     assert config.voices_dir == Path("/v")
     none = config_from_options(PiperBackendConfig, "piper", {"target_peak": "none"}, None, {})
@@ -27,7 +28,8 @@ def test_strings_become_the_fields_types_and_options_win_over_the_environment() 
 
 
 def test_unknown_keys_and_unreadable_values_are_clear_errors() -> None:
-    with pytest.raises(ValueError, match="unknown piper option 'model_dir'; expected one of: max_batch_size"):
+    with pytest.raises(ValueError,
+                       match="unknown piper option 'model_dir'; expected one of: max_batch_size"):
         create_backend("piper", model_dir="/m")
     with pytest.raises(ValueError, match="num_threads must be an integer, got 'two'"):
         create_backend("piper", num_threads="two")
@@ -37,7 +39,8 @@ def test_unknown_keys_and_unreadable_values_are_clear_errors() -> None:
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", str(free_port()), *args],
+    return subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--port", str(free_port()),
+                           *args],
                           cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"}, check=False)
 
@@ -52,6 +55,7 @@ def test_a_bad_engine_option_stops_the_cli_with_a_message_not_a_traceback() -> N
 def test_model_dir_is_the_cosyvoice_option_it_stands_for(tmp_path: Path) -> None:
     result = _serve("--engine", "cosyvoice", "--model-dir", str(tmp_path / "missing"))
     assert result.returncode == 3  # uvicorn's exit code for a failed startup
-    assert f"voxgate cannot start: expected a CosyVoice model directory, got {tmp_path / 'missing'}" \
+    missing = tmp_path / "missing"
+    assert f"voxgate cannot start: expected a CosyVoice model directory, got {missing}" \
         in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,4 +1,5 @@
-"""Registered voices as both backends keep them (engine/voice_table.py): listed, retired, removed."""
+"""Registered voices as both backends keep them (engine/voice_table.py): listed, retired,
+removed."""
 
 from __future__ import annotations
 

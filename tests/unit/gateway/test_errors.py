@@ -27,7 +27,8 @@ def test_an_http_error_is_openais_error_object_with_code_and_message_mirrored() 
     response = http_error(404, "unknown_voice", "no voice 'zed'")
     assert response.status_code == 404
     assert json.loads(bytes(response.body)) == {
-        "error": {"code": "unknown_voice", "message": "no voice 'zed'", "type": "invalid_request_error"},
+        "error": {"code": "unknown_voice", "message": "no voice 'zed'",
+                  "type": "invalid_request_error"},
         "code": "unknown_voice", "message": "no voice 'zed'"}
     busy = http_error(503, "busy", "try later", headers={"Retry-After": "1"})
     assert json.loads(bytes(busy.body))["error"]["type"] == "server_error"

@@ -15,8 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from voxgate_client import Audio, PlaybackClock, Segment, TextSkipped
-from voxgate_client.session import stream_url
 
 from loadtest.__main__ import main
 from loadtest.anchor import PiperHttpSession, wav_duration_ms
@@ -34,6 +32,8 @@ from loadtest.metrics import (
 )
 from loadtest.runner import sweep_levels
 from tests.support.wav import write_pcm16_wav
+from voxgate_client import Audio, PlaybackClock, Segment, TextSkipped
+from voxgate_client.session import stream_url
 
 # --- percentiles -------------------------------------------------------------
 

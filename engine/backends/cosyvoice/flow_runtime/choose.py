@@ -44,7 +44,8 @@ RUNTIMES = ("auto", "tensorrt", "cuda_graphs", "torch")
 
 
 def choose_runtime(requested: str, device_type: str, has_tensorrt: bool) -> str:
-    """"auto": TensorRT on a GPU that has it, else CUDA graphs on a GPU, else the torch estimator."""
+    """"auto": TensorRT on a GPU that has it, else CUDA graphs on a GPU, else the torch
+    estimator."""
     if requested not in RUNTIMES:
         raise ValueError(f"expected a flow estimator runtime in {RUNTIMES}, got {requested!r}")
     if requested == "auto":
@@ -54,11 +55,13 @@ def choose_runtime(requested: str, device_type: str, has_tensorrt: bool) -> str:
     if requested != "torch" and device_type != "cuda":
         raise ValueError(f"expected a CUDA device for the {requested} estimator, got {device_type}")
     if requested == "tensorrt" and not has_tensorrt:
-        raise ValueError("expected the tensorrt package for the tensorrt estimator, got none (pip install tensorrt)")
+        raise ValueError("expected the tensorrt package for the tensorrt estimator, got none "
+                         "(pip install tensorrt)")
     return requested
 
 
-def install_tensorrt(flow: nn.Module, estimator: nn.Module, device: torch.device, cache_dir: str | Path,
+def install_tensorrt(flow: nn.Module, estimator: nn.Module, device: torch.device,
+                     cache_dir: str | Path,
                      profile: TrtProfile, precision: str, num_contexts: int) -> None:
     """Export the streaming graph (once per checkpoint), build or load its engine, install it."""
     folder = Path(cache_dir).expanduser()
@@ -78,13 +81,16 @@ def install_graphs(flow: nn.Module, estimator: nn.Module, device: torch.device, 
                                max_graph_row_frames=max_graph_row_frames)
     if graphed.use_graphs:
         like = example_inputs(1, 2, next(estimator.parameters()).dtype, device)[0]
-        log.info("flow estimator: %d CUDA graphs captured", graphed.capture_all(like, streaming=True))
+        log.info("flow estimator: %d CUDA graphs captured",
+                 graphed.capture_all(like, streaming=True))
     use_estimator(flow, graphed)
     return graphed
 
 
-def accelerate_flow(flow: nn.Module, runtime: str = "auto", cache_dir: str | Path = "~/.cache/voxgate/trt",
-                    profile: TrtProfile | None = None, precision: str = "fp16", num_contexts: int = 1,
+def accelerate_flow(flow: nn.Module, runtime: str = "auto",
+                    cache_dir: str | Path = "~/.cache/voxgate/trt",
+                    profile: TrtProfile | None = None, precision: str = "fp16",
+                    num_contexts: int = 1,
                     max_rows: int = 256, max_frames: int = 1024, device_type: str | None = None,
                     max_graph_row_frames: int = 0) -> str:
     """Swap the flow's estimator for the chosen runtime; returns the runtime used.
@@ -98,8 +104,8 @@ def accelerate_flow(flow: nn.Module, runtime: str = "auto", cache_dir: str | Pat
     if chosen == "tensorrt":
         try:
             install_tensorrt(flow, estimator, device, cache_dir,
-                             profile or TrtProfile(max_rows=max_rows, max_frames=max_frames), precision,
-                             num_contexts)
+                             profile or TrtProfile(max_rows=max_rows, max_frames=max_frames),
+                             precision, num_contexts)
         except Exception as exc:
             if runtime != "auto":
                 raise

@@ -53,28 +53,34 @@ Bucket = tuple[bool, int, int]  # (streaming, rows, frames)
 def frame_buckets(max_frames: int, frame_step: int) -> list[int]:
     """Multiples of `frame_step` up to `max_frames` (the last bucket)."""
     if frame_step < 1 or max_frames < 2:
-        raise ValueError(f"expected frame_step >= 1 and max_frames >= 2, got {frame_step}, {max_frames}")
+        raise ValueError(f"expected frame_step >= 1 and max_frames >= 2, got {frame_step}, "
+                         f"{max_frames}")
     return list(range(frame_step, max_frames, frame_step)) + [max_frames]
 
 
-def pad_inputs(inputs: tuple[torch.Tensor, ...], rows: int, frames: int) -> tuple[torch.Tensor, ...]:
-    """(x, mask, mu, t, spks, cond) of B rows and T frames -> the same padded to `rows` x `frames`."""
+def pad_inputs(inputs: tuple[torch.Tensor, ...], rows: int,
+               frames: int) -> tuple[torch.Tensor, ...]:
+    """(x, mask, mu, t, spks, cond) of B rows and T frames -> the same padded to `rows` x
+    `frames`."""
     static = empty_static(rows, frames, inputs[0].dtype, inputs[0].device)
     load_static(static, inputs)
     return static
 
 
-def empty_static(rows: int, frames: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+def empty_static(rows: int, frames: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
     def z(*shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     # x, mask, mu, t, spks, cond; t float32 (the estimator forms its time embedding in float32)
     t = torch.zeros(rows, dtype=torch.float32, device=device)
-    return z(rows, 80, frames), z(rows, 1, frames), z(rows, 80, frames), t, z(rows, 80), z(rows, 80, frames)
+    return (z(rows, 80, frames), z(rows, 1, frames), z(rows, 80, frames), t, z(rows, 80),
+            z(rows, 80, frames))
 
 
 def load_static(static: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...]) -> None:
-    """Copy a call's inputs into the top-left corner of a bucket's buffers; padding as the docstring says."""
+    """Copy a call's inputs into the top-left corner of a bucket's buffers; padding as the docstring
+    says."""
     b, t = inputs[0].shape[0], inputs[0].shape[2]
     rows, frames = static[0].shape[0], static[0].shape[2]
     if b > rows or t > frames:
@@ -92,13 +98,16 @@ class GraphedEstimator(nn.Module):
     """The torch estimator through bucketed static buffers, replayed as CUDA graphs (or eagerly)."""
 
     def __init__(self, estimator: nn.Module, max_rows: int = 256, max_frames: int = 1024,
-                 frame_step: int = 64, use_graphs: bool = True, max_graph_row_frames: int = 0) -> None:
+                 frame_step: int = 64, use_graphs: bool = True,
+                 max_graph_row_frames: int = 0) -> None:
         super().__init__()
         param = next(estimator.parameters())
         if use_graphs and param.device.type != "cuda":
-            raise ValueError(f"expected the estimator on a CUDA device for CUDA graphs, got {param.device}")
+            raise ValueError("expected the estimator on a CUDA device for CUDA graphs, got "
+                             f"{param.device}")
         if max_graph_row_frames < 0:
-            raise ValueError(f"expected max_graph_row_frames >= 0 (0: every bucket), got {max_graph_row_frames}")
+            raise ValueError("expected max_graph_row_frames >= 0 (0: every bucket), got "
+                             f"{max_graph_row_frames}")
         self.estimator = estimator
         self.use_graphs = use_graphs
         self.max_graph_row_frames = max_graph_row_frames
@@ -107,8 +116,10 @@ class GraphedEstimator(nn.Module):
         self.static: dict[Bucket, tuple[torch.Tensor, ...]] = {}
         self.outputs: dict[Bucket, torch.Tensor] = {}
         self.graphs: dict[Bucket, Any] = {}  # torch.cuda.CUDAGraph per bucket
-        self.num_fallbacks = 0  # calls with more frames than the largest bucket: the plain estimator
-        self.num_eager = 0  # graph-mode calls of a graph bucket without its graph (none after capture_all)
+        # calls with more frames than the largest bucket: the plain estimator
+        self.num_fallbacks = 0
+        # graph-mode calls of a graph bucket without its graph (none after capture_all)
+        self.num_eager = 0
         self.num_plain = 0  # graph-mode calls past `max_graph_row_frames`: the plain estimator
         self._pool: Any = None  # the graphs' shared memory pool
         self._largest: tuple[torch.Tensor, ...] | None = None  # input buffers of the largest bucket
@@ -128,7 +139,8 @@ class GraphedEstimator(nn.Module):
             self._largest[1].fill_(1.0)
         if bucket not in self.static:
             rows, frames = bucket[1], bucket[2]
-            self.static[bucket] = tuple(a[:rows, :, :frames] if a.dim() == 3 else a[:rows] for a in self._largest)
+            self.static[bucket] = tuple(a[:rows, :, :frames] if a.dim() == 3 else a[:rows]
+                                        for a in self._largest)
         return self.static[bucket]
 
     def has_graph_size(self, bucket: Bucket) -> bool:
@@ -150,7 +162,8 @@ class GraphedEstimator(nn.Module):
         return out
 
     def capture(self, bucket: Bucket, like: torch.Tensor) -> None:
-        """Record the graph of a bucket: warm-up on a side stream, then capture into the shared pool."""
+        """Record the graph of a bucket: warm-up on a side stream, then capture into the shared
+        pool."""
         if bucket in self.graphs:
             return
         self._static_for(bucket, like)[1].fill_(1.0)  # valid inputs for the warm-up passes
@@ -212,5 +225,6 @@ def split_rows(run: Any, inputs: tuple[torch.Tensor, ...], max_rows: int) -> tor
     Rows are independent (each attends only to itself), so the pieces joined
     are the whole call's output.
     """
-    parts = [run(*(a[i:i + max_rows] for a in inputs)) for i in range(0, inputs[0].shape[0], max_rows)]
+    parts = [run(*(a[i:i + max_rows] for a in inputs))
+             for i in range(0, inputs[0].shape[0], max_rows)]
     return torch.cat(parts, dim=0)

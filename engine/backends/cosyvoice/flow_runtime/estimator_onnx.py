@@ -62,9 +62,11 @@ class FixedModeEstimator(nn.Module):
         return out
 
 
-def example_inputs(rows: int, frames: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+def example_inputs(rows: int, frames: int, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu",
                    seed: int = 0, num_padded: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random (x, mask, mu, t, spks, cond); the first `num_padded` rows are valid for half the frames only."""
+    """Random (x, mask, mu, t, spks, cond); the first `num_padded` rows are valid for half the
+    frames only."""
     if rows < 1 or frames < 2:
         raise ValueError(f"expected rows >= 1 and frames >= 2, got {rows}, {frames}")
     gen = torch.Generator().manual_seed(seed)
@@ -75,8 +77,10 @@ def example_inputs(rows: int, frames: int, dtype: torch.dtype = torch.float32, d
     return tuple(a.to(device, dtype) for a in (x, mask, mu, t, spks, cond))
 
 
-def export_estimator(estimator: nn.Module, path: str | Path, streaming: bool, example_frames: int = 64) -> Path:
-    """Write one mode of the estimator as ONNX (float32 or the estimator's dtype), batch and time dynamic.
+def export_estimator(estimator: nn.Module, path: str | Path, streaming: bool,
+                     example_frames: int = 64) -> Path:
+    """Write one mode of the estimator as ONNX (float32 or the estimator's dtype), batch and time
+    dynamic.
 
     Exported on the estimator's device. The example shape only seeds tracing:
     it must not be 0 or 1 (torch.export would specialize those) nor a multiple
@@ -100,21 +104,25 @@ def export_estimator(estimator: nn.Module, path: str | Path, streaming: bool, ex
         warnings.simplefilter("ignore")
         exporter_log.setLevel(logging.ERROR)
         try:
-            program = torch.onnx.export(FixedModeEstimator(estimator, streaming).eval(), args, None, dynamo=True,
+            program = torch.onnx.export(FixedModeEstimator(estimator, streaming).eval(), args, None,
+                                        dynamo=True,
                                         input_names=list(INPUT_NAMES), output_names=[OUTPUT_NAME],
                                         dynamic_shapes=shapes, opset_version=OPSET, verbose=False)
         finally:
             exporter_log.setLevel(level)
         if program is None:
-            raise RuntimeError("expected torch.onnx.export(dynamo=True) to return an ONNXProgram, got None")
+            raise RuntimeError("expected torch.onnx.export(dynamo=True) to return an ONNXProgram, "
+                               "got None")
         program.save(str(path))
     log.info("exported the %s estimator to %s", "streaming" if streaming else "offline", path)
     return path
 
 
 def export_estimators(estimator: nn.Module, folder: str | Path) -> dict[bool, Path]:
-    """Both attention modes -> {streaming: path} (`estimator_streaming.onnx`, `estimator_offline.onnx`)."""
-    return {mode: export_estimator(estimator, Path(folder) / name, mode) for mode, name in FILE_NAMES.items()}
+    """Both attention modes -> {streaming: path} (`estimator_streaming.onnx`,
+    `estimator_offline.onnx`)."""
+    return {mode: export_estimator(estimator, Path(folder) / name, mode)
+            for mode, name in FILE_NAMES.items()}
 
 
 def onnx_paths(folder: str | Path) -> dict[bool, Path]:
@@ -122,7 +130,8 @@ def onnx_paths(folder: str | Path) -> dict[bool, Path]:
     paths = {mode: Path(folder) / name for mode, name in FILE_NAMES.items()}
     missing = [p.name for p in paths.values() if not p.is_file()]
     if missing:
-        raise FileNotFoundError(f"{folder}: expected {' and '.join(FILE_NAMES.values())}, missing {missing}")
+        raise FileNotFoundError(f"{folder}: expected {' and '.join(FILE_NAMES.values())}, missing "
+                                f"{missing}")
     return paths
 
 
@@ -140,14 +149,16 @@ class OnnxEstimator(nn.Module):
         import onnxruntime as ort
 
         if set(paths) - {True, False} or not paths:
-            raise ValueError(f"expected paths keyed by the streaming flag (True/False), got {sorted(paths)}")
+            raise ValueError("expected paths keyed by the streaming flag (True/False), got "
+                             f"{sorted(paths)}")
         options = ort.SessionOptions()
         if num_threads is not None:
             options.intra_op_num_threads = num_threads
             options.inter_op_num_threads = 1
         chosen = providers or ["CPUExecutionProvider"]
         self.paths = {mode: Path(p) for mode, p in paths.items()}
-        self.sessions = {mode: ort.InferenceSession(str(p), options, providers=chosen) for mode, p in paths.items()}
+        self.sessions = {mode: ort.InferenceSession(str(p), options, providers=chosen)
+                         for mode, p in paths.items()}
         for mode, session in self.sessions.items():
             names = tuple(i.name for i in session.get_inputs())
             if names != INPUT_NAMES:
@@ -158,8 +169,10 @@ class OnnxEstimator(nn.Module):
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80] -> [B, 80, T] in x's dtype
         session = self.sessions.get(streaming)
         if session is None:
-            raise ValueError(f"expected an exported {'streaming' if streaming else 'offline'} graph, got none")
-        feed = {name: as_numpy(a) for name, a in zip(INPUT_NAMES, (x, mask, mu, t, spks, cond), strict=True)}
+            raise ValueError(f"expected an exported {'streaming' if streaming else 'offline'} "
+                             "graph, got none")
+        feed = {name: as_numpy(a)
+                for name, a in zip(INPUT_NAMES, (x, mask, mu, t, spks, cond), strict=True)}
         out: Any = session.run([OUTPUT_NAME], feed)[0]
         return torch.from_numpy(out).to(x.device, x.dtype)
 

@@ -66,7 +66,8 @@ class TrtProfile:
 
     def shapes(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         """(min, opt, max) shape of one input of the estimator graph."""
-        dims = ((self.min_rows, self.min_frames), (self.opt_rows, self.opt_frames), (self.max_rows, self.max_frames))
+        dims = ((self.min_rows, self.min_frames), (self.opt_rows, self.opt_frames),
+                (self.max_rows, self.max_frames))
         per_input = {"x": (MEL_BINS,), "mu": (MEL_BINS,), "cond": (MEL_BINS,), "mask": (1,)}
         if name in per_input:
             return tuple((b, per_input[name][0], t) for b, t in dims)  # type: ignore[return-value]
@@ -77,7 +78,8 @@ class TrtProfile:
         raise ValueError(f"expected one of {INPUT_NAMES}, got {name!r}")
 
     def accepts(self, rows: int, frames: int) -> bool:
-        return self.min_rows <= rows <= self.max_rows and self.min_frames <= frames <= self.max_frames
+        return (self.min_rows <= rows <= self.max_rows
+                and self.min_frames <= frames <= self.max_frames)
 
     def tag(self) -> str:
         return (f"r{self.min_rows}-{self.opt_rows}-{self.max_rows}"
@@ -122,7 +124,8 @@ class ContextPool(Generic[Item]):
         try:
             item = self._free.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"expected a free execution context within {timeout} s, got none") from None
+            raise TimeoutError(
+                f"expected a free execution context within {timeout} s, got none") from None
         try:
             yield item
         finally:
@@ -159,7 +162,8 @@ def build_engine(onnx_path: Path, profile: TrtProfile, precision: str, workspace
     config.add_optimization_profile(opt)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
-        raise RuntimeError(f"{onnx_path}: expected TensorRT to build an engine, got none (see its log)")
+        raise RuntimeError(f"{onnx_path}: expected TensorRT to build an engine, got none "
+                           "(see its log)")
     return bytes(serialized)
 
 
@@ -170,7 +174,8 @@ def cached_engine(onnx_path: str | Path, cache_dir: str | Path, profile: TrtProf
 
     onnx_path = Path(onnx_path)
     name = engine_file_name(file_digest(onnx_path), torch.cuda.get_device_name(device),
-                            torch.cuda.get_device_capability(device), trt.__version__, profile, precision)
+                            torch.cuda.get_device_capability(device), trt.__version__, profile,
+                            precision)
     path = Path(cache_dir) / name
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,13 +211,16 @@ class TrtEstimator(nn.Module):
         with torch.cuda.device(self.device):
             engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
             if engine is None:
-                raise RuntimeError(f"{engine_path}: expected a TensorRT engine for this GPU and version, got none")
+                raise RuntimeError(f"{engine_path}: expected a TensorRT engine for this GPU and "
+                                   "version, got none")
             self._engine = engine
             self._scratch: list[torch.Tensor] = []
             contexts = []
             for _ in range(num_contexts):
-                context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
-                scratch = torch.empty(int(engine.device_memory_size_v2), dtype=torch.uint8, device=self.device)
+                context = engine.create_execution_context(
+                    trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+                scratch = torch.empty(int(engine.device_memory_size_v2), dtype=torch.uint8,
+                                      device=self.device)
                 context.set_device_memory(scratch.data_ptr(), scratch.numel())
                 self._scratch.append(scratch)
                 contexts.append((context, torch.cuda.Stream(self.device)))  # type: ignore[no-untyped-call]
@@ -243,20 +251,24 @@ class TrtEstimator(nn.Module):
                 out = torch.empty(b, MEL_BINS, frames, device=self.device, dtype=torch.float32)
                 for name, a in zip(INPUT_NAMES, dev_inputs, strict=True):
                     if not context.set_input_shape(name, tuple(a.shape)):
-                        raise ValueError(f"expected {name} within the engine profile, got {tuple(a.shape)}")
+                        raise ValueError(f"expected {name} within the engine profile, got "
+                                         f"{tuple(a.shape)}")
                     context.set_tensor_address(name, a.data_ptr())
                 context.set_tensor_address(OUTPUT_NAME, out.data_ptr())
                 if not context.execute_async_v3(stream.cuda_stream):
-                    raise RuntimeError(f"expected TensorRT to run the estimator, got a failure at {b} x {frames}")
+                    raise RuntimeError("expected TensorRT to run the estimator, got a failure at "
+                                       f"{b} x {frames}")
             # The context (and its scratch) is reusable once its work is done; the caller's
             # stream then reads `out` without waiting on this one.
             stream.synchronize()
-        out.record_stream(caller)  # allocated on the context's stream, used and freed on the caller's
+        # allocated on the context's stream, used and freed on the caller's
+        out.record_stream(caller)
         return out.to(x.dtype)
 
 
 def weights_digest(module: nn.Module) -> str:
-    """sha256 of a module's parameters and buffers (names, shapes, float32 values): which checkpoint it holds."""
+    """sha256 of a module's parameters and buffers (names, shapes, float32 values): which checkpoint
+    it holds."""
     digest = hashlib.sha256()
     for name, tensor in module.state_dict().items():
         digest.update(f"{name}{tuple(tensor.shape)}".encode())

@@ -25,8 +25,10 @@ never an out-of-memory error, when one does not fit.
 
 Layout (one pool for every owner, so the shared prompt is never copied):
 
-    k, v:  [steps, layers, heads, 2 * num_blocks, 50, dim_head]   row r of block b at r * num_blocks + b
-    tails: [steps, 2 convolutions, 2 * num_slots, 30, dim]         row r of slot s at r * num_slots + s
+    k, v:  [steps, layers, heads, 2 * num_blocks, 50, dim_head]
+           row r of block b at r * num_blocks + b
+    tails: [steps, 2 convolutions, 2 * num_slots, 30, dim]
+           row r of slot s at r * num_slots + s
 
 A call gathers a row's blocks along one dimension, which gives
 [heads, rows x blocks, 50, dim_head]: viewed as [rows, heads, keys, dim_head],
@@ -126,21 +128,26 @@ class RowPlace:
 
 
 class FlowKVCache:
-    def __init__(self, shape: CacheShape, num_blocks: int, num_slots: int, device: torch.device | str,
-                 history_chunks: int | None, max_prompt_chunks: int, max_history_chunks: int = 40) -> None:
+    def __init__(self, shape: CacheShape, num_blocks: int, num_slots: int,
+                 device: torch.device | str,
+                 history_chunks: int | None, max_prompt_chunks: int,
+                 max_history_chunks: int = 40) -> None:
         if num_blocks < 3 or num_slots < 3:
-            raise ValueError(f"expected at least 3 blocks and 3 tail slots, got {num_blocks} and {num_slots}")
+            raise ValueError(f"expected at least 3 blocks and 3 tail slots, got {num_blocks} and "
+                             f"{num_slots}")
         if history_chunks is not None and history_chunks < 0:
             raise ValueError(f"expected history_chunks >= 0 or None, got {history_chunks}")
         self.shape, self.num_blocks, self.num_slots = shape, num_blocks, num_slots
         self.history_chunks = history_chunks
-        self.max_history_chunks = history_chunks if history_chunks is not None else max_history_chunks
+        self.max_history_chunks = (history_chunks if history_chunks is not None
+                                   else max_history_chunks)
         self.max_prompt_chunks = max_prompt_chunks
         s = shape
         kv = (s.steps, s.layers, s.heads, 2 * num_blocks, s.chunk_frames, s.dim_head)
         self.k = torch.zeros(kv, dtype=s.dtype, device=device)
         self.v = torch.zeros(kv, dtype=s.dtype, device=device)
-        self.tails = torch.zeros(s.steps, 2, 2 * num_slots, s.conv_tail, s.dim, dtype=s.dtype, device=device)
+        self.tails = torch.zeros(s.steps, 2, 2 * num_slots, s.conv_tail, s.dim, dtype=s.dtype,
+                                 device=device)
         self._free_blocks = list(range(num_blocks - 1, SCRATCH_BLOCK, -1))
         self._free_slots = list(range(num_slots - 1, SCRATCH_SLOT, -1))
         self._voices: dict[int, _Voice] = {}
@@ -159,7 +166,8 @@ class FlowKVCache:
 
     @property
     def blocks_per_stream(self) -> int:
-        """What admission reserves: the ring and the chunk in progress (unbounded history: one to start)."""
+        """What admission reserves: the ring and the chunk in progress (unbounded history: one to
+        start)."""
         return (self.history_chunks if self.history_chunks is not None else 1) + 1
 
     @property
@@ -179,7 +187,8 @@ class FlowKVCache:
         return len(self._free_slots)
 
     def voice_chunks(self, prompt: Any) -> int:
-        """Whole chunks of a prompt: its tokens trimmed from the front, at most `max_prompt_chunks`."""
+        """Whole chunks of a prompt: its tokens trimmed from the front, at most
+        `max_prompt_chunks`."""
         return min(int(prompt.tokens.shape[0]) // CHUNK_TOKENS, self.max_prompt_chunks)
 
     def _evictable(self, keep: int | None) -> list[tuple[int, int]]:
@@ -194,7 +203,8 @@ class FlowKVCache:
 
     def num_admissible(self, prompts: list[Any]) -> int:
         """How many of these streams (in order; one a prompt) fit now, together: a voice not
-        resident needs its prompt's chunks once; idle voices they do not speak with can make room."""
+        resident needs its prompt's chunks once; idle voices they do not speak with can make
+        room."""
         with self._lock:
             wanted = {id(p) for p in prompts}
             idle = [self._voices[key] for _, key in self._evictable(None) if key not in wanted]
@@ -211,7 +221,8 @@ class FlowKVCache:
             return len(prompts)
 
     def stream_capacity(self) -> int:
-        """Streams held now plus how many more of a resident voice fit (the engine's admission figure)."""
+        """Streams held now plus how many more of a resident voice fit (the engine's admission
+        figure)."""
         with self._lock:
             blocks, slots = self._room(None)
             return len(self._streams) + min(blocks // self.blocks_per_stream, slots)
@@ -221,22 +232,27 @@ class FlowKVCache:
         gib = 2.0 ** 30
         s = self.shape
         used = (self.num_blocks - 1 - len(self._free_blocks)) * s.bytes_per_block
-        return {"mib_per_frame": s.bytes_per_frame / 2.0 ** 20, "gib_per_stream": self.bytes_per_stream / gib,
-                "gib_total": (self.k.nbytes + self.v.nbytes + self.tails.nbytes) / gib, "gib_used": used / gib,
-                "num_streams": float(len(self._streams)), "stream_capacity": float(self.stream_capacity())}
+        return {"mib_per_frame": s.bytes_per_frame / 2.0 ** 20,
+                "gib_per_stream": self.bytes_per_stream / gib,
+                "gib_total": (self.k.nbytes + self.v.nbytes + self.tails.nbytes) / gib,
+                "gib_used": used / gib,
+                "num_streams": float(len(self._streams)),
+                "stream_capacity": float(self.stream_capacity())}
 
     # -- owners ------------------------------------------------------------------------------------
 
     def _take(self, blocks: int, slots: int, keep: int | None) -> tuple[list[int], list[int]]:
         room_blocks, room_slots = self._room(keep)
         if room_blocks < blocks or room_slots < slots:
-            raise EngineBusyError(f"the flow cache is full: expected {blocks} free blocks and {slots} tail "
-                                  f"slots, got {room_blocks} and {room_slots}; try again shortly")
+            raise EngineBusyError(f"the flow cache is full: expected {blocks} free blocks and "
+                                  f"{slots} tail slots, got {room_blocks} and {room_slots}; try "
+                                  "again shortly")
         for _, key in self._evictable(keep):
             if len(self._free_blocks) >= blocks and len(self._free_slots) >= slots:
                 break
             self._free_voice(key)
-        return [self._free_blocks.pop() for _ in range(blocks)], [self._free_slots.pop() for _ in range(slots)]
+        taken_blocks = [self._free_blocks.pop() for _ in range(blocks)]
+        return taken_blocks, [self._free_slots.pop() for _ in range(slots)]
 
     def _free_voice(self, key: int) -> None:
         voice = self._voices.pop(key)
@@ -327,7 +343,8 @@ class FlowKVCache:
             s = self._streams[stream_id]
             v = self._voices[s.voice_key]
             read = s.slot if s.num_complete else v.slot
-            return RowPlace([*v.blocks, *s.history], s.current, read, s.slot if is_complete else SCRATCH_SLOT)
+            return RowPlace([*v.blocks, *s.history], s.current, read,
+                            s.slot if is_complete else SCRATCH_SLOT)
 
     def complete_chunk(self, stream_id: str) -> None:
         """The chunk in progress is whole: it joins the history, and the next chunk gets a block."""
@@ -347,9 +364,10 @@ class FlowKVCache:
             if len(s.history) > self.max_history_chunks:
                 self._free_blocks.append(s.history.popleft())
 
-    # -- what a solve reads and writes ---------------------------------------------------------------
+    # -- what a solve reads and writes -------------------------------------------------------------
 
-    def attend(self, step: int, write: torch.Tensor, table: torch.Tensor, key_mask: torch.Tensor) -> Attend:
+    def attend(self, step: int, write: torch.Tensor, table: torch.Tensor,
+               key_mask: torch.Tensor) -> Attend:
         """Attention of one Euler step over the pool.
 
         write [R]: each row's pool index (row * num_blocks + block) for its chunk's keys and values;
@@ -370,8 +388,10 @@ class FlowKVCache:
 
     def read_tails(self, step: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots [R] (row * num_slots + slot) -> both convolutions' tails [R, 30, D]."""
-        return self.tails[step, 0].index_select(0, slots), self.tails[step, 1].index_select(0, slots)
+        tails = self.tails[step]
+        return tails[0].index_select(0, slots), tails[1].index_select(0, slots)
 
-    def write_tails(self, step: int, slots: torch.Tensor, tail1: torch.Tensor, tail2: torch.Tensor) -> None:
+    def write_tails(self, step: int, slots: torch.Tensor, tail1: torch.Tensor,
+                    tail2: torch.Tensor) -> None:
         self.tails[step, 0].index_copy_(0, slots, tail1)
         self.tails[step, 1].index_copy_(0, slots, tail2)

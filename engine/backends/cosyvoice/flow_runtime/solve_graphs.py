@@ -1,4 +1,5 @@
-"""One flow tick over the K/V cache: a 50-frame chunk per stream, the whole 10-step solve as ONE graph.
+"""One flow tick over the K/V cache: a 50-frame chunk per stream, the whole 10-step solve as ONE
+graph.
 
 A tick computes, for each of B streams (or voice prompts), one chunk: its
 token condition (models/flow_dit_chunk.chunk_mu), its noise at its absolute
@@ -56,7 +57,8 @@ class ChunkRow:
     """One chunk to compute: a stream's next chunk or one of a voice prompt's.
 
     tokens: the WINDOW_TOKENS ids from chunk start - 2 to chunk end + 3 (any id where absent);
-    [first_present, end_present): the window's tokens that exist (first_present 2 at a sequence start);
+    [first_present, end_present): the window's tokens that exist (first_present 2 at a
+        sequence start);
     start_frame: the chunk's first absolute frame; num_frames: its real frames (1-50);
     embedding [192] and cond [80, 50] (a prompt's mel; None: zeros) on the model's device.
     """
@@ -82,7 +84,8 @@ class ChunkSolver:
                  block_step: int = 4) -> None:
         dit = flow.decoder.estimator
         if not isinstance(dit, DiTEstimator):
-            raise TypeError(f"expected CosyVoice 3's DiT estimator for the K/V cache, got {type(dit).__name__}")
+            raise TypeError("expected CosyVoice 3's DiT estimator for the K/V cache, got "
+                            f"{type(dit).__name__}")
         device = flow.noise.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"expected the flow on a CUDA device for CUDA graphs, got {device}")
@@ -107,7 +110,8 @@ class ChunkSolver:
         self.key_index = torch.arange(max_nb * self.frames, device=device)[None]
         self.graphs: dict[Bucket, Any] = {}  # torch.cuda.CUDAGraph per bucket
         self._pool: Any = None
-        self.num_solves = 0  # calls (a call of more rows than the largest bucket counts once per part)
+        # calls (a call of more rows than the largest bucket counts once per part)
+        self.num_solves = 0
         self.num_replays = 0
         self.num_static = 0  # calls run eagerly by design (use_graphs=False)
         self.num_eager = 0  # graph-mode calls of a bucket without its graph: none after capture_all
@@ -117,19 +121,22 @@ class ChunkSolver:
     # -- the body ----------------------------------------------------------------------------------
 
     def _body(self, b: int, nb: int) -> None:
-        """Rows [0, b) of the static buffers, nb key blocks each -> self.out[:b] (every step, one chunk)."""
+        """Rows [0, b) of the static buffers, nb key blocks each -> self.out[:b] (every step, one
+        chunk)."""
         flow, dit, cache, frames = self.flow, self.dit, self.cache, self.frames
         ints = self.ints[:b]
         first = ints[:, FIRST:FIRST + 1]
         present = (self.window >= first) & (self.window < ints[:, END:END + 1])
-        mu = chunk_mu(flow.input_embedding, flow.pre_lookahead_layer, ints[:, :WINDOW_TOKENS], present, first)
+        mu = chunk_mu(flow.input_embedding, flow.pre_lookahead_layer, ints[:, :WINDOW_TOKENS],
+                      present, first)
         absolute = ints[:, START:START + 1] + self.frame_index  # [b, C]
         x = flow.noise[:, absolute % NOISE_FRAMES].permute(1, 0, 2)  # [b, 80, C] float32
         spks = flow.spk_embed_affine_layer(F.normalize(self.embedding[:b], dim=1))
         upper = (torch.arange(2 * b, device=self.device) >= b).long()  # the unconditioned rows
         write = ints[:, WRITE].repeat(2) + upper * cache.num_blocks
         table = ints[:, TABLE:TABLE + nb].repeat(2, 1) + upper[:, None] * cache.num_blocks
-        key_mask = (self.key_index[:, :nb * frames] < ints[:, KEYS:KEYS + 1]).repeat(2, 1)[:, None, None]
+        is_key = self.key_index[:, :nb * frames] < ints[:, KEYS:KEYS + 1]
+        key_mask = is_key.repeat(2, 1)[:, None, None]
         tail_read = ints[:, TAIL_READ].repeat(2) + upper * cache.num_slots
         tail_write = ints[:, TAIL_WRITE].repeat(2) + upper * cache.num_slots
         rope = dit.rotary_embed.tables_at(absolute.repeat(2, 1))
@@ -140,7 +147,8 @@ class ChunkSolver:
         r = self.cfg_rate
         for step, (t, dt) in enumerate(zip(self.times, self.dts, strict=True)):
             tails = cache.read_tails(step, tail_read)
-            v, tail1, tail2 = chunk_velocity(dit, torch.cat([x, x]).to(self.dtype), cond2, mu2, spks2, t, rope,
+            v, tail1, tail2 = chunk_velocity(dit, torch.cat([x, x]).to(self.dtype), cond2, mu2,
+                                             spks2, t, rope,
                                              tails, cache.attend(step, write, table, key_mask))
             cache.write_tails(step, tail_write, tail1, tail2)
             v = v.float()
@@ -158,11 +166,12 @@ class ChunkSolver:
         host = self.template[:TABLE + nb].repeat(b, 1)
         for i, r in enumerate(rows):
             if len(r.tokens) != WINDOW_TOKENS or not 0 < r.num_frames <= self.frames:
-                raise ValueError(f"expected {WINDOW_TOKENS} window tokens and 1-{self.frames} frames, "
-                                 f"got {len(r.tokens)} and {r.num_frames}")
+                raise ValueError(f"expected {WINDOW_TOKENS} window tokens and 1-{self.frames} "
+                                 f"frames, got {len(r.tokens)} and {r.num_frames}")
             host[i, :WINDOW_TOKENS] = torch.tensor(r.tokens)
             table = [*r.place.table, r.place.write_block]
-            host[i, FIRST], host[i, END], host[i, START] = r.first_present, r.end_present, r.start_frame
+            host[i, FIRST], host[i, END] = r.first_present, r.end_present
+            host[i, START] = r.start_frame
             host[i, KEYS] = (len(table) - 1) * self.frames + r.num_frames
             host[i, WRITE], host[i, TAIL_READ], host[i, TAIL_WRITE] = (
                 r.place.write_block, r.place.tail_read, r.place.tail_write)
@@ -172,7 +181,8 @@ class ChunkSolver:
         self.ints[:b, :TABLE + nb].copy_(host, non_blocking=True)
         self.cond[:b].zero_()
         self.embedding[:b].zero_()
-        self.embedding[:len(rows)] = torch.stack([r.embedding.to(self.device, self.dtype) for r in rows])
+        self.embedding[:len(rows)] = torch.stack([r.embedding.to(self.device, self.dtype)
+                                                  for r in rows])
         for i, r in enumerate(rows):
             if r.cond is not None:
                 self.cond[i].copy_(r.cond)
@@ -186,7 +196,8 @@ class ChunkSolver:
             return torch.cat([self.solve(rows[i:i + most]) for i in range(0, len(rows), most)])
         bucket = self.bucket_for(rows)
         with self._lock, torch.inference_mode():
-            if self._done is not None:  # the last call may have been enqueued on another CUDA stream
+            # the last call may have been enqueued on another CUDA stream
+            if self._done is not None:
                 torch.cuda.current_stream(self.device).wait_event(self._done)
             self._load(rows, bucket)
             self.num_solves += 1
@@ -230,15 +241,18 @@ class ChunkSolver:
         self.graphs[bucket] = graph
 
     def capture_all(self) -> int:
-        """Every (streams, key blocks) bucket now, at load: serving never captures. Returns the count."""
+        """Every (streams, key blocks) bucket now, at load: serving never captures. Returns the
+        count."""
         with self._lock:
             for bucket in self.buckets():
                 self.capture(bucket)
         return len(self.graphs)
 
 
-def _euler_schedule(cfm: Any, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each step's time [1] and step size (0-d), float32, by the very operations CFM.forward uses."""
+def _euler_schedule(cfm: Any,
+                    device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each step's time [1] and step size (0-d), float32, by the very operations CFM.forward
+    uses."""
     t_span = torch.linspace(0, 1, cfm.n_timesteps + 1, device=device, dtype=torch.float32)
     if cfm.cosine:
         t_span = 1 - torch.cos(t_span * 0.5 * math.pi)

@@ -1,1 +1,2 @@
-"""Text and voice in: tokenizers, prompt layout, text normalization, special tokens, voice prompts."""
+"""Text and voice in: tokenizers, prompt layout, text normalization, special tokens, voice
+prompts."""

@@ -72,8 +72,8 @@ class HFTokenizer:
             from transformers import AutoTokenizer  # optional dependency
         except ImportError as exc:
             raise ModelLoadError(
-                "expected the transformers package to read the CosyVoice tokenizer, got none installed "
-                "(pip install transformers, or pass token ids)"
+                "expected the transformers package to read the CosyVoice tokenizer, got none "
+                "installed (pip install transformers, or pass token ids)"
             ) from exc
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir.qwen_path))
         specials = SPECIAL_TOKENS_V2 if model_dir.version == 2 else SPECIAL_TOKENS_V3
@@ -125,7 +125,8 @@ class ByteTokenizer:
                 )
             self._ids = {b: int(vocab[table[b]]) for b in range(256)}
         specials = SPECIAL_TOKENS_V2 if version == 2 else SPECIAL_TOKENS_V3
-        self._special_ids = {t: added_token_id(t, version) for t in specials if t not in QWEN_SPECIALS}
+        self._special_ids = {t: added_token_id(t, version) for t in specials
+                             if t not in QWEN_SPECIALS}
         self._special_ids.update(QWEN_SPECIALS)
         names = sorted(self._special_ids, key=len, reverse=True)
         self._split = re.compile("(" + "|".join(re.escape(t) for t in names) + ")")
@@ -157,7 +158,8 @@ def load_tokenizer(model_dir: ModelDir, mode: str = "auto") -> TextTokenizer | N
     if not model_dir.has_tokenizer_files:
         if mode == "hf":
             raise ModelLoadError(
-                f"{model_dir.qwen_path}: expected tokenizer files (tokenizer.json or vocab.json), got none"
+                f"{model_dir.qwen_path}: expected tokenizer files (tokenizer.json or vocab.json), "
+                "got none"
             )
         return None
     try:
@@ -231,8 +233,9 @@ class CosyVoiceFrontend:
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ModelLoadError(
-                f"{self.model_dir.qwen_path}: expected tokenizer files (tokenizer.json or vocab.json) "
-                "and the transformers package to tokenize text, got neither usable; pass token ids instead"
+                f"{self.model_dir.qwen_path}: expected tokenizer files (tokenizer.json or "
+                "vocab.json) and the transformers package to tokenize text, got neither usable; "
+                "pass token ids instead"
             )
         return self.tokenizer.encode(text)
 
@@ -278,7 +281,8 @@ class CosyVoiceFrontend:
         return [int(t) for t in np.asarray(out).reshape(-1)]
 
     def prompt_text_ids(self, transcript: str) -> list[int]:
-        """The LM's zero-shot prompt text for a transcript, normalized (v3 adds the system prefix)."""
+        """The LM's zero-shot prompt text for a transcript, normalized (v3 adds the system
+        prefix)."""
         transcript = self.normalizer.normalize(transcript)  # it must read as the audio sounds
         if self.version == 3 and END_OF_PROMPT not in transcript:
             transcript = f"{SYSTEM_PROMPT}{END_OF_PROMPT}{transcript}"
@@ -307,7 +311,8 @@ class CosyVoiceFrontend:
             raise ValueError(
                 f"expected a CosyVoice {self.version} voice, got one made for {voice.version}"
             )
-        text_ids = self.tokenize(self.normalizer.normalize(text)) if isinstance(text, str) else list(text)
+        text_ids = (self.tokenize(self.normalizer.normalize(text)) if isinstance(text, str)
+                    else list(text))
         if mode is Mode.ZERO_SHOT:
             return LMInput(text_ids, list(voice.prompt_text_ids), list(voice.prompt_speech_tokens))
         if mode is Mode.CROSS_LINGUAL:

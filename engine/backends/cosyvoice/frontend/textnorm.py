@@ -35,7 +35,8 @@ log = logging.getLogger("voxgate.engine")
 
 _CJK = re.compile(r"[\u4e00-\u9fff]")
 _MARKUP = re.compile(r"<\|[^|<>]*\|>")
-# A blank with a non-ASCII character on either side (Chinese text keeps spaces only inside ASCII runs).
+# A blank with a non-ASCII character on either side (Chinese text keeps spaces only inside ASCII
+# runs).
 _BLANK_BESIDE_NON_ASCII = re.compile(r"(?<=[^\x00-\x7f])\s+|\s+(?=[^\x00-\x7f])")
 
 
@@ -90,7 +91,8 @@ def _robust(grammar: Any, text: str, level: int = 0) -> str:
 
 
 def resolve_text_frontend(mode: str) -> str:
-    """`text_frontend` as it will run: "auto" becomes "wetext" where it is installed, else "none"."""
+    """`text_frontend` as it will run: "auto" becomes "wetext" where it is installed, else
+    "none"."""
     if mode not in TEXT_FRONTENDS:
         raise ValueError(f"text_frontend must be one of {TEXT_FRONTENDS}, got {mode!r}")
     if mode == "auto":

@@ -89,7 +89,8 @@ def clone_voice(frontend: CosyVoiceFrontend, mel: MelExtractor, audio: np.ndarra
                                  torch.from_numpy(prompt.embedding), mel)
     if flow.tokens.numel() == 0:
         raise ValueError("expected speech tokens from the reference audio, got none")
-    prompt.prompt_speech_tokens = [int(t) for t in flow.tokens.tolist()]  # the flow's trim, for the LM too
+    # the flow's trim, for the LM too
+    prompt.prompt_speech_tokens = [int(t) for t in flow.tokens.tolist()]
     prompt.prompt_mel = flow.mel.numpy().astype(np.float32)  # [2 Np, 80]
     return prompt
 
@@ -123,9 +124,11 @@ def from_bytes(data: bytes, version: int) -> VoicePrompt:
                                  np.array(npz["embedding"], dtype=np.float32),
                                  np.array(npz["prompt_mel"], dtype=np.float32))
     except (OSError, KeyError, ValueError, TypeError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"expected cosyvoice voice features (.npz), got unreadable bytes ({exc})") from exc
+        raise ValueError(
+            f"expected cosyvoice voice features (.npz), got unreadable bytes ({exc})") from exc
     if prompt.version != version:
-        raise ValueError(f"expected features of a CosyVoice {version} voice, got CosyVoice {prompt.version}")
+        raise ValueError(f"expected features of a CosyVoice {version} voice, got CosyVoice "
+                         f"{prompt.version}")
     if prompt.prompt_mel.shape != (2 * len(prompt.prompt_speech_tokens), 80):
         raise ValueError(f"expected a prompt mel of [{2 * len(prompt.prompt_speech_tokens)}, 80], "
                          f"got {list(prompt.prompt_mel.shape)}")

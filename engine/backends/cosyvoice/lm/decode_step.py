@@ -1,4 +1,5 @@
-"""One decode step on the device: choose each stream's token, then feed it, with no host sync between.
+"""One decode step on the device: choose each stream's token, then feed it, with no host sync
+between.
 
 A step used to choose tokens on the host side of a sync (the log-probs of the
 last forward were masked and sampled by eager ops, `.tolist()` read the choice
@@ -72,8 +73,8 @@ class Vocabulary:
 
 
 def decode_rows(lm: DecodesSpeech, cache: SlotKVCache, state: DecodeState, vocab: Vocabulary,
-                ras: RasConfig, rows: torch.Tensor | slice, slots: torch.Tensor, step_in: torch.Tensor,
-                kv_len: int, row_range: tuple[int, int] | None,
+                ras: RasConfig, rows: torch.Tensor | slice, slots: torch.Tensor,
+                step_in: torch.Tensor, kv_len: int, row_range: tuple[int, int] | None,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step for the cache rows `slots` [B] (the state read at `rows`: an index or a slice).
 
@@ -87,7 +88,8 @@ def decode_rows(lm: DecodesSpeech, cache: SlotKVCache, state: DecodeState, vocab
     history = state.history[rows]  # [B, W]
     logp = mask_min_length(pending, below_min, vocab.mask_index)
     stops = logp[:, vocab.speech_token_size:]
-    logp[:, vocab.speech_token_size:] = torch.where(below_min[:, None] & state.strict, float("-inf"), stops)
+    logp[:, vocab.speech_token_size:] = torch.where(below_min[:, None] & state.strict,
+                                                    float("-inf"), stops)
     uniforms = uniforms_of(state.seed_words[rows], step_in[:, COUNTER])  # [B, 2]
     sampled = sample_rows(logp, history, (flags & GREEDY) > 0, ras, uniforms)
     chosen = torch.where((flags & FORCED) > 0, step_in[:, TOKEN], sampled)  # [B]
@@ -95,7 +97,8 @@ def decode_rows(lm: DecodesSpeech, cache: SlotKVCache, state: DecodeState, vocab
     goes_on = active & ~is_stop
     fed = torch.where(is_stop, torch.zeros_like(chosen), chosen)
     embeds = lm.token_embeds(fed).to(dtype)  # [B, 1, D]
-    view = CacheView(cache, slots, step_in[:, POSITION:POSITION + 1], kv_len=kv_len, row_range=row_range)
+    view = CacheView(cache, slots, step_in[:, POSITION:POSITION + 1], kv_len=kv_len,
+                     row_range=row_range)
     hidden = lm.forward_hidden(embeds, view)  # [B, 1, D]
     new_logp = lm.head_logp(hidden[:, -1])  # [B, V] float32
     window = torch.cat([history[:, 1:], chosen[:, None]], dim=1)

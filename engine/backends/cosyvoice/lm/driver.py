@@ -32,8 +32,8 @@ from engine.backends.cosyvoice.lm.runner import LMStream, PrefillRequest, Speech
 
 
 def stream_seed(key: str, base_seed: int) -> int:
-    """The sampling seed of a stream that brings none: the request key mixed with the backend's seed,
-    so a request samples the same whatever shares its batches."""
+    """The sampling seed of a stream that brings none: the request key mixed with the backend's
+    seed, so a request samples the same whatever shares its batches."""
     return zlib.crc32(key.encode()) ^ base_seed
 
 
@@ -71,7 +71,8 @@ class SpeechLMDriver(Protocol):
         ...
 
     def start(self, requests: list[LMStart]) -> dict[str, Exception]:
-        """Prefill streams (batched); the failures by key (NoFreeSlotError, ValueError for a bad prompt)."""
+        """Prefill streams (batched); the failures by key (NoFreeSlotError, ValueError for a bad
+        prompt)."""
         ...
 
     def step(self, keys: list[str]) -> dict[str, LMOutput]:
@@ -103,7 +104,8 @@ class TorchLMDriver:
         fresh: list[tuple[LMStart, PrefillRequest]] = []
         for r in requests:
             if r.key in self._streams:
-                failed[r.key] = ValueError(f"expected a new LM stream key, got {r.key!r} (already running)")
+                failed[r.key] = ValueError(f"expected a new LM stream key, got {r.key!r} "
+                                           "(already running)")
                 continue
             ids = r.lm_input
             fresh.append((r, PrefillRequest(

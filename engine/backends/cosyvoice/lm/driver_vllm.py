@@ -66,7 +66,8 @@ class VllmDriverConfig:
     ras: RasConfig = field(default_factory=RasConfig)
     seed: int = 0
     wait_s: float = 0.005  # longest wait in `step` for a first new token
-    gpu_memory_share: float = 0.3  # vLLM's share of the GPU (weights + KV cache); the flow needs the rest
+    # vLLM's share of the GPU (weights + KV cache); the flow needs the rest
+    gpu_memory_share: float = 0.3
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
 
@@ -97,7 +98,8 @@ class VllmLMDriver:
         self._cond = threading.Condition()
         self._num_started = 0
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="voxgate-vllm", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="voxgate-vllm",
+                                        daemon=True)
         self._export_dir: Path | None = None
 
     # -- lifecycle ------------------------------------------------------------
@@ -148,15 +150,18 @@ class VllmLMDriver:
         for r in requests:
             try:
                 if r.key in self._streams:
-                    raise ValueError(f"expected a new LM stream key, got {r.key!r} (already running)")
+                    raise ValueError(f"expected a new LM stream key, got {r.key!r} "
+                                     "(already running)")
                 if self.num_free < 1:
-                    raise NoFreeSlotError(f"expected a free LM stream, got all {self.config.max_streams} in use")
+                    raise NoFreeSlotError("expected a free LM stream, got all "
+                                          f"{self.config.max_streams} in use")
                 embeds, sampling = self._prompt(r)
             except (ValueError, NoFreeSlotError) as exc:
                 failed[r.key] = exc
                 continue
             self._num_started += 1
-            stream = _Stream(f"{r.key}#{self._num_started}")  # ids never repeat: a stopped one may linger
+            # ids never repeat: a stopped one may linger
+            stream = _Stream(f"{r.key}#{self._num_started}")
             with self._cond:
                 self._streams[r.key] = stream
             self._loop.call_soon_threadsafe(self._spawn, stream, embeds, sampling)
@@ -204,7 +209,8 @@ class VllmLMDriver:
             raise ValueError("expected at least one text token, got none")
         device = self.lm.speech_embedding.weight.device
         ids = torch.tensor([*r.lm_input.prompt_text_ids, *text], dtype=torch.long, device=device)
-        speech = torch.tensor(list(r.lm_input.prompt_speech_tokens), dtype=torch.long, device=device)
+        speech = torch.tensor(list(r.lm_input.prompt_speech_tokens), dtype=torch.long,
+                              device=device)
         resumed = torch.tensor(list(r.resume_tokens), dtype=torch.long, device=device)
         with torch.inference_mode():
             embeds = self.lm.prompt_embeds(ids, speech)  # [P, D]
@@ -213,7 +219,8 @@ class VllmLMDriver:
                 embeds = torch.cat([embeds, self.lm.speech_embedding(resumed)])  # [P + R, D]
         c = self.config
         if embeds.shape[0] >= c.max_len:
-            raise ValueError(f"expected a prompt shorter than {c.max_len} positions, got {embeds.shape[0]}")
+            raise ValueError(f"expected a prompt shorter than {c.max_len} positions, got "
+                             f"{embeds.shape[0]}")
         max_len = min(int(len(text) * c.max_token_text_ratio), c.max_len - prompt_len)
         num_resumed = len(r.resume_tokens)
         if num_resumed >= max_len:
@@ -230,7 +237,8 @@ class VllmLMDriver:
     def _spawn(self, stream: _Stream, embeds: torch.Tensor, sampling: SpeechSampling) -> None:
         stream.task = self._loop.create_task(self._consume(stream, embeds, sampling))
 
-    async def _consume(self, stream: _Stream, embeds: torch.Tensor, sampling: SpeechSampling) -> None:
+    async def _consume(self, stream: _Stream, embeds: torch.Tensor,
+                       sampling: SpeechSampling) -> None:
         try:
             async for token in self.engine.generate(stream.request_id, embeds, sampling):
                 with self._cond:

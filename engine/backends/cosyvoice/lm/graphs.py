@@ -69,9 +69,11 @@ class StaticDecoder:
         self.batch_buckets = row_buckets(max_b)  # 1, 2, 4, ... 64, then multiples of 32
         self.kv_buckets = [k for k in range(kv_bucket, max_len, kv_bucket)] + [max_len]
         # the step's inputs: written on the host, copied in one transfer (pinned on a GPU)
-        self.host_in = torch.zeros(max_b, STEP_WIDTH, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self.host_in = torch.zeros(max_b, STEP_WIDTH, dtype=torch.long,
+                                   pin_memory=dev.type == "cuda")
         self._host_view = self.host_in.numpy()
-        self.step_in = torch.zeros(max_b, STEP_WIDTH, dtype=torch.long, device=dev)  # [S, STEP_WIDTH]
+        # [S, STEP_WIDTH]
+        self.step_in = torch.zeros(max_b, STEP_WIDTH, dtype=torch.long, device=dev)
         self.step_in[:, POSITION] = max_len - 1
         self.rows = torch.arange(max_b, device=dev)  # [S]
         self.chosen = torch.zeros(max_b, dtype=torch.long, device=dev)  # [S]
@@ -111,7 +113,8 @@ class StaticDecoder:
         self.graphs[(b, kv)] = graph
 
     def capture_all(self) -> int:
-        """Capture every (batch, KV) bucket now, at load, so serving never captures; returns the count."""
+        """Capture every (batch, KV) bucket now, at load, so serving never captures; returns the
+        count."""
         for b in self.batch_buckets:
             for kv in self.kv_buckets:
                 self.capture(b, kv)
@@ -128,7 +131,8 @@ class StaticDecoder:
                 bucket_of(max(positions) + 1, self.kv_buckets))
 
     def step(self, slots: list[int], inputs: np.ndarray) -> np.ndarray:
-        """One step for cache rows `slots`, inputs [B, STEP_WIDTH] (decode_step.py) -> chosen tokens [B]."""
+        """One step for cache rows `slots`, inputs [B, STEP_WIDTH] (decode_step.py) -> chosen tokens
+        [B]."""
         b, kv = self.buckets_for(slots, [int(p) for p in inputs[:, POSITION]])
         view = self._host_view
         view[:b] = 0

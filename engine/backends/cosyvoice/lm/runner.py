@@ -109,7 +109,8 @@ class SpeechLMRunner:
         self._owners: dict[int, LMStream] = {}
         self.state = DecodeState(
             logp=torch.zeros(max_batch, self.spec.num_rows, device=self.device),  # [S, V]
-            history=torch.full((max_batch, self.ras.win_size), -1, dtype=torch.long, device=self.device),
+            history=torch.full((max_batch, self.ras.win_size), -1, dtype=torch.long,
+                               device=self.device),
             seed_words=torch.zeros(max_batch, 2, dtype=torch.long, device=self.device),
             strict=torch.zeros(1, dtype=torch.bool, device=self.device))
         self._vocab = Vocabulary(self.spec.speech_token_size, self.spec.min_length_mask_index)
@@ -230,7 +231,8 @@ class SpeechLMRunner:
             )
         max_len = min(int(len(r.text_ids) * r.max_token_text_ratio), self.max_len - prompt_len)
         if len(r.resume_tokens) >= max_len:
-            raise ValueError(f"expected fewer resumed tokens than {max_len}, got {len(r.resume_tokens)}")
+            raise ValueError(f"expected fewer resumed tokens than {max_len}, got "
+                             f"{len(r.resume_tokens)}")
         return embeds, prompt_len, max_len
 
     def add_requests(self, requests: list[PrefillRequest]) -> list[LMStream | Exception]:
@@ -265,7 +267,8 @@ class SpeechLMRunner:
             self.state.history[stream.slot] = -1
             recent = stream.tokens[-self.ras.win_size:]
             if recent:
-                self.state.history[stream.slot, -len(recent):] = torch.tensor(recent, device=self.device)
+                self.state.history[stream.slot, -len(recent):] = torch.tensor(
+                    recent, device=self.device)
             rows.append((stream, embeds))
             out.append(stream)
         if rows:
@@ -298,7 +301,8 @@ class SpeechLMRunner:
         rows[:, ACTIVE] = 1
         rows[:, POSITION] = [s.num_cached for s in streams]
         rows[:, COUNTER] = [len(s.tokens) for s in streams]
-        rows[:, FLAGS] = [(BELOW_MIN if len(s.tokens) < s.min_len else 0) | (GREEDY if s.is_greedy else 0)
+        rows[:, FLAGS] = [(BELOW_MIN if len(s.tokens) < s.min_len else 0)
+                          | (GREEDY if s.is_greedy else 0)
                           for s in streams]
         if forced is not None:
             rows[:, FLAGS] |= FORCED
@@ -317,8 +321,8 @@ class SpeechLMRunner:
             with torch.inference_mode():
                 tokens, logp, window = decode_rows(
                     self.lm, self.cache, self.state, self._vocab, self.ras, index, index, step_in,
-                    int(rows[:, POSITION].max()) + 1, (slots[0], slots[0] + len(slots)) if is_range else None,
-                    self.dtype)
+                    int(rows[:, POSITION].max()) + 1,
+                    (slots[0], slots[0] + len(slots)) if is_range else None, self.dtype)
                 self.state.logp[index] = logp
                 self.state.history[index] = window
             chosen = tokens.cpu().numpy()

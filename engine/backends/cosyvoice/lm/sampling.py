@@ -53,7 +53,8 @@ class RasConfig:
 
     @classmethod
     def from_hparams(cls, sampling: Any) -> RasConfig:
-        """From `hparams["llm"]["sampling"]` (a `!name:...ras_sampling` node); defaults if absent."""
+        """From `hparams["llm"]["sampling"]` (a `!name:...ras_sampling` node); defaults if
+        absent."""
         if not isinstance(sampling, dict):
             return cls()
         target = str(sampling.get("_target", ""))
@@ -111,7 +112,8 @@ def seed_words(seed: int) -> tuple[int, int]:
     return seed & _MASK32, (seed >> 32) & _MASK32
 
 
-def uniforms_of(words: torch.Tensor, counters: torch.Tensor, num_draws: int = NUM_DRAWS) -> torch.Tensor:
+def uniforms_of(words: torch.Tensor, counters: torch.Tensor,
+                num_draws: int = NUM_DRAWS) -> torch.Tensor:
     """`draw_uniforms` from device tensors: seed words [B, 2] (`seed_words`), counters [B] (int64).
 
     No host value is read, so a CUDA graph can capture it (lm/graphs.py draws inside the step).
@@ -125,7 +127,8 @@ def uniforms_of(words: torch.Tensor, counters: torch.Tensor, num_draws: int = NU
 def _categorical(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from unnormalized non-negative weights [B, N] with uniforms u [B] -> [B].
 
-    Inverse CDF; `right=True` never lands on a zero-weight entry: its CDF equals its left neighbour's.
+    Inverse CDF; `right=True` never lands on a zero-weight entry: its CDF equals its left
+    neighbour's.
     """
     cdf = weights.float().cumsum(dim=-1)  # [B, N]
     index = torch.searchsorted(cdf, u.to(cdf.device)[:, None] * cdf[:, -1:], right=True)[:, 0]
@@ -206,7 +209,8 @@ def sample_tokens(
     config: RasConfig,
     uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    """Per row greedy or RAS. logp [B, V], history [B, W], is_greedy [B], uniforms [B, 2] -> tokens [B]."""
+    """Per row greedy or RAS. logp [B, V], history [B, W], is_greedy [B], uniforms [B, 2] -> tokens
+    [B]."""
     if bool(is_greedy.all()):
         return greedy(logp)
     sampled = ras(logp, history, config, uniforms)

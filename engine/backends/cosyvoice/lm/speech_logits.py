@@ -86,7 +86,8 @@ class SpeechLogits:
         self.window = window
 
     def apply(self, logits: torch.Tensor, rows: dict[int, RowState]) -> torch.Tensor:
-        """logits [B, V] float32 (vLLM's, modified in place where it can) -> the processed logits."""
+        """logits [B, V] float32 (vLLM's, modified in place where it can) -> the processed
+        logits."""
         if self.bias is not None:
             logits += self.bias
         if not rows:
@@ -110,7 +111,8 @@ class SpeechLogits:
         dev.copy_(self._host[:b], non_blocking=True)
         masked = dev[:, _MASKED] > 0
         column = logits[:, self.mask_index]
-        logits[:, self.mask_index] = torch.where(masked, torch.full_like(column, float("-inf")), column)
+        logits[:, self.mask_index] = torch.where(masked, torch.full_like(column, float("-inf")),
+                                                 column)
         if not any(s.ras is not None for s in rows.values()):
             return logits
         ras = ras_logits(logits, dev[:, _WINDOW:].long(), dev[:, _TOP_P], dev[:, _TOP_K].long(),

@@ -98,7 +98,8 @@ def speech_lm_meta(lm: SpeechLM) -> dict[str, Any]:
 
 
 def export_state(lm: SpeechLM, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Qwen2ForCausalLM keys -> contiguous tensors of `dtype` (the text embedding and head are dropped)."""
+    """Qwen2ForCausalLM keys -> contiguous tensors of `dtype` (the text embedding and head are
+    dropped)."""
     state: dict[str, torch.Tensor] = {}
     for key, value in lm.body.model.state_dict().items():
         if key == "embed_tokens.weight":

@@ -79,14 +79,16 @@ class SpeechSampling:
             raise ValueError(f"expected top_p in (0, 1], got {self.top_p}")
         if self.top_k < 1 or self.win_size < 1 or self.tau_r < 0:
             raise ValueError(
-                f"expected top_k >= 1, win_size >= 1, tau_r >= 0, got {self.top_k}, {self.win_size}, {self.tau_r}"
+                f"expected top_k >= 1, win_size >= 1, tau_r >= 0, got {self.top_k}, "
+                f"{self.win_size}, {self.tau_r}"
             )
 
     @classmethod
     def for_text(
         cls, num_text_tokens: int, min_ratio: float = 2.0, max_ratio: float = 20.0, **kwargs: Any
     ) -> SpeechSampling:
-        """Upstream's lengths: int(n x 2) to int(n x 20) speech tokens for n text tokens (prompt text excluded)."""
+        """Upstream's lengths: int(n x 2) to int(n x 20) speech tokens for n text tokens (prompt
+        text excluded)."""
         return cls(
             max_tokens=int(num_text_tokens * max_ratio),
             min_tokens=int(num_text_tokens * min_ratio),
@@ -120,9 +122,10 @@ class SpeechLogitsProcessor(LogitsProcessor):  # type: ignore[misc, unused-ignor
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         folder = vllm_config.model_config.model
         meta = read_meta(folder)
-        max_rows = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 256) or 256)
-        self.logits = SpeechLogits(int(meta["min_length_mask_index"]), read_head_bias(folder), device,
-                                   max_rows=max_rows, pin_memory=is_pin_memory)
+        max_rows = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 256)
+                       or 256)
+        self.logits = SpeechLogits(int(meta["min_length_mask_index"]), read_head_bias(folder),
+                                   device, max_rows=max_rows, pin_memory=is_pin_memory)
         self.rows: dict[int, RowState] = {}
 
     @classmethod
@@ -154,7 +157,8 @@ class SpeechLogitsProcessor(LogitsProcessor):  # type: ignore[misc, unused-ignor
         process_dict_updates(self.rows, batch_update, self._new_state)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        # logits: [B, V] float32; the work (and why it builds no tensor per step) in speech_logits.py
+        # logits: [B, V] float32; the work (and why it builds no tensor per step) in
+        # speech_logits.py
         return self.logits.apply(logits, self.rows)
 
 
@@ -193,7 +197,8 @@ class VllmLMConfig:
 
 
 class VllmSpeechLM:
-    """`generate(request_id, prompt_embeds, sampling)` streams speech token ids; `abort` ends one."""
+    """`generate(request_id, prompt_embeds, sampling)` streams speech token ids; `abort` ends
+    one."""
 
     def __init__(self, config: VllmLMConfig) -> None:
         self.config = config

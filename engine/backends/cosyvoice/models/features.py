@@ -24,7 +24,8 @@ def resample(wav: np.ndarray, rate: int, target_rate: int) -> np.ndarray:
     wav = np.ascontiguousarray(wav, dtype=np.float32).reshape(-1)
     if rate == target_rate or wav.size == 0:
         return wav
-    import av  # here, not at the top: the frontend imports this module, and only resampling needs PyAV
+    # here, not at the top: the frontend imports this module, and only resampling needs PyAV
+    import av
 
     frame = av.AudioFrame.from_ndarray(wav[None, :], format="flt", layout="mono")
     frame.sample_rate = rate
@@ -42,7 +43,8 @@ def _kaldi_mel(freq: torch.Tensor) -> torch.Tensor:
 def kaldi_mel_banks(
     num_bins: int, padded_window: int, rate: float, low_freq: float = 20.0
 ) -> torch.Tensor:
-    """Kaldi's triangular filters, equally spaced on its mel scale: [num_bins, padded_window // 2 + 1].
+    """Kaldi's triangular filters, equally spaced on its mel scale: [num_bins, padded_window // 2 +
+    1].
 
     The last (Nyquist) FFT bin gets weight 0, as Kaldi's does.
     """
@@ -102,7 +104,8 @@ def _slaney_mel_to_hz(mels: np.ndarray) -> np.ndarray:
 
 
 def slaney_mel_filters(rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
-    """Slaney-normalized mel filters on the Slaney mel scale (librosa's defaults): [n_mels, n_fft // 2 + 1]."""
+    """Slaney-normalized mel filters on the Slaney mel scale (librosa's defaults): [n_mels, n_fft //
+    2 + 1]."""
     fft_freqs = np.linspace(0.0, rate / 2, 1 + n_fft // 2)
     edges = _slaney_mel_to_hz(
         np.linspace(0.0, _slaney_hz_to_mel(np.array([rate / 2.0]))[0], n_mels + 2)

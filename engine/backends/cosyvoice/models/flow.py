@@ -65,16 +65,21 @@ class FlowRow:
         if self.tokens.dim() != 1:
             raise ValueError(f"expected tokens [N], got shape {tuple(self.tokens.shape)}")
         if not 0 <= self.num_lookahead < self.tokens.shape[0]:
-            raise ValueError(f"expected 0 <= num_lookahead < {self.tokens.shape[0]}, got {self.num_lookahead}")
+            raise ValueError(f"expected 0 <= num_lookahead < {self.tokens.shape[0]}, got "
+                             f"{self.num_lookahead}")
         frames = 2 * (self.tokens.shape[0] - self.num_lookahead)
         if self.noise_index.shape != (frames,):
-            raise ValueError(f"expected noise_index [{frames}], got {tuple(self.noise_index.shape)}")
-        if self.prompt_mel.dim() != 2 or self.prompt_mel.shape[1] != 80 or self.prompt_mel.shape[0] > frames:
-            raise ValueError(f"expected prompt_mel [P <= {frames}, 80], got {tuple(self.prompt_mel.shape)}")
+            raise ValueError(
+                f"expected noise_index [{frames}], got {tuple(self.noise_index.shape)}")
+        mel = self.prompt_mel
+        if mel.dim() != 2 or mel.shape[1] != 80 or mel.shape[0] > frames:
+            raise ValueError(f"expected prompt_mel [P <= {frames}, 80], got "
+                             f"{tuple(self.prompt_mel.shape)}")
 
 
 class CFM(nn.Module):
-    def __init__(self, estimator: nn.Module, n_timesteps: int, cfg_rate: float, cosine: bool) -> None:
+    def __init__(self, estimator: nn.Module, n_timesteps: int, cfg_rate: float,
+                 cosine: bool) -> None:
         super().__init__()
         self.estimator = estimator
         self.n_timesteps = n_timesteps
@@ -116,8 +121,8 @@ class FlowModel(nn.Module):
         self.token_mel_ratio = int(flow["token_mel_ratio"])
         self.pre_lookahead_len = int(flow["pre_lookahead_len"])
         if self.token_mel_ratio != 2 or self.output_size != 80:
-            raise ValueError(f"expected token_mel_ratio 2 and 80 mel bins, got {self.token_mel_ratio}, "
-                             f"{self.output_size}")
+            raise ValueError("expected token_mel_ratio 2 and 80 mel bins, got "
+                             f"{self.token_mel_ratio}, {self.output_size}")
         self.input_embedding = nn.Embedding(int(flow["vocab_size"]), int(flow["input_size"]))
         self.spk_embed_affine_layer = nn.Linear(int(flow["spk_embed_dim"]), self.output_size)
         dec = flow["decoder"]
@@ -126,7 +131,8 @@ class FlowModel(nn.Module):
         if params.get("solver", "euler") != "euler":
             raise ValueError(f"expected the euler solver, got {params.get('solver')!r}")
         if version == 2:
-            self.encoder = UpsampleConformerEncoder.from_hparams(flow["encoder"], self.pre_lookahead_len)
+            self.encoder = UpsampleConformerEncoder.from_hparams(
+                flow["encoder"], self.pre_lookahead_len)
             self.encoder_proj = nn.Linear(self.encoder.dim, self.output_size)
             estimator: nn.Module = UNetEstimator.from_hparams(est)
         else:
@@ -204,7 +210,8 @@ def load_flow_state(model: FlowModel, state: dict[str, torch.Tensor]) -> None:
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"flow.pt: expected upstream flow keys and shapes, got {' '.join(str(exc).split())}") from exc
+        raise ModelLoadError("flow.pt: expected upstream flow keys and shapes, got "
+                             f"{' '.join(str(exc).split())}") from exc
 
 
 def build_flow(model_dir: Any) -> FlowModel:
@@ -212,6 +219,7 @@ def build_flow(model_dir: Any) -> FlowModel:
     try:
         model = FlowModel(model_dir.version, model_dir.section("flow"))
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"flow section: expected upstream flow arguments, got {exc!r}") from exc
+        raise ModelLoadError(
+            f"flow section: expected upstream flow arguments, got {exc!r}") from exc
     load_flow_state(model, model_dir.load_checkpoint("flow.pt"))
     return model.eval()

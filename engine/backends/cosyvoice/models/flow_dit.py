@@ -77,8 +77,8 @@ class RotaryEmbedding(nn.Module):
         return self._tables(self(seq_len))
 
     def tables_at(self, positions: torch.Tensor) -> Rope:
-        """The tables at given absolute positions [R, T] (long) -> cos, signed_sin [R, T, d]: a chunk
-        of each row at its own place in its sequence (models/flow_dit_chunk.py)."""
+        """The tables at given absolute positions [R, T] (long) -> cos, signed_sin [R, T, d]: a
+        chunk of each row at its own place in its sequence (models/flow_dit_chunk.py)."""
         inv_freq = self.inv_freq.float()
         freqs = positions.float()[..., None] * inv_freq
         return self._tables(freqs.repeat_interleave(2, dim=-1))
@@ -129,7 +129,8 @@ def norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """norm(x) * (1 + scale) + shift, in one pass over x after the norm (scale, shift: [B, 1, D])."""
+    """norm(x) * (1 + scale) + shift, in one pass over x after the norm (scale, shift: [B, 1,
+    D])."""
     return torch.addcmul(shift, norm(x), 1 + scale)
 
 
@@ -156,7 +157,8 @@ class DiTAttention(nn.Module):
         b, _, t, _ = out.shape
         return cast(torch.Tensor, self.to_out[0](out.transpose(1, 2).reshape(b, t, -1)))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rope, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, rope: Rope,
+                hidden: torch.Tensor) -> torch.Tensor:
         # mask: [B, T, T] bool; hidden [B, T, 1]: keys invisible from the last query
         q, k, v = self.qkv(x, rope)
         out = self.project_out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None]))
@@ -169,7 +171,8 @@ class DiTFeedForward(nn.Module):
 
     def __init__(self, dim: int, inner: int) -> None:
         super().__init__()
-        self.ff = nn.ModuleList([nn.ModuleList([nn.Linear(dim, inner)]), nn.Identity(), nn.Linear(inner, dim)])
+        self.ff = nn.ModuleList([nn.ModuleList([nn.Linear(dim, inner)]), nn.Identity(),
+                                 nn.Linear(inner, dim)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         project_in = cast(nn.ModuleList, self.ff[0])[0]
@@ -215,14 +218,17 @@ class DiTBlock(nn.Module):
         # Each elementwise step is a pass over [B, T, D]; on the GPU these passes, not the
         # matrix products, took two thirds of a pass at 128 streams: addcmul does a
         # multiply and an add in one.
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm.chunks(silu_t)
-        x = torch.addcmul(x, gate_msa, self.attn(modulate(x, scale_msa, shift_msa), mask, rope, hidden))
+        (shift_msa, scale_msa, gate_msa,
+         shift_mlp, scale_mlp, gate_mlp) = self.attn_norm.chunks(silu_t)
+        x = torch.addcmul(x, gate_msa,
+                          self.attn(modulate(x, scale_msa, shift_msa), mask, rope, hidden))
         h: torch.Tensor = self.ff(modulate(x, scale_mlp, shift_mlp))
         return torch.addcmul(x, gate_mlp, h)
 
 
 class CausalPosConv(nn.Module):
-    """Two grouped causal convolutions (k=31, 16 groups) with Mish: a learned relative position signal."""
+    """Two grouped causal convolutions (k=31, 16 groups) with Mish: a learned relative position
+    signal."""
 
     def __init__(self, dim: int, kernel: int = 31, groups: int = 16) -> None:
         super().__init__()
@@ -247,7 +253,8 @@ class DiTEstimator(nn.Module):
         self.time_embed = TimeEmbed(dim)
         self.input_embed = InputEmbed(mel_dim * 2 + mu_dim + spk_dim, dim)
         self.rotary_embed = RotaryEmbedding(dim_head)
-        self.transformer_blocks = nn.ModuleList([DiTBlock(dim, heads, dim_head, ff_mult) for _ in range(depth)])
+        self.transformer_blocks = nn.ModuleList([DiTBlock(dim, heads, dim_head, ff_mult)
+                                                 for _ in range(depth)])
         self.norm_out = AdaNorm(dim, 2)
         self.proj_out = nn.Linear(dim, mel_dim)
 
@@ -266,7 +273,8 @@ class DiTEstimator(nn.Module):
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80]
         temb = self.time_embed(t)
         seq = x.shape[2]
-        h = self.input_embed(torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)], dim=1).transpose(1, 2))
+        h = self.input_embed(torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)],
+                                       dim=1).transpose(1, 2))
         # what every block shares, made once a pass: each small kernel costs a launch, and
         # an eager pass at serving sizes is bound by its launches (docs/benchmarks.md,
         # "Flow estimator pass")

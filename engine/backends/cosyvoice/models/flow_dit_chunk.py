@@ -46,7 +46,8 @@ WINDOW_TOKENS = LEFT_TOKENS + CHUNK_TOKENS + 3  # + the first convolution's look
 
 
 class Attend(Protocol):
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
         """q, k, v [R, H, C, dh] of one layer's chunk -> attention output [R, H, C, dh]."""
         ...
 
@@ -74,7 +75,8 @@ def block_chunk(block: DiTBlock, x: torch.Tensor, silu_t: torch.Tensor, rope: Ro
 
 
 def chunk_velocity(dit: DiTEstimator, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor,
-                   spks: torch.Tensor, t: torch.Tensor, rope: Rope, tails: tuple[torch.Tensor, torch.Tensor],
+                   spks: torch.Tensor, t: torch.Tensor, rope: Rope,
+                   tails: tuple[torch.Tensor, torch.Tensor],
                    attend: Attend) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One Euler step's velocity of a chunk per row.
 
@@ -84,7 +86,8 @@ def chunk_velocity(dit: DiTEstimator, x: torch.Tensor, cond: torch.Tensor, mu: t
     """
     silu_t = F.silu(dit.time_embed(t))  # [1, D]: broadcast over the rows
     seq = x.shape[2]
-    h = dit.input_embed.proj(torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)], dim=1).transpose(1, 2))
+    h = dit.input_embed.proj(torch.cat([x, cond, mu, spks[:, :, None].expand(-1, -1, seq)],
+                                       dim=1).transpose(1, 2))
     pos, tail1, tail2 = pos_conv_chunk(dit.input_embed.conv_pos_embed, h, *tails)
     h = pos + h
     for i, block in enumerate(dit.transformer_blocks):
@@ -99,7 +102,8 @@ def chunk_mu(embedding: torch.nn.Embedding, pre_lookahead: PreLookahead, tokens:
     """The condition of one 25-token chunk per row: [R, 80, 50].
 
     tokens [R, 30] long: the tokens at chunk start - 2 ... chunk end + 3 (any value where absent);
-    present [R, 30] bool: the token exists (absent ones embed as zeros, as past the end of an answer);
+    present [R, 30] bool: the token exists (absent ones embed as zeros, as past the end of an
+        answer);
     first_valid [R, 1] long: 2 at the start of a sequence (no tokens before it), else 0.
     """
     dtype = embedding.weight.dtype
@@ -107,7 +111,8 @@ def chunk_mu(embedding: torch.nn.Embedding, pre_lookahead: PreLookahead, tokens:
     x = embedding(tokens.clamp(min=0) * present) * keep  # [R, 30, C]
     h = F.leaky_relu(pre_lookahead.conv1(F.pad(x.transpose(1, 2), (0, pre_lookahead.lookahead))))
     index = torch.arange(tokens.shape[1], device=tokens.device)[None]
-    h = h * (index >= first_valid).to(dtype)[:, None]  # upstream's zero left padding at a sequence start
+    # upstream's zero left padding at a sequence start
+    h = h * (index >= first_valid).to(dtype)[:, None]
     out = pre_lookahead.conv2(h)[:, :, :CHUNK_TOKENS]  # tokens chunk start ... + 24
     mu: torch.Tensor = out.transpose(1, 2) + x[:, LEFT_TOKENS:LEFT_TOKENS + CHUNK_TOKENS]
     return mu.repeat_interleave(2, dim=1).transpose(1, 2)

@@ -52,7 +52,8 @@ class PreLookahead(nn.Module):
 def rel_position_embedding(size: int, dim: int, device: torch.device) -> torch.Tensor:
     """-> [1, 2*size-1, dim]: sin/cos (interleaved) of relative positions size-1 ... -(size-1)."""
     pos = torch.arange(size - 1, -size, -1, device=device, dtype=torch.float32)[:, None]
-    div = torch.exp(torch.arange(0, dim, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / dim))
+    div = torch.exp(
+        torch.arange(0, dim, 2, device=device, dtype=torch.float32) * -(math.log(10000.0) / dim))
     pe = torch.zeros(2 * size - 1, dim, device=device)
     pe[:, 0::2] = torch.sin(pos * div)
     pe[:, 1::2] = torch.cos(pos * div)
@@ -91,7 +92,8 @@ class RelPosAttention(nn.Module):
         v = self.linear_v(x).view(b, t, self.h, self.d_k).transpose(1, 2)
         p = self.linear_pos(pos).view(1, -1, self.h, self.d_k).transpose(1, 2)  # [1, H, 2T-1, dk]
         ac = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
-        bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # [B, H, T, 2T-1]
+        # [B, H, T, 2T-1]
+        bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))
         # relative shift: score(i, j) uses the embedding of distance i - j, at column T-1-i+j
         i = torch.arange(t, device=x.device)
         cols = (t - 1 - i[:, None] + i[None, :]).expand(b, self.h, t, t)
@@ -152,12 +154,14 @@ class UpsampleConformerEncoder(nn.Module):
                  static_chunk_size: int, lookahead: int = 3) -> None:
         super().__init__()
         if output_size != self.CHANNELS:
-            raise ValueError(f"expected encoder output_size {self.CHANNELS} (fixed upstream), got {output_size}")
+            raise ValueError(f"expected encoder output_size {self.CHANNELS} (fixed upstream), got "
+                             f"{output_size}")
         self.dim = output_size
         self.static_chunk_size = static_chunk_size
         self.embed = LinearEmbed(input_size, output_size)
         self.pre_lookahead_layer = PreLookahead(self.CHANNELS, self.CHANNELS, lookahead)
-        self.encoders = nn.ModuleList([ConformerLayer(output_size, heads, units) for _ in range(num_blocks)])
+        self.encoders = nn.ModuleList([ConformerLayer(output_size, heads, units)
+                                       for _ in range(num_blocks)])
         self.up_layer = UpLayer(self.CHANNELS)
         self.up_embed = LinearEmbed(input_size, output_size)
         self.up_encoders = nn.ModuleList([ConformerLayer(output_size, heads, units)
@@ -170,9 +174,11 @@ class UpsampleConformerEncoder(nn.Module):
                           ("selfattention_layer_type", "rel_selfattn"), ("use_cnn_module", False),
                           ("macaron_style", False), ("normalize_before", True)):
             if enc.get(key, want) != want:
-                raise ValueError(f"expected encoder {key}={want!r} (as released), got {enc.get(key)!r}")
+                raise ValueError(f"expected encoder {key}={want!r} (as released), got "
+                                 f"{enc.get(key)!r}")
         return cls(int(enc["input_size"]), int(enc["output_size"]), int(enc["attention_heads"]),
-                   int(enc["linear_units"]), int(enc["num_blocks"]), int(enc["static_chunk_size"]), lookahead)
+                   int(enc["linear_units"]), int(enc["num_blocks"]), int(enc["static_chunk_size"]),
+                   lookahead)
 
     def _run(self, layers: nn.ModuleList, x: torch.Tensor, valid: torch.Tensor, chunk: int,
              streaming: bool) -> torch.Tensor:
@@ -188,9 +194,10 @@ class UpsampleConformerEncoder(nn.Module):
         t = x.shape[1]
         h = self.embed(x) * lengths_mask(num_tokens, t)[:, :, None].to(x)
         h = self.pre_lookahead_layer(h)
-        h = self._run(self.encoders, h, lengths_mask(num_valid, t), self.static_chunk_size, streaming)
-        h = self.up_embed(self.up_layer(h))
-        h = self._run(self.up_encoders, h, lengths_mask(2 * num_valid, 2 * t), 2 * self.static_chunk_size,
+        h = self._run(self.encoders, h, lengths_mask(num_valid, t), self.static_chunk_size,
                       streaming)
+        h = self.up_embed(self.up_layer(h))
+        h = self._run(self.up_encoders, h, lengths_mask(2 * num_valid, 2 * t),
+                      2 * self.static_chunk_size, streaming)
         out: torch.Tensor = self.after_norm(h)
         return out

@@ -92,7 +92,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # x: [B, T, D]
         b, t, _ = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2)
+                   for p in (self.to_q, self.to_k, self.to_v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
         proj: torch.Tensor = self.to_out[0](out.transpose(1, 2).reshape(b, t, -1))
         return proj
@@ -147,8 +148,10 @@ class TransformerBlock(nn.Module):
 class UNetEstimator(nn.Module):
     """(x, mask, mu, t, spks, cond) -> velocity [B, 80, T]."""
 
-    def __init__(self, in_channels: int, out_channels: int, channels: list[int], attention_head_dim: int,
-                 n_blocks: int, num_mid_blocks: int, num_heads: int, static_chunk_size: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, channels: list[int],
+                 attention_head_dim: int,
+                 n_blocks: int, num_mid_blocks: int, num_heads: int,
+                 static_chunk_size: int) -> None:
         super().__init__()
         self.in_channels = in_channels
         self.static_chunk_size = static_chunk_size
@@ -156,17 +159,21 @@ class UNetEstimator(nn.Module):
         self.time_mlp = TimeMLP(in_channels, time_dim)
 
         def blocks(dim: int) -> nn.ModuleList:
-            return nn.ModuleList([TransformerBlock(dim, num_heads, attention_head_dim) for _ in range(n_blocks)])
+            return nn.ModuleList([TransformerBlock(dim, num_heads, attention_head_dim)
+                                  for _ in range(n_blocks)])
 
         self.down_blocks = nn.ModuleList()
         cout = in_channels
         for i, ch in enumerate(channels):
             cin, cout = cout, ch
             last = i == len(channels) - 1
-            down: nn.Module = CausalConv1d(cout, cout, 3) if last else nn.Conv1d(cout, cout, 3, 2, 1)
-            self.down_blocks.append(nn.ModuleList([CausalResnetBlock1D(cin, cout, time_dim), blocks(cout), down]))
+            down: nn.Module = (CausalConv1d(cout, cout, 3) if last
+                               else nn.Conv1d(cout, cout, 3, 2, 1))
+            self.down_blocks.append(nn.ModuleList([CausalResnetBlock1D(cin, cout, time_dim),
+                                                   blocks(cout), down]))
         self.mid_blocks = nn.ModuleList([
-            nn.ModuleList([CausalResnetBlock1D(channels[-1], channels[-1], time_dim), blocks(channels[-1])])
+            nn.ModuleList([CausalResnetBlock1D(channels[-1], channels[-1], time_dim),
+                           blocks(channels[-1])])
             for _ in range(num_mid_blocks)
         ])
         ups = channels[::-1] + [channels[0]]
@@ -174,18 +181,22 @@ class UNetEstimator(nn.Module):
         for i in range(len(ups) - 1):
             cout = ups[i + 1]
             last = i == len(ups) - 2
-            up: nn.Module = CausalConv1d(cout, cout, 3) if last else nn.ConvTranspose1d(cout, cout, 4, 2, 1)
-            self.up_blocks.append(nn.ModuleList([CausalResnetBlock1D(2 * ups[i], cout, time_dim), blocks(cout), up]))
+            up: nn.Module = (CausalConv1d(cout, cout, 3) if last
+                             else nn.ConvTranspose1d(cout, cout, 4, 2, 1))
+            self.up_blocks.append(nn.ModuleList([CausalResnetBlock1D(2 * ups[i], cout, time_dim),
+                                                 blocks(cout), up]))
         self.final_block = CausalBlock1D(ups[-1], ups[-1])
         self.final_proj = nn.Conv1d(ups[-1], out_channels, 1)
 
     @classmethod
     def from_hparams(cls, est: dict[str, Any]) -> UNetEstimator:
-        return cls(int(est["in_channels"]), int(est["out_channels"]), [int(c) for c in est["channels"]],
+        return cls(int(est["in_channels"]), int(est["out_channels"]),
+                   [int(c) for c in est["channels"]],
                    int(est["attention_head_dim"]), int(est["n_blocks"]), int(est["num_mid_blocks"]),
                    int(est["num_heads"]), int(est["static_chunk_size"]))
 
-    def _attend(self, x: torch.Tensor, mask: torch.Tensor, blocks: nn.ModuleList, streaming: bool) -> torch.Tensor:
+    def _attend(self, x: torch.Tensor, mask: torch.Tensor, blocks: nn.ModuleList,
+                streaming: bool) -> torch.Tensor:
         attn_mask = chunk_attention_mask(mask[:, 0].bool(), self.static_chunk_size, streaming)
         h = x.transpose(1, 2)
         for block in blocks:
@@ -196,7 +207,8 @@ class UNetEstimator(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
                 spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False) -> torch.Tensor:
         # x, mu, cond: [B, 80, T]; mask: [B, 1, T]; t: [B]; spks: [B, 80]
-        temb = self.time_mlp(timestep_embedding(t, self.in_channels).to(self.time_mlp.linear_1.weight.dtype))
+        temb = self.time_mlp(
+            timestep_embedding(t, self.in_channels).to(self.time_mlp.linear_1.weight.dtype))
         h = torch.cat([x, mu, spks[:, :, None].expand(-1, -1, x.shape[2]), cond], dim=1)
         hiddens, masks = [], [mask]
         for level in self.down_blocks:
@@ -209,7 +221,8 @@ class UNetEstimator(nn.Module):
         masks = masks[:-1]
         for level in self.mid_blocks:
             resnet, blocks = cast(nn.ModuleList, level)
-            h = self._attend(resnet(h, masks[-1], temb), masks[-1], cast(nn.ModuleList, blocks), streaming)
+            h = self._attend(resnet(h, masks[-1], temb), masks[-1], cast(nn.ModuleList, blocks),
+                             streaming)
         for level in self.up_blocks:
             resnet, blocks, up = cast(nn.ModuleList, level)
             m, skip = masks.pop(), hiddens.pop()

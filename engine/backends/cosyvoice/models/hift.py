@@ -56,7 +56,8 @@ class HiFTConfig:
     conv_pre_look_right: int = 4
     f0_cond_channels: int = 512
     seed: int = 0  # v3 noise table
-    noise_scale: float = 1.0  # 0 makes the source deterministic (checks of streaming against offline)
+    # 0 makes the source deterministic (checks of streaming against offline)
+    noise_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if len(self.upsample_rates) != len(self.upsample_kernel_sizes):
@@ -65,7 +66,8 @@ class HiFTConfig:
                 f"{self.upsample_kernel_sizes}"
             )
         if self.base_channels % (2 ** len(self.upsample_rates)):
-            raise ValueError(f"expected base_channels divisible by 2**num_upsamples, got {self.base_channels}")
+            raise ValueError("expected base_channels divisible by 2**num_upsamples, got "
+                             f"{self.base_channels}")
 
     @property
     def samples_per_frame(self) -> int:
@@ -90,7 +92,8 @@ class HiFTConfig:
                 n_fft=int(istft["n_fft"]),
                 hop_len=int(istft["hop_len"]),
                 resblock_kernel_sizes=[int(k) for k in hift["resblock_kernel_sizes"]],
-                resblock_dilation_sizes=[[int(d) for d in ds] for ds in hift["resblock_dilation_sizes"]],
+                resblock_dilation_sizes=[[int(d) for d in ds]
+                                         for ds in hift["resblock_dilation_sizes"]],
                 source_resblock_kernel_sizes=[int(k) for k in hift["source_resblock_kernel_sizes"]],
                 source_resblock_dilation_sizes=[
                     [int(d) for d in ds] for ds in hift["source_resblock_dilation_sizes"]
@@ -101,7 +104,8 @@ class HiFTConfig:
                 f0_cond_channels=int(hift["f0_predictor"]["cond_channels"]),
             )
         except (KeyError, TypeError) as exc:
-            raise ModelLoadError(f"hift section: expected upstream HiFT arguments, got {exc!r} missing") from exc
+            raise ModelLoadError(f"hift section: expected upstream HiFT arguments, got {exc!r} "
+                                 "missing") from exc
 
 
 class PadConv1d(nn.Conv1d):
@@ -156,19 +160,23 @@ def _conv(cin: int, cout: int, k: int, d: int, causal: bool) -> nn.Conv1d:
 class ResBlock(nn.Module):
     def __init__(self, channels: int, k: int, dilations: list[int], causal: bool) -> None:
         super().__init__()
-        self.convs1 = nn.ModuleList([weight_norm(_conv(channels, channels, k, d, causal)) for d in dilations])
-        self.convs2 = nn.ModuleList([weight_norm(_conv(channels, channels, k, 1, causal)) for _ in dilations])
+        self.convs1 = nn.ModuleList([weight_norm(_conv(channels, channels, k, d, causal))
+                                     for d in dilations])
+        self.convs2 = nn.ModuleList([weight_norm(_conv(channels, channels, k, 1, causal))
+                                     for _ in dilations])
         self.activations1 = nn.ModuleList([Snake(channels) for _ in dilations])
         self.activations2 = nn.ModuleList([Snake(channels) for _ in dilations])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True):
+        for c1, c2, a1, a2 in zip(self.convs1, self.convs2, self.activations1, self.activations2,
+                                  strict=True):
             x = x + c2(a2(c1(a1(x))))
         return x
 
 
 class F0Predictor(nn.Module):
-    """mel [B, 80, T] -> f0 [B, T] (Hz, non-negative). Causal: the first layer looks 3 frames ahead."""
+    """mel [B, 80, T] -> f0 [B, T] (Hz, non-negative). Causal: the first layer looks 3 frames
+    ahead."""
 
     def __init__(self, in_channels: int, cond: int, causal: bool) -> None:
         super().__init__()
@@ -189,7 +197,8 @@ class F0Predictor(nn.Module):
 
     def forward(self, mel: torch.Tensor, finalize: bool = True) -> torch.Tensor:
         if self.causal and not finalize:
-            x = self.condnet[0](mel[:, :, : -self.lookahead], right_context=mel[:, :, -self.lookahead:])
+            x = self.condnet[0](mel[:, :, : -self.lookahead],
+                                right_context=mel[:, :, -self.lookahead:])
         else:
             x = self.condnet[0](mel)
         for layer in list(self.condnet)[1:]:
@@ -237,7 +246,8 @@ class SourceModule(nn.Module):
         if cfg.causal:
             per_sample = cycles.repeat_interleave(up, dim=1)
         else:
-            per_sample = F.interpolate(cycles.transpose(1, 2), scale_factor=up, mode="linear").transpose(1, 2)
+            per_sample = F.interpolate(cycles.transpose(1, 2), scale_factor=up,
+                                       mode="linear").transpose(1, 2)
         sines = torch.sin(2 * math.pi * (per_sample % 1)).to(f0.dtype) * cfg.nsf_alpha  # [B, L, H]
         uv = (f0.repeat_interleave(up, dim=1)[:, :, None] > cfg.nsf_voiced_threshold).to(sines)
         amp = uv * cfg.nsf_sigma + (1 - uv) * cfg.nsf_alpha / 3
@@ -264,8 +274,8 @@ class HiFT(nn.Module):
         causal, base, nfft = cfg.causal, cfg.base_channels, cfg.n_fft
         self.m_source = SourceModule(cfg)
         if causal:
-            conv_pre: nn.Conv1d = PadConv1d(cfg.in_channels, base, cfg.conv_pre_look_right + 1, left=0,
-                                            right=cfg.conv_pre_look_right)
+            conv_pre: nn.Conv1d = PadConv1d(cfg.in_channels, base, cfg.conv_pre_look_right + 1,
+                                            left=0, right=cfg.conv_pre_look_right)
         else:
             conv_pre = nn.Conv1d(cfg.in_channels, base, 7, padding=3)
         self.conv_pre = weight_norm(conv_pre)
@@ -321,14 +331,17 @@ class HiFT(nn.Module):
         cycles = self.m_source.phase(f0, phase0)
         return self.m_source(f0, cycles, start=start, generator=generator), cycles
 
-    def inference(self, mel: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def inference(self, mel: torch.Tensor,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Offline vocoding of a whole mel [B, 80, T] -> wave [B, T * 480]."""
         f0 = self.predict_f0(mel)
         source, _ = self.source(f0, generator=generator)
         return self.decode(mel, source)
 
-    def decode(self, mel: torch.Tensor, source: torch.Tensor, finalize: bool = True) -> torch.Tensor:
-        """mel [B, 80, T], source [B, 1, T * 480] -> wave [B, T * 480] (causal non-final: (T - 5) * 480)."""
+    def decode(self, mel: torch.Tensor, source: torch.Tensor,
+               finalize: bool = True) -> torch.Tensor:
+        """mel [B, 80, T], source [B, 1, T * 480] -> wave [B, T * 480] (causal non-final: (T - 5) *
+        480)."""
         cfg = self.cfg
         spec = torch.stft(source.squeeze(1), cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window,
                           return_complex=True)  # [B, F, frames]
@@ -351,7 +364,8 @@ class HiFT(nn.Module):
         half = cfg.n_fft // 2 + 1
         magnitude = torch.exp(x[:, :half]).clamp(max=1e2)
         phase = torch.sin(x[:, half:])
-        wav = torch.istft(torch.polar(magnitude, phase), cfg.n_fft, cfg.hop_len, cfg.n_fft, window=self.window)
+        wav = torch.istft(torch.polar(magnitude, phase), cfg.n_fft, cfg.hop_len, cfg.n_fft,
+                          window=self.window)
         if cfg.causal and not finalize:
             wav = wav[:, : -cfg.samples_per_frame]
         return wav.clamp(-cfg.audio_limit, cfg.audio_limit)
@@ -364,14 +378,16 @@ class HiFT(nn.Module):
 
 
 def load_hift_state(model: HiFT, state: dict[str, torch.Tensor]) -> None:
-    """Load an upstream hift.pt state dict (optionally `generator.`-prefixed), strict, as float32."""
+    """Load an upstream hift.pt state dict (optionally `generator.`-prefixed), strict, as
+    float32."""
     if all(k.startswith("generator.") for k in state):
         state = {k[len("generator."):]: v for k, v in state.items()}
     state = {k: v.float() for k, v in state.items()}
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise ModelLoadError(f"hift.pt: expected upstream HiFT keys and shapes, got {' '.join(str(exc).split())}") from exc
+        raise ModelLoadError("hift.pt: expected upstream HiFT keys and shapes, got "
+                             f"{' '.join(str(exc).split())}") from exc
 
 
 def build_hift(model_dir: Any) -> HiFT:

@@ -34,7 +34,8 @@ def mel_to_hz(mel: np.ndarray) -> np.ndarray:
     return np.where(mel >= 15.0, log_part, hz)
 
 
-def slaney_filterbank(sr: int, n_fft: int, n_mels: int, fmin: float, fmax: float | None) -> torch.Tensor:
+def slaney_filterbank(sr: int, n_fft: int, n_mels: int, fmin: float,
+                      fmax: float | None) -> torch.Tensor:
     """[n_mels, n_fft // 2 + 1] triangles between Slaney-spaced edges, each scaled to unit area."""
     fmax = sr / 2 if fmax is None else fmax
     fft_freqs = np.linspace(0, sr / 2, n_fft // 2 + 1)
@@ -69,8 +70,10 @@ class MelConfig:
         if feat.get("center", False):
             raise ValueError("expected feat_extractor center=False (as released), got True")
         fmax = feat.get("fmax")
-        return cls(int(feat["sampling_rate"]), int(feat["n_fft"]), int(feat["hop_size"]), int(feat["win_size"]),
-                   int(feat["num_mels"]), float(feat.get("fmin", 0)), None if fmax is None else float(fmax))
+        return cls(int(feat["sampling_rate"]), int(feat["n_fft"]), int(feat["hop_size"]),
+                   int(feat["win_size"]),
+                   int(feat["num_mels"]), float(feat.get("fmin", 0)),
+                   None if fmax is None else float(fmax))
 
 
 class MelExtractor:
@@ -81,13 +84,14 @@ class MelExtractor:
         self.window = torch.hann_window(c.win_size)
 
     def __call__(self, wav: torch.Tensor) -> torch.Tensor:
-        """wav [B, L] or [L] in [-1, 1] at the config's rate -> log-mel [B, frames, 80] (flow layout)."""
+        """wav [B, L] or [L] in [-1, 1] at the config's rate -> log-mel [B, frames, 80] (flow
+        layout)."""
         c = self.config
         x = wav[None] if wav.dim() == 1 else wav
         pad = (c.n_fft - c.hop_size) // 2
         x = F.pad(x[:, None].float(), (pad, pad), mode="reflect")[:, 0]
-        spec = torch.stft(x, c.n_fft, hop_length=c.hop_size, win_length=c.win_size, window=self.window,
-                          center=False, return_complex=True)
+        spec = torch.stft(x, c.n_fft, hop_length=c.hop_size, win_length=c.win_size,
+                          window=self.window, center=False, return_complex=True)
         mag = torch.sqrt(spec.real**2 + spec.imag**2 + 1e-9)
         mel = torch.log(torch.clamp(self.basis @ mag, min=1e-5))
         return mel.transpose(1, 2)

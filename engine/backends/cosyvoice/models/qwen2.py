@@ -228,7 +228,8 @@ class Qwen2Attention(nn.Module):
             # per query head in every layer). The one mask row serves all G rows.
             g = self.num_heads // self.num_kv_heads
             out = F.scaled_dot_product_attention(
-                q.reshape(b, self.num_kv_heads, g, self.head_dim), keys, values, attn_mask=mask, scale=scale,
+                q.reshape(b, self.num_kv_heads, g, self.head_dim), keys, values, attn_mask=mask,
+                scale=scale,
             ).reshape(b, self.num_heads, 1, self.head_dim)  # [B, H, 1, Dh]
         else:
             out = F.scaled_dot_product_attention(

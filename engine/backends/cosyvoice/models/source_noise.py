@@ -46,9 +46,11 @@ class NoiseCounter:
         n = math.prod(shape)
         counters = torch.arange(self.drawn, self.drawn + n, device=device, dtype=torch.long)
         self.drawn += n
-        key = _mix32_int((self.seed & _MASK32) ^ _mix32_int((self.seed >> 32) & _MASK32))  # a host int
+        # a host int
+        key = _mix32_int((self.seed & _MASK32) ^ _mix32_int((self.seed >> 32) & _MASK32))
         bits1 = _mix32(key ^ _mix32(2 * counters & _MASK32))
         bits2 = _mix32(key ^ _mix32((2 * counters + 1) & _MASK32))
         u1 = ((bits1 >> 8).float() + 0.5) / float(1 << 24)  # (0, 1): the log is finite
         u2 = (bits2 >> 8).float() / float(1 << 24)
-        return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).reshape(shape)  # Box-Muller
+        # Box-Muller
+        return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).reshape(shape)

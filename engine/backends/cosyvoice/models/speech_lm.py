@@ -92,7 +92,8 @@ class SpeechLM(nn.Module):
         """text_ids [N] (prompt text then text), prompt_speech_tokens [M] -> [1 + N + 1 + M, D]."""
         if self.spec.version == 3 and not bool((text_ids == END_OF_PROMPT_ID).any()):
             raise ValueError(
-                f"CosyVoice 3 expects <|endofprompt|> (id {END_OF_PROMPT_ID}) in prompt text or text, got none"
+                f"CosyVoice 3 expects <|endofprompt|> (id {END_OF_PROMPT_ID}) in prompt text or "
+                "text, got none"
             )
         text = self.body.model.embed_tokens(text_ids)  # [N, D]
         speech = self.speech_embedding(prompt_speech_tokens)  # [M, D]

@@ -30,7 +30,8 @@ def _check_state_dict(module: SpeechLM, state: dict[str, Any], source: str) -> N
     if unexpected:
         raise ModelLoadError(
             f"{source}: expected only the tensors of the CosyVoice {module.spec.version} LM, "
-            f"got unexpected {unexpected[0]} ({len(unexpected)} in all; a checkpoint of the other version?)"
+            f"got unexpected {unexpected[0]} ({len(unexpected)} in all; a checkpoint of the other "
+            "version?)"
         )
     for key, shape in want.items():
         if got[key] != shape:

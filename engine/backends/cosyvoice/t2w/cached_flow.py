@@ -53,7 +53,8 @@ def trim_prompt(prompt: Any, max_chunks: int) -> TrimmedPrompt:
     n = int(prompt.tokens.shape[0])
     keep = min(n // CHUNK_TOKENS, max_chunks) * CHUNK_TOKENS
     dropped = 2 * (n - keep)  # mel frames before the kept tokens
-    return TrimmedPrompt([int(t) for t in prompt.tokens[n - keep:].tolist()], prompt.mel[dropped:], prompt.embedding)
+    return TrimmedPrompt([int(t) for t in prompt.tokens[n - keep:].tolist()], prompt.mel[dropped:],
+                         prompt.embedding)
 
 
 def history_chunks(history_tokens: int | None) -> int | None:
@@ -69,8 +70,8 @@ def blocks_for_bytes(shape: CacheShape, cache_bytes: float, history_tokens: int 
     return max(0, int((cache_bytes - 2 * shape.bytes_per_slot) // per_block))
 
 
-def cache_blocks(cache_gib: float, shape: CacheShape, history_tokens: int | None, device: torch.device,
-                 num_streams: int, reserve_gib: float) -> int:
+def cache_blocks(cache_gib: float, shape: CacheShape, history_tokens: int | None,
+                 device: torch.device, num_streams: int, reserve_gib: float) -> int:
     """Blocks for a cache of `cache_gib` (0: sized here). GPU: what is free now less `reserve_gib`
     (the solve's graphs and activations). CPU: every stream slot's ring and two whole prompts,
     at most 4 GiB."""
@@ -106,7 +107,8 @@ class CachedFlow:
         history = history_chunks(history_tokens)
         per_stream = (history if history is not None else 1) + 1
         if num_blocks < per_stream + 1:
-            raise ValueError(f"expected a flow cache of at least {per_stream + 1} blocks, got {num_blocks}")
+            raise ValueError(f"expected a flow cache of at least {per_stream + 1} blocks, got "
+                             f"{num_blocks}")
         num_slots = num_blocks // per_stream + min(VOICE_SLOTS, num_blocks) + 2
         cache = FlowKVCache(CacheShape.of(flow), num_blocks, num_slots, flow.noise.device, history,
                             MAX_PROMPT_CHUNKS)
@@ -116,7 +118,8 @@ class CachedFlow:
         return trim_prompt(prompt, self.cache.max_prompt_chunks)
 
     def ensure_voice(self, prompt: Any) -> None:
-        """The voice's prompt chunks in the cache: computed now (one chunk per solve) unless resident.
+        """The voice's prompt chunks in the cache: computed now (one chunk per solve) unless
+        resident.
 
         Raises EngineBusyError when the cache cannot hold them.
         """
@@ -130,11 +133,13 @@ class CachedFlow:
                 mel = trim.mel.to(self.solver.device, self.solver.dtype)
                 for k, block in enumerate(blocks):
                     ids, first, end = window(trim.tokens, k * CHUNK_TOKENS, len(trim.tokens))
-                    cond = torch.zeros(80, frames, dtype=self.solver.dtype, device=self.solver.device)
+                    cond = torch.zeros(80, frames, dtype=self.solver.dtype,
+                                       device=self.solver.device)
                     part = mel[k * frames:(k + 1) * frames].T
                     cond[:, :part.shape[1]] = part
                     place = RowPlace(blocks[:k], block, ZERO_SLOT if k == 0 else slot, slot)
-                    self.solver.solve([ChunkRow(ids, first, end, k * frames, frames, place, trim.embedding, cond)])
+                    self.solver.solve([ChunkRow(ids, first, end, k * frames, frames, place,
+                                                trim.embedding, cond)])
             except BaseException:
                 self.cache.forget_voice(prompt)
                 raise
@@ -146,7 +151,8 @@ class CachedFlow:
         answer tokens visible (lookahead included). -> (row, first chunk frame to emit)."""
         cell = offset // CHUNK_TOKENS * CHUNK_TOKENS
         if not cell <= offset < end <= cell + CHUNK_TOKENS:
-            raise ValueError(f"expected a chunk inside one {CHUNK_TOKENS}-token cell, got tokens {offset}-{end}")
+            raise ValueError(f"expected a chunk inside one {CHUNK_TOKENS}-token cell, got tokens "
+                             f"{offset}-{end}")
         p = len(trim.tokens)
         ids, first, last = window(trim.tokens + tokens, p + cell, p + num_present)
         place = self.cache.place(stream_id, is_complete=end == cell + CHUNK_TOKENS)

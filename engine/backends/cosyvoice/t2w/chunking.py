@@ -1,4 +1,5 @@
-"""The chunk schedule of token-to-wave streaming, and what a stream is made of (t2w/streams.py runs it).
+"""The chunk schedule of token-to-wave streaming, and what a stream is made of (t2w/streams.py runs
+it).
 
 Chunking (per stream; upstream keeps the hop on the shared model object, so
 concurrent requests disturb each other's hops; here all hop state is the
@@ -60,7 +61,8 @@ class T2WConfig:
         if self.min_hop_tokens < 4:
             raise ValueError(f"expected min_hop_tokens >= 4, got {self.min_hop_tokens}")
         if self.max_history_tokens is not None and self.max_history_tokens < 0:
-            raise ValueError(f"expected max_history_tokens >= 0 or None, got {self.max_history_tokens}")
+            raise ValueError("expected max_history_tokens >= 0 or None, got "
+                             f"{self.max_history_tokens}")
         if self.hift_context_frames < 8:
             raise ValueError(f"expected hift_context_frames >= 8, got {self.hift_context_frames}")
 
@@ -74,23 +76,27 @@ class FlowPrompt:
     embedding: torch.Tensor
 
     @classmethod
-    def from_audio(cls, tokens: list[int] | torch.Tensor, wav_24k: torch.Tensor, embedding: torch.Tensor,
-                   mel: MelExtractor) -> FlowPrompt:
-        """Mel of the 24 kHz reference audio, and tokens and mel trimmed to a 1:2 ratio as upstream's
-        frontend does (the LM prompt should use the same trimmed tokens)."""
+    def from_audio(cls, tokens: list[int] | torch.Tensor, wav_24k: torch.Tensor,
+                   embedding: torch.Tensor, mel: MelExtractor) -> FlowPrompt:
+        """Mel of the 24 kHz reference audio, and tokens and mel trimmed to a 1:2 ratio as
+        upstream's frontend does (the LM prompt should use the same trimmed tokens)."""
         feat = mel(wav_24k)[0]  # [frames, 80]
         toks = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         n = min(feat.shape[0] // 2, toks.shape[0])
-        return cls(toks[:n], feat[: 2 * n], torch.as_tensor(embedding, dtype=torch.float32).reshape(-1))
+        return cls(toks[:n], feat[: 2 * n],
+                   torch.as_tensor(embedding, dtype=torch.float32).reshape(-1))
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1 or self.tokens.shape[0] == 0:
-            raise ValueError(f"expected prompt tokens [N >= 1], got shape {tuple(self.tokens.shape)}")
+            raise ValueError("expected prompt tokens [N >= 1], got shape "
+                             f"{tuple(self.tokens.shape)}")
         if self.tokens.shape[0] > MAX_PROMPT_TOKENS:  # bounds every flow row (max_chunk_frames)
-            raise ValueError(f"expected at most {MAX_PROMPT_TOKENS} prompt tokens (30 s of reference audio), "
-                             f"got {self.tokens.shape[0]}")
-        if self.mel.dim() != 2 or self.mel.shape[1] != 80 or self.mel.shape[0] > 2 * self.tokens.shape[0]:
-            raise ValueError(f"expected prompt mel [<= {2 * self.tokens.shape[0]}, 80], got {tuple(self.mel.shape)}")
+            raise ValueError(f"expected at most {MAX_PROMPT_TOKENS} prompt tokens (30 s of "
+                             f"reference audio), got {self.tokens.shape[0]}")
+        max_frames = 2 * self.tokens.shape[0]
+        if self.mel.dim() != 2 or self.mel.shape[1] != 80 or self.mel.shape[0] > max_frames:
+            raise ValueError(f"expected prompt mel [<= {2 * self.tokens.shape[0]}, 80], got "
+                             f"{tuple(self.mel.shape)}")
         if self.embedding.dim() != 1:
             raise ValueError(f"expected embedding [D], got shape {tuple(self.embedding.shape)}")
 
@@ -151,10 +157,12 @@ def max_chunk_frames(config: T2WConfig, hop: int = 25, lookahead: int = 3,
     if config.max_history_tokens is None:
         return None
     history = config.max_history_tokens + hop - 1
-    chunk = max(config.first_hop_tokens or 2 * hop, max(config.min_hop_tokens, min_hop_for_speed(2.0)) + hop - 1)
+    chunk = max(config.first_hop_tokens or 2 * hop,
+                max(config.min_hop_tokens, min_hop_for_speed(2.0)) + hop - 1)
     return 2 * (max_prompt_tokens + history + chunk + lookahead)
 
 
 def min_hop_for_speed(speed: float) -> int:
-    """Fewest tokens a chunk needs at `speed` to still give >= 8 stretched mel frames, with a frame to spare."""
+    """Fewest tokens a chunk needs at `speed` to still give >= 8 stretched mel frames, with a frame
+    to spare."""
     return math.ceil(4.5 * speed) + 1

@@ -26,7 +26,8 @@ MIN_SPEED, MAX_SPEED = 0.5, 2.0
 
 
 def _positions(first: int, count: int, speed: float) -> torch.Tensor:
-    """Source positions of output frames first .. first + count - 1 (float64: exact for long answers)."""
+    """Source positions of output frames first .. first + count - 1 (float64: exact for long
+    answers)."""
     k = torch.arange(first, first + count, dtype=torch.float64)
     return ((k + 0.5) * speed - 0.5).clamp(min=0.0)
 
@@ -74,7 +75,8 @@ class MelStretcher:
             end = max(self.num_out, min(total, math.ceil((self.num_in - 0.5) / self.speed - 0.5)))
             while end > self.num_out and (end - 0.5) * self.speed - 0.5 >= self.num_in - 1:
                 end -= 1  # float rounding at the boundary
-        out = _interpolate(held, self._offset, _positions(self.num_out, end - self.num_out, self.speed)) \
+        out = _interpolate(held, self._offset,
+                           _positions(self.num_out, end - self.num_out, self.speed)) \
             if end > self.num_out and held.shape[1] else held[:, :0]
         self.num_out = max(self.num_out, end)
         keep = min(self.num_in, max(0, math.floor((self.num_out + 0.5) * self.speed - 0.5)))

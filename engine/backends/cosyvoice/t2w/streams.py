@@ -1,4 +1,5 @@
-"""Token-to-wave streaming: speech tokens as the LM makes them -> 24 kHz audio chunks, many streams at once.
+"""Token-to-wave streaming: speech tokens as the LM makes them -> 24 kHz audio chunks, many streams
+at once.
 
 A backend drives it with plain calls (no threads, no clock):
 
@@ -39,14 +40,15 @@ from engine.backends.cosyvoice.t2w.mel_stretch import MelStretcher
 from engine.backends.cosyvoice.t2w.vocoder import V2VocoderState, V3VocoderState, vocode_batch
 from engine.backends.cosyvoice.t2w.vocoder_graphs import VocoderGraphs
 
-__all__ = ["MAX_PROMPT_TOKENS", "FlowPrompt", "T2WConfig", "TokenToWave", "WaveChunk", "first_end", "grid_end",
-           "history_start", "max_chunk_frames", "min_hop_for_speed", "schedule"]
+__all__ = ["MAX_PROMPT_TOKENS", "FlowPrompt", "T2WConfig", "TokenToWave", "WaveChunk", "first_end",
+           "grid_end", "history_start", "max_chunk_frames", "min_hop_for_speed", "schedule"]
 
 
 @dataclass(slots=True)
 class _Stream:
     prompt: FlowPrompt
-    prompt_tokens: list[int]  # the prompt's tokens on the host (the prompt tensors may be on the GPU)
+    # the prompt's tokens on the host (the prompt tensors may be on the GPU)
+    prompt_tokens: list[int]
     vocoder: V2VocoderState | V3VocoderState
     next_end: int
     min_hop: int
@@ -67,22 +69,24 @@ class _Plan:
     is_final: bool
     start: int  # first history token recomputed
     offset: int  # tokens whose mel was emitted before this chunk
-    row: FlowRow | ChunkRow | None  # None: an empty answer's last chunk (cached: nothing to compute)
+    # None: an empty answer's last chunk (cached: nothing to compute)
+    row: FlowRow | ChunkRow | None
     first_frame: int = 0  # cached: the chunk's first new frame
     mel: torch.Tensor | None = None  # [80, frames] this chunk's new mel, once computed
 
 
 class TokenToWave:
     def __init__(self, flow: FlowModel, hift: HiFT, config: T2WConfig | None = None,
-                 cached: CachedFlow | None = None, vocoder_graphs: VocoderGraphs | None = None) -> None:
+                 cached: CachedFlow | None = None,
+                 vocoder_graphs: VocoderGraphs | None = None) -> None:
         if flow.version != (3 if hift.cfg.causal else 2):
             raise ValueError(f"expected flow and HiFT of one version, got flow v{flow.version} and "
                              f"{'causal' if hift.cfg.causal else 'non-causal'} HiFT")
         self.flow, self.hift, self.cached, self.vocoder_graphs = flow, hift, cached, vocoder_graphs
         self.config = config or T2WConfig()
         if cached is not None and (self.config.first_hop_tokens or 0) > flow.chunk_tokens:
-            raise ValueError(f"expected first_hop_tokens <= {flow.chunk_tokens} with the K/V cache (one chunk "
-                             f"a run), got {self.config.first_hop_tokens}")
+            raise ValueError(f"expected first_hop_tokens <= {flow.chunk_tokens} with the K/V cache "
+                             f"(one chunk a run), got {self.config.first_hop_tokens}")
         self.hop = flow.chunk_tokens
         self.lookahead = flow.pre_lookahead_len
         self.sample_rate = hift.cfg.sampling_rate
@@ -98,10 +102,11 @@ class TokenToWave:
             raise ValueError(f"expected a new stream id, got {stream_id!r} (already streaming)")
         stretcher = MelStretcher(speed) if speed != 1.0 else None  # validates the range
         vocoder = V3VocoderState() if self.hift.cfg.causal else V2VocoderState.new(seed)
-        min_hop = self.config.min_hop_tokens if stretcher is None else max(self.config.min_hop_tokens,
-                                                                           min_hop_for_speed(speed))
-        stream = _Stream(prompt=prompt, prompt_tokens=prompt.tokens.tolist(), vocoder=vocoder, next_end=0,
-                         min_hop=min_hop, stretcher=stretcher)
+        min_hop = self.config.min_hop_tokens
+        if stretcher is not None:
+            min_hop = max(min_hop, min_hop_for_speed(speed))
+        stream = _Stream(prompt=prompt, prompt_tokens=prompt.tokens.tolist(), vocoder=vocoder,
+                         next_end=0, min_hop=min_hop, stretcher=stretcher)
         self._start(stream_id, stream)
         with self._lock:
             if stream_id in self._streams:
@@ -120,7 +125,8 @@ class TokenToWave:
         if self.cached is not None:
             s.next_end = min(s.next_end, self.hop)  # one chunk a run
             self.cached.ensure_voice(s.prompt)  # its voice's prompt computed (or found) ...
-            self.cached.cache.add_stream(stream_id, s.prompt)  # ... then its memory: EngineBusyError if none
+            # ... then its memory: EngineBusyError if none
+            self.cached.cache.add_stream(stream_id, s.prompt)
 
     def num_can_add(self, prompts: list[FlowPrompt]) -> int:
         """How many of these new streams (in order) fit together now."""
@@ -144,7 +150,8 @@ class TokenToWave:
         new = [int(t) for t in (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens)]
         vocab = self.flow.input_embedding.num_embeddings
         if any(not 0 <= t < vocab for t in new):
-            raise ValueError(f"expected speech tokens in [0, {vocab}), got {[t for t in new if not 0 <= t < vocab]}")
+            raise ValueError(f"expected speech tokens in [0, {vocab}), got "
+                             f"{[t for t in new if not 0 <= t < vocab]}")
         with self._lock:
             stream.tokens.extend(new)
 
@@ -193,7 +200,7 @@ class TokenToWave:
             return len(s.tokens), True
         return None
 
-    # -- one batched step ---------------------------------------------------------------------------
+    # -- one batched step --------------------------------------------------------------------------
 
     def history_start(self, offset: int) -> int:
         return history_start(offset, self.hop, self.config.max_history_tokens)
@@ -243,13 +250,15 @@ class TokenToWave:
         la = 0 if is_final else self.lookahead
         p = s.prompt.tokens.shape[0]
         tokens = torch.tensor([*s.prompt_tokens, *s.tokens[start:end + la]], dtype=torch.long)
-        noise_index = torch.cat([torch.arange(2 * p), 2 * (p + start) + torch.arange(2 * (end - start))])
+        noise_index = torch.cat([torch.arange(2 * p),
+                                 2 * (p + start) + torch.arange(2 * (end - start))])
         row = FlowRow(tokens, s.prompt.mel, s.prompt.embedding, la, noise_index)
         return _Plan(sid, s, end, is_final, start, s.offset, row)
 
     def compute(self, plans: list[_Plan]) -> list[torch.Tensor]:
         """The audio of each planned chunk (the models run here; no lock held)."""
-        new_mels = self._cached_mels(plans) if self.cached is not None else self._recomputed_mels(plans)
+        new_mels = (self._cached_mels(plans) if self.cached is not None
+                    else self._recomputed_mels(plans))
         for plan, mel in zip(plans, new_mels, strict=True):
             plan.mel = mel
         voc_mels = [m if p.stream.stretcher is None else p.stream.stretcher.push(m, p.is_final)
@@ -297,7 +306,8 @@ class TokenToWave:
                     p.stream.next_end = grid_end(p.stream.prompt.tokens.shape[0], p.end, self.hop,
                                                  p.stream.min_hop)
                     continue
-                if p.end % self.hop == 0 and self.cached is not None:  # its chunk is whole: history now
+                # its chunk is whole: history now
+                if p.end % self.hop == 0 and self.cached is not None:
                     self.cached.cache.complete_chunk(p.stream_id)
                 p.stream.next_end = (p.end // self.hop + 1) * self.hop
             return out

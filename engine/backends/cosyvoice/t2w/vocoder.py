@@ -49,9 +49,11 @@ class V2VocoderState:
 
 @dataclass(slots=True)
 class V3VocoderState:
-    mel: torch.Tensor = field(default_factory=lambda: torch.zeros(80, 0))  # frames [mel_start, num_frames)
+    # frames [mel_start, num_frames)
+    mel: torch.Tensor = field(default_factory=lambda: torch.zeros(80, 0))
     mel_start: int = 0
-    f0: torch.Tensor = field(default_factory=lambda: torch.zeros(0))  # exact f0, frames [f0_start, f0_done)
+    # exact f0, frames [f0_start, f0_done)
+    f0: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     cycles: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 9, dtype=torch.float64))
     f0_start: int = 0
     done: int = 0  # frames whose audio is emitted
@@ -82,7 +84,8 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
     spf = hift.cfg.samples_per_frame
     overlap = V2_CACHE_FRAMES * spf
     window = hamming(2 * overlap).to(mels[0].device) if mels else hamming(2 * overlap)
-    inputs = [m if s.mel is None else torch.cat([s.mel, m], dim=1) for s, m in zip(states, mels, strict=True)]
+    inputs = [m if s.mel is None else torch.cat([s.mel, m], dim=1)
+              for s, m in zip(states, mels, strict=True)]
     out: list[torch.Tensor] = [torch.zeros(0)] * len(states)
     for idx in _groups([(x.shape[1], False) for x in inputs]):
         mel = torch.stack([inputs[i] for i in idx])  # [G, 80, T]
@@ -117,7 +120,8 @@ def _vocode_v2(hift: HiFT, states: list[V2VocoderState], mels: list[torch.Tensor
     return out
 
 
-def v3_step(hift: HiFT, mel: torch.Tensor, kept: torch.Tensor, phase0: torch.Tensor, starts: torch.Tensor,
+def v3_step(hift: HiFT, mel: torch.Tensor, kept: torch.Tensor, phase0: torch.Tensor,
+            starts: torch.Tensor,
             finalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One vocoder call of rows of equal shape (t2w/vocoder_graphs.py replays it as a graph).
 
@@ -136,32 +140,37 @@ Step = Callable[[HiFT, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, b
                 tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor], finals: list[bool],
-               context: int, step: Step = v3_step) -> list[torch.Tensor]:
+def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor],
+               finals: list[bool], context: int, step: Step = v3_step) -> list[torch.Tensor]:
     spf = hift.cfg.samples_per_frame
     f0_look = hift.f0_predictor.lookahead
     hold = f0_look + hift.cfg.conv_pre_look_right + 1  # frames of mel that a non-final chunk keeps
     plans = []
-    for st, m, fin in zip(states, mels, finals, strict=True):
+    for st, m, _ in zip(states, mels, finals, strict=True):
         if st.mel.device != m.device:  # a new stream's empty history starts on the model's device
-            st.mel, st.f0, st.cycles = st.mel.to(m.device), st.f0.to(m.device), st.cycles.to(m.device)
+            st.mel, st.f0 = st.mel.to(m.device), st.f0.to(m.device)
+            st.cycles = st.cycles.to(m.device)
         st.mel = torch.cat([st.mel, m.to(st.mel.dtype)], dim=1)
         start = max(0, st.done - context)
         plans.append(start)
     out: list[torch.Tensor] = [torch.zeros(0)] * len(states)
     # rows of one call share their length, finality and known f0 (equal in steady state)
-    keys = [(st.num_frames - s, fin, st.f0_done - s) for st, s, fin in zip(states, plans, finals, strict=True)]
+    keys = [(st.num_frames - s, fin, st.f0_done - s)
+            for st, s, fin in zip(states, plans, finals, strict=True)]
     for idx in _groups(keys):
         fin = finals[idx[0]]
         starts = [plans[i] for i in idx]
-        mel = torch.stack([states[i].mel[:, s - states[i].mel_start:] for i, s in zip(idx, starts, strict=True)])
+        mel = torch.stack([states[i].mel[:, s - states[i].mel_start:]
+                           for i, s in zip(idx, starts, strict=True)])
         if mel.shape[2] <= (0 if fin else hold):
             for i in idx:  # nothing new can be vocoded yet (or ever, for an empty final chunk)
                 out[i] = torch.zeros(0)
             continue
-        kept = torch.stack([states[i].f0[s - states[i].f0_start:] for i, s in zip(idx, starts, strict=True)])
-        phase0 = torch.stack([states[i].cycles[s - 1 - states[i].f0_start] if s > 0 else torch.zeros(
-            hift.m_source.dim, dtype=torch.float64, device=mel.device) for i, s in zip(idx, starts, strict=True)])
+        kept = torch.stack([states[i].f0[s - states[i].f0_start:]
+                            for i, s in zip(idx, starts, strict=True)])
+        no_phase = torch.zeros(hift.m_source.dim, dtype=torch.float64, device=mel.device)
+        phase0 = torch.stack([states[i].cycles[s - 1 - states[i].f0_start] if s > 0 else no_phase
+                              for i, s in zip(idx, starts, strict=True)])
         first_samples = torch.tensor([s * spf for s in starts], device=mel.device)
         wav, f0, cycles = step(hift, mel, kept, phase0, first_samples, fin)
         for row, i in enumerate(idx):
@@ -177,7 +186,8 @@ def _vocode_v3(hift: HiFT, states: list[V3VocoderState], mels: list[torch.Tensor
     return out
 
 
-def vocode_batch(hift: HiFT, states: list[V2VocoderState | V3VocoderState], mels: list[torch.Tensor],
+def vocode_batch(hift: HiFT, states: list[V2VocoderState | V3VocoderState],
+                 mels: list[torch.Tensor],
                  finals: list[bool], context: int, step: Step | None = None) -> list[torch.Tensor]:
     """New mel [80, n] per stream -> the audio [m] each stream can emit now (float32).
     `step`: v3's call at its shapes (VocoderGraphs.step replays graphs; default eager)."""
@@ -185,6 +195,6 @@ def vocode_batch(hift: HiFT, states: list[V2VocoderState | V3VocoderState], mels
     mels = [m.to(dtype) for m in mels]
     with torch.inference_mode():
         if hift.cfg.causal:
-            return _vocode_v3(hift, [cast(V3VocoderState, s) for s in states], mels, finals, context,
-                              step or v3_step)
+            return _vocode_v3(hift, [cast(V3VocoderState, s) for s in states], mels, finals,
+                              context, step or v3_step)
         return _vocode_v2(hift, [cast(V2VocoderState, s) for s in states], mels, finals)

@@ -1,4 +1,5 @@
-"""CosyVoice 3's vocoder step (t2w/vocoder.v3_step) replayed as CUDA graphs at a stream's usual shapes.
+"""CosyVoice 3's vocoder step (t2w/vocoder.v3_step) replayed as CUDA graphs at a stream's usual
+shapes.
 
 With the flow's K/V cache a stream's chunks are 50 frames on the grid, and the
 vocoder re-vocodes a bounded context before them (`hift_context_frames`, 24,
@@ -35,7 +36,8 @@ def steady_shapes(first_hop_tokens: int | None, context: int, hold: int = 8, f0_
                   chunk_frames: int = 50) -> list[Shape]:
     """The (frames, known f0) of a stream's non-final vocoder calls at speed 1 with the cache:
     its first hop, the chunk that completes it, then every chunk after (one shape)."""
-    ends = [2 * first_hop_tokens] if first_hop_tokens and 2 * first_hop_tokens < chunk_frames else []
+    ends = ([2 * first_hop_tokens] if first_hop_tokens and 2 * first_hop_tokens < chunk_frames
+            else [])
     ends += [chunk_frames * k for k in (1, 2, 3)]
     shapes: list[Shape] = []
     done = f0_done = 0
@@ -53,13 +55,15 @@ class VocoderGraphs:
         device = hift.window.device
         if use_graphs and device.type != "cuda":
             raise ValueError(f"expected the vocoder on a CUDA device for CUDA graphs, got {device}")
-        self.hift, self.shapes, self.use_graphs, self.device = hift, list(shapes), use_graphs, device
+        self.hift, self.shapes = hift, list(shapes)
+        self.use_graphs, self.device = use_graphs, device
         self.rows = row_buckets(max_rows)
         dtype, most = hift.window.dtype, self.rows[-1]
         self.static: dict[Shape, tuple[torch.Tensor, ...]] = {
             (frames, known): (torch.zeros(most, 80, frames, dtype=dtype, device=device),
                               torch.zeros(most, known, dtype=dtype, device=device),
-                              torch.zeros(most, hift.m_source.dim, dtype=torch.float64, device=device),
+                              torch.zeros(most, hift.m_source.dim, dtype=torch.float64,
+                                          device=device),
                               torch.zeros(most, dtype=torch.long, device=device))
             for frames, known in self.shapes}
         self.outputs: dict[tuple[int, Shape], tuple[torch.Tensor, ...]] = {}
@@ -67,14 +71,16 @@ class VocoderGraphs:
         self._pool: Any = None
         self._lock = threading.Lock()
         self.num_replays = 0
-        self.num_static = 0  # calls run eagerly by design (use_graphs=False), padded as a graph would be
+        # calls run eagerly by design (use_graphs=False), padded as a graph would be
+        self.num_static = 0
         self.num_eager = 0  # calls at shapes without a graph (last chunks, other speeds), unpadded
 
     def _body(self, rows: int, shape: Shape) -> tuple[torch.Tensor, ...]:
         mel, kept, phase0, starts = (a[:rows] for a in self.static[shape])
         return v3_step(self.hift, mel, kept, phase0, starts, False)
 
-    def step(self, hift: HiFT, mel: torch.Tensor, kept: torch.Tensor, phase0: torch.Tensor, starts: torch.Tensor,
+    def step(self, hift: HiFT, mel: torch.Tensor, kept: torch.Tensor, phase0: torch.Tensor,
+             starts: torch.Tensor,
              finalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """vocoder.v3_step's signature: a replay where the shape has a graph, else v3_step."""
         shape = (mel.shape[2], kept.shape[1])

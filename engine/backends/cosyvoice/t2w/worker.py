@@ -67,7 +67,8 @@ class FlowWorker:
         self._next: _Job | None = None
         self._closed = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self._thread = threading.Thread(target=self._loop, name="voxgate-cosyvoice-flow", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="voxgate-cosyvoice-flow",
+                                        daemon=True)
         self._thread.start()
 
     @property
@@ -78,7 +79,8 @@ class FlowWorker:
     def submit(self, stream_ids: list[str]) -> None:
         """Start a batch (the streams' next chunks); one at a time: collect the last one first."""
         if self._job is not None:
-            raise RuntimeError("expected the last flow batch collected before the next, got one in flight")
+            raise RuntimeError("expected the last flow batch collected before the next, "
+                               "got one in flight")
         if self._closed:
             raise RuntimeError("expected an open flow worker, got a closed one")
         job = _Job(list(stream_ids))
@@ -88,7 +90,8 @@ class FlowWorker:
             self._wake.notify()
 
     def collect(self, wait: bool = False, timeout: float | None = None) -> list[HostChunk]:
-        """The chunks of the batch in flight if it is done (or, with `wait`, once it is); else []."""
+        """The chunks of the batch in flight if it is done (or, with `wait`, once it is); else
+        []."""
         job = self._job
         if job is None or not (job.done.is_set() or (wait and job.done.wait(timeout))):
             return []

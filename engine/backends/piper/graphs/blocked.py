@@ -84,10 +84,13 @@ def _polyphase(graph: bytes) -> bytes:
     for node in model.graph.node:
         attributes = _attributes(node)
         shape = attributes.get("kernel_shape", [])
-        if (node.op_type != "ConvTranspose" or node.input[1] not in weights or len(shape) != 2 or shape[0] != 1
+        if (node.op_type != "ConvTranspose" or node.input[1] not in weights or len(shape) != 2
+            or shape[0] != 1
                 or len(node.input) > 2 and node.input[2] and node.input[2] not in weights
-                or set(attributes) - {"kernel_shape", "strides", "pads", "dilations", "group", "output_padding"}
-                or attributes.get("group", 1) != 1 or list(attributes.get("dilations", [1, 1])) != [1, 1]
+                or set(attributes) - {"kernel_shape", "strides", "pads", "dilations", "group",
+                                      "output_padding"}
+                or attributes.get("group", 1) != 1
+            or list(attributes.get("dilations", [1, 1])) != [1, 1]
                 or any(attributes.get("output_padding", [0, 0]))):
             nodes.append(node)
             continue
@@ -104,14 +107,18 @@ def _polyphase(graph: bytes) -> bytes:
         # phases[co * s + r, ci, 0, t] = W[ci, co, 0, r + (J - 1 - t) * s]: a correlation
         # over x padded by J - 1 each side gives x[q - j] @ W[r + j * s] summed over j.
         phases = padded.reshape(num_in, num_out, taps, stride)[:, :, ::-1, :]  # [C_in, C_out, J, s]
-        phases = np.ascontiguousarray(phases.transpose(1, 3, 0, 2)).reshape(num_out * stride, num_in, 1, taps)
-        bias = (numpy_helper.to_array(weights[node.input[2]]) if len(node.input) > 2 and node.input[2]
+        phases = np.ascontiguousarray(phases.transpose(1, 3, 0, 2)).reshape(
+            num_out * stride, num_in, 1, taps)
+        bias = (numpy_helper.to_array(weights[node.input[2]]) if len(node.input) > 2
+                and node.input[2]
                 else np.zeros(num_out, np.float32))
         out = node.output[0]
         model.graph.initializer.extend([
             numpy_helper.from_array(phases.astype(np.float32), f"{out}/phase_weight"),
-            numpy_helper.from_array(np.repeat(bias, stride).astype(np.float32), f"{out}/phase_bias"),
-            numpy_helper.from_array(np.array([0, num_out, stride, -1], np.int64), f"{out}/by_phase"),
+            numpy_helper.from_array(np.repeat(bias, stride).astype(np.float32),
+                                    f"{out}/phase_bias"),
+            numpy_helper.from_array(np.array([0, num_out, stride, -1], np.int64),
+                                    f"{out}/by_phase"),
             numpy_helper.from_array(np.array([0, num_out, 1, -1], np.int64), f"{out}/in_order"),
             numpy_helper.from_array(np.array([pads[1]], np.int64), f"{out}/start"),
             # the phases cover (Q) * s = (T - 1) * s + J * s samples, the transpose (T - 1) * s + K
@@ -120,17 +127,20 @@ def _polyphase(graph: bytes) -> bytes:
             numpy_helper.from_array(np.array([3], np.int64), f"{out}/axis"),
         ])
         nodes += [
-            helper.make_node("Conv", [node.input[0], f"{out}/phase_weight", f"{out}/phase_bias"], [f"{out}/phases"],
-                             name=f"{out}/phases", kernel_shape=[1, taps], pads=[0, taps - 1, 0, taps - 1]),
+            helper.make_node("Conv", [node.input[0], f"{out}/phase_weight", f"{out}/phase_bias"],
+                             [f"{out}/phases"],
+                             name=f"{out}/phases", kernel_shape=[1, taps],
+                             pads=[0, taps - 1, 0, taps - 1]),
             # [B, C_out * s, 1, Q] -> [B, C_out, s, Q] -> [B, C_out, Q, s] -> [B, C_out, 1, Q * s]
-            helper.make_node("Reshape", [f"{out}/phases", f"{out}/by_phase"], [f"{out}/by_phase_out"],
-                             name=f"{out}/by_phase"),
+            helper.make_node("Reshape", [f"{out}/phases", f"{out}/by_phase"],
+                             [f"{out}/by_phase_out"], name=f"{out}/by_phase"),
             helper.make_node("Transpose", [f"{out}/by_phase_out"], [f"{out}/interleaved"],
                              name=f"{out}/interleaved", perm=[0, 1, 3, 2]),
-            helper.make_node("Reshape", [f"{out}/interleaved", f"{out}/in_order"], [f"{out}/in_order_out"],
-                             name=f"{out}/in_order"),
-            helper.make_node("Slice", [f"{out}/in_order_out", f"{out}/start", f"{out}/end", f"{out}/axis"], [out],
-                             name=f"{out}/unpadded"),
+            helper.make_node("Reshape", [f"{out}/interleaved", f"{out}/in_order"],
+                             [f"{out}/in_order_out"], name=f"{out}/in_order"),
+            helper.make_node("Slice",
+                             [f"{out}/in_order_out", f"{out}/start", f"{out}/end", f"{out}/axis"],
+                             [out], name=f"{out}/unpadded"),
         ]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -151,7 +161,8 @@ def _optimized(graph: bytes) -> bytes:
         options.optimized_model_filepath = path
         # It warns that the file holds this machine's layout: it is read back at once.
         options.log_severity_level = 3
-        onnxruntime.InferenceSession(graph, sess_options=options, providers=["CPUExecutionProvider"])
+        onnxruntime.InferenceSession(graph, sess_options=options,
+                                     providers=["CPUExecutionProvider"])
         with open(path, "rb") as file:
             return file.read()
 
@@ -189,7 +200,8 @@ def _is_reorder(node: Any, op_type: str) -> bool:
 
 
 def _num_reorders(nodes: Any) -> int:
-    return sum(_is_reorder(node, "ReorderInput") or _is_reorder(node, "ReorderOutput") for node in nodes)
+    return sum(_is_reorder(node, "ReorderInput") or _is_reorder(node, "ReorderOutput")
+               for node in nodes)
 
 
 def _blocked_elementwise(graph: Any, channels: dict[str, int]) -> tuple[list[Any], set[str]]:
@@ -212,7 +224,8 @@ def _blocked_elementwise(graph: Any, channels: dict[str, int]) -> tuple[list[Any
     nodes: list[Any] = []
     for node in graph.node:
         if _is_reorder(node, "ReorderOutput"):
-            blocked[node.output[0]], width[node.output[0]] = node.input[0], _attributes(node)["channels"]
+            blocked[node.output[0]] = node.input[0]
+            width[node.output[0]] = _attributes(node)["channels"]
         elif _is_reorder(node, "ReorderInput") and node.input[0] in blocked:
             same[node.output[0]] = blocked[node.input[0]]
             continue
@@ -271,7 +284,8 @@ def _fuse_sums(nodes: list[Any], blocked: set[str]) -> list[Any]:
             continue
         for side in (0, 1):
             conv, other = producers.get(node.input[side]), node.input[1 - side]
-            if (conv is None or other not in blocked or conv.domain != _NCHWC or conv.op_type != "Conv" or id(conv) in fused
+            if (conv is None or other not in blocked or conv.domain != _NCHWC
+                or conv.op_type != "Conv" or id(conv) in fused
                     or readers[conv.output[0]] != 1 or len(conv.input) > 3
                     or "activation" in _attributes(conv)):  # the Sum goes in before an activation
                 continue

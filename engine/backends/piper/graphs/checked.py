@@ -44,7 +44,8 @@ def fused_front(front: bytes, piper_config: Any, voice_id: str, open_session: Op
     try:
         session = open_session(fused)  # the voice's own: checked, then kept
         rng = np.random.default_rng(0)
-        feeds = {"input": rng.integers(1, max(2, piper_config.num_symbols), (1, 40), dtype=np.int64),
+        feeds = {"input": rng.integers(1, max(2, piper_config.num_symbols), (1, 40),
+                                       dtype=np.int64),
                  "input_lengths": np.array([40], dtype=np.int64),
                  "scales": np.array([0.0, 1.0, 0.0], dtype=np.float32)}  # noise off: deterministic
         if piper_config.num_speakers > 1:
@@ -64,21 +65,25 @@ def fused_front(front: bytes, piper_config: Any, voice_id: str, open_session: Op
     return fused, session
 
 
-def fastest_decoder(decoder: bytes, latent_name: str, open_session: OpenSession, voice_id: str) -> bytes:
+def fastest_decoder(decoder: bytes, latent_name: str, open_session: OpenSession,
+                    voice_id: str) -> bytes:
     """The decoder in its fastest form on one x86 thread that converts and equals the original.
 
     First its 2-D form (split.py's `decoder_as_2d`), then that form with its
     activations kept in onnxruntime's blocked layout between convolutions
-    (blocked.py). `open_session` opens a graph on one thread. Each is checked once at load on a random latent; a form that
-    does not convert, or differs by more than float rounding, is not taken (logged).
+    (blocked.py). `open_session` opens a graph on one thread. Each is checked once at load on a
+    random latent; a form that does not convert, or differs by more than float rounding, is not
+    taken (logged).
     """
     lifted = decoder_as_2d(decoder)
     if lifted is None:
-        logger.info("piper voice %r: its decoder runs in 1-D (it does not convert to 2-D)", voice_id)
+        logger.info("piper voice %r: its decoder runs in 1-D (it does not convert to 2-D)",
+                    voice_id)
         return decoder
     channels = latent_channels(decoder, latent_name)
     if channels is None:
-        logger.warning("piper voice %r: its decoder runs in 1-D: no convolution reads the latent", voice_id)
+        logger.warning("piper voice %r: its decoder runs in 1-D: no convolution reads the latent",
+                       voice_id)
         return decoder
     latent = np.random.default_rng(0).standard_normal((1, channels, 40)).astype(np.float32)
     try:
@@ -94,18 +99,23 @@ def fastest_decoder(decoder: bytes, latent_name: str, open_session: OpenSession,
             return lifted  # onnxruntime blocks nothing here (no NCHWc kernels on this CPU)
         _check_decoder(open_session(blocked), latent_name, latent, want, "blocked 2-D")
     except Exception as exc:  # noqa: BLE001 - onnxruntime raises its own types; the 2-D graph stays
-        logger.warning("piper voice %r: its decoder keeps onnxruntime's layout reorders: %s", voice_id, exc)
+        logger.warning("piper voice %r: its decoder keeps onnxruntime's layout reorders: %s",
+                       voice_id, exc)
         return lifted
-    logger.info("piper voice %r: its decoder runs in 2-D, in onnxruntime's blocked layout", voice_id)
+    logger.info("piper voice %r: its decoder runs in 2-D, in onnxruntime's blocked layout",
+                voice_id)
     return blocked
 
 
-def _check_decoder(session: Any, latent_name: str, latent: np.ndarray, want: np.ndarray, form: str) -> None:
-    """Raise ValueError where `session` decodes `latent` [1, C, T] other than `want` by over 1e-4."""
+def _check_decoder(session: Any, latent_name: str, latent: np.ndarray, want: np.ndarray,
+                   form: str) -> None:
+    """Raise ValueError where `session` decodes `latent` [1, C, T] other than `want` by over
+    1e-4."""
     (got,) = session.run(None, {latent_name: latent})
     got = np.asarray(got).reshape(-1)
     if got.shape != want.shape:
-        raise ValueError(f"the {form} decoder made {got.shape[0]} samples, expected {want.shape[0]}")
+        raise ValueError(
+            f"the {form} decoder made {got.shape[0]} samples, expected {want.shape[0]}")
     difference = float(np.abs(want - got).max())
     if difference > 1e-4:
         raise ValueError(f"the {form} decoder differs by {difference:.2e}")

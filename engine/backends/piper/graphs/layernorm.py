@@ -54,7 +54,8 @@ def fuse_layer_norms(graph: bytes) -> tuple[bytes, int]:
                     name=f"{node.name}/LayerNormalization", axis=-1, epsilon=eps)
     if not fused:
         return graph, 0
-    kept = [fused.get(node.name, node) for node in nodes if node.name in fused or node.name not in dropped]
+    kept = [fused.get(node.name, node) for node in nodes if node.name in fused
+            or node.name not in dropped]
     # The epsilons and exponents the LayerNorms no longer read go too (onnxruntime
     # would warn about each unused initializer at every session it opens).
     read = {name for node in kept for name in node.input} | {out.name for out in model.graph.output}
@@ -91,9 +92,11 @@ def _match(mean: Any, readers: dict[str, list[Any]],
     if any(part is None for part in parts) or tuple(p.op_type for p in parts[1:]) != _PATTERN:
         return None
     exponent, eps = constants.get(power.input[1]), constants.get(plus_eps.input[1])
-    if exponent is None or exponent.size != 1 or float(exponent) != 2.0 or eps is None or eps.size != 1:
+    if (exponent is None or exponent.size != 1 or float(exponent) != 2.0
+            or eps is None or eps.size != 1):
         return None
-    if _axes(variance) != [-1] or not _keeps_dims(variance) or list(divide.input) != [sub.output[0], root.output[0]]:
+    if (_axes(variance) != [-1] or not _keeps_dims(variance)
+            or list(divide.input) != [sub.output[0], root.output[0]]):
         return None
     gamma, beta = scale.input[1], shift.input[1]
     if scale.input[0] != divide.output[0] or shift.input[0] != scale.output[0]:

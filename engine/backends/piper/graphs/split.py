@@ -94,7 +94,8 @@ def _split_flow(extractor: Any, model: Any, latent: str, inputs: list[str],
     """(front part up to z_p and mask, the flow, the flow's inputs); None (logged) if it cannot."""
     cut = _flow_cut(model, latent)
     if cut is None:
-        logger.warning("piper graph: no flow input found before %s; the flow runs whole", DECODER_ENTRY)
+        logger.warning("piper graph: no flow input found before %s; the flow runs whole",
+                       DECODER_ENTRY)
         return None
     flow_inputs = (*cut, *_inputs_needed(model, latent, set(cut), inputs))
     try:
@@ -218,8 +219,10 @@ def decoder_as_2d(decoder: bytes) -> bytes | None:
     lifted = latent + "/as_2d"
     for node in graph.node:
         node.input[:] = [lifted if name == latent else name for name in node.input]
-    graph.initializer.append(numpy_helper.from_array(np.array([2], dtype=np.int64), lifted + "/axes"))
-    graph.node.insert(0, helper.make_node("Unsqueeze", [latent, lifted + "/axes"], [lifted], name=lifted))
+    graph.initializer.append(numpy_helper.from_array(np.array([2], dtype=np.int64),
+                                                     lifted + "/axes"))
+    graph.node.insert(0, helper.make_node("Unsqueeze", [latent, lifted + "/axes"], [lifted],
+                                          name=lifted))
     used = {name for node in graph.node for name in node.input}
     for init in [init for init in graph.initializer if init.name not in used]:
         graph.initializer.remove(init)

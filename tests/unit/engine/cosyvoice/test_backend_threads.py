@@ -1,5 +1,5 @@
-"""The cosyvoice backend's threads: flow + vocoder on their own thread (t2w/worker.py) speak what the
-serial path speaks, flow calls are capped earliest-due first, and the text frontend runs on the
+"""The cosyvoice backend's threads: flow + vocoder on their own thread (t2w/worker.py) speak what
+the serial path speaks, flow calls are capped earliest-due first, and the text frontend runs on the
 backend's CPU executor."""
 
 from __future__ import annotations

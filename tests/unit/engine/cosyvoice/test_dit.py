@@ -35,7 +35,8 @@ def test_the_swapped_signed_sine_is_rotate_pairs_times_sine() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_equals_the_cat_an_export_traces(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+def test_rotary_in_place_equals_the_cat_an_export_traces(monkeypatch: pytest.MonkeyPatch,
+                                                         dtype: torch.dtype) -> None:
     rope = RotaryEmbedding(16).tables(20)
     x = torch.randn(3, 20, 64).to(dtype)
     rest = x[..., 16:].clone()
@@ -59,8 +60,8 @@ def test_rotary_rotates_the_head_as_upstream_does() -> None:
 
 
 def test_one_pass_dispatches_at_most_26_operators_a_block() -> None:
-    # the pass before this change dispatched 40 a block (916 at 22 blocks, 615 now): a cat and a stack
-    # per rotary, mul + add per modulation and gate, silu and the mask's inverse per block
+    # the pass before this change dispatched 40 a block (916 at 22 blocks, 615 now): a cat and a
+    # stack per rotary, mul + add per modulation and gate, silu and the mask's inverse per block
     def ops(depth: int) -> int:
         dit = random_dit({**SIZE, "depth": depth}, torch.device("cpu"), torch.float32)
         inputs = example_inputs(4, 70, num_padded=1)

@@ -50,12 +50,15 @@ from tests.support.cosyvoice_parity import (
 )
 
 ATOL = 1e-4
-SHAPES = [(2, 60), (6, 37), (1, 131), (4, 2)]  # (CFG rows, mel frames): odd, tiny, and longer than the export's 64
+# (CFG rows, mel frames): odd, tiny, and longer than the export's 64
+SHAPES = [(2, 60), (6, 37), (1, 131), (4, 2)]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
-def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[FlowModel, Any]:
-    """The fixture's flow, its estimator exported in both attention modes, and the onnxruntime runner."""
+def exported(request: pytest.FixtureRequest,
+             tmp_path_factory: pytest.TempPathFactory) -> tuple[FlowModel, Any]:
+    """The fixture's flow, its estimator exported in both attention modes, and the onnxruntime
+    runner."""
     model_dir = load_model_dir(fixture_dir(request.param))
     flow = build_flow(model_dir)
     folder = tmp_path_factory.mktemp(f"onnx_v{request.param}")
@@ -64,7 +67,8 @@ def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["chunked", "full"])
-def test_onnx_estimator_matches_torch_at_every_batch_size_and_length(exported: Any, streaming: bool) -> None:
+def test_onnx_estimator_matches_torch_at_every_batch_size_and_length(
+        exported: Any, streaming: bool) -> None:
     flow, runner = exported
     assert tuple(i.name for i in runner.sessions[streaming].get_inputs()) == INPUT_NAMES
     for rows, frames in SHAPES:
@@ -73,7 +77,8 @@ def test_onnx_estimator_matches_torch_at_every_batch_size_and_length(exported: A
             want = flow.decoder.estimator(*inputs, streaming)
         got = runner(*inputs, streaming)
         assert got.shape == (rows, 80, frames)
-        assert_close_report(f"estimator_v{flow.version}.onnx[{rows}x{frames}, streaming={streaming}]",
+        assert_close_report(f"estimator_v{flow.version}.onnx[{rows}x{frames}, "
+                            f"streaming={streaming}]",
                             got, want, ATOL)
 
 
@@ -82,8 +87,10 @@ def test_the_flow_with_the_onnx_estimator_gives_the_torch_flows_mel(exported: An
     flow, runner = exported
     ref = torch.load(fixture_dir(flow.version) / "reference.pt", weights_only=True)
     tokens = torch.cat([ref["prompt_speech_token"][0], ref["flow_token"][0]])
-    rows = [FlowRow(tokens, ref["prompt_feat"][0], ref["embedding"][0], 3, torch.arange(2 * (tokens.shape[0] - 3))),
-            FlowRow(tokens[:33], ref["prompt_feat"][0, :30], -ref["embedding"][0], 0, torch.arange(20, 86))]
+    rows = [FlowRow(tokens, ref["prompt_feat"][0], ref["embedding"][0], 3,
+                    torch.arange(2 * (tokens.shape[0] - 3))),
+            FlowRow(tokens[:33], ref["prompt_feat"][0, :30], -ref["embedding"][0], 0,
+                    torch.arange(20, 86))]
     for streaming in (True, False):
         want = flow.infer(rows, streaming=streaming)
         torch_estimator = use_estimator(flow, runner)
@@ -92,7 +99,8 @@ def test_the_flow_with_the_onnx_estimator_gives_the_torch_flows_mel(exported: An
         finally:
             use_estimator(flow, torch_estimator)
         for i in range(len(rows)):
-            assert_close_report(f"flow_v{flow.version}.onnx_mel[{i}] streaming={streaming}", got[i], want[i], ATOL)
+            assert_close_report(f"flow_v{flow.version}.onnx_mel[{i}] streaming={streaming}", got[i],
+                                want[i], ATOL)
 
 
 def test_onnx_estimator_refuses_a_mode_it_has_no_graph_for(exported: Any) -> None:
@@ -112,11 +120,13 @@ def test_use_estimator_refuses_what_is_not_a_flow() -> None:
         use_estimator(torch.nn.Linear(2, 2), torch.nn.Identity())
 
 
-# -- CUDA graphs: bucketing and padding (the capture itself needs a GPU: bench/gpu_flow_estimator.py) --
+# -- CUDA graphs: bucketing and padding (the capture itself needs a GPU:
+# bench/gpu_flow_estimator.py) --
 
 
 def test_row_buckets_are_powers_of_two_to_64_then_multiples_of_32_ending_at_the_maximum() -> None:
-    assert row_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]  # issue 19 item 3
+    # issue 19 item 3
+    assert row_buckets(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
     assert row_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
     assert row_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
     assert frame_buckets(200, 64) == [64, 128, 192, 200]
@@ -133,7 +143,8 @@ def test_padding_rows_get_a_full_mask_and_padding_frames_none() -> None:
 
 @pytest.mark.parametrize("version", [2, 3])
 def test_the_bucketed_static_path_equals_the_plain_estimator(version: int) -> None:
-    """Rows and frames padded up to their buckets change no valid output (the graph path, run eagerly)."""
+    """Rows and frames padded up to their buckets change no valid output (the graph path, run
+    eagerly)."""
     estimator = build_flow(load_model_dir(fixture_dir(version))).decoder.estimator
     static = GraphedEstimator(estimator, max_rows=8, max_frames=96, frame_step=32, use_graphs=False)
     for streaming in (True, False):
@@ -143,12 +154,14 @@ def test_the_bucketed_static_path_equals_the_plain_estimator(version: int) -> No
                 want = estimator(*inputs, streaming)
             got = static(*inputs, streaming)
             assert_close_report(f"estimator_v{version}.static[{rows}x{frames}]", got, want, 1e-5)
-    assert sorted(static.static) == [(s, r, f) for s in (False, True) for r, f in [(1, 32), (4, 64), (8, 96)]]
+    assert sorted(static.static) == [(s, r, f) for s in (False, True)
+                                     for r, f in [(1, 32), (4, 64), (8, 96)]]
     assert static.num_fallbacks == 0
 
 
-def test_more_rows_than_the_largest_bucket_are_split_and_more_frames_run_the_plain_estimator() -> None:
-    """Issue 19 item 2: a shape limit never fails a call (it used to raise in TensorRT, and rows went eager)."""
+def test_more_rows_than_the_largest_bucket_split_and_more_frames_run_the_plain_estimator() -> None:
+    """Issue 19 item 2: a shape limit never fails a call (it used to raise in TensorRT, and rows
+    went eager)."""
     estimator = build_flow(load_model_dir(fixture_dir(3))).decoder.estimator
     static = GraphedEstimator(estimator, max_rows=2, max_frames=16, use_graphs=False)
     rows = example_inputs(5, 8, seed=1)
@@ -157,7 +170,8 @@ def test_more_rows_than_the_largest_bucket_are_split_and_more_frames_run_the_pla
     assert static.num_fallbacks == 0 and sorted(static.static) == [(True, 1, 16), (True, 2, 16)]
     frames = example_inputs(2, 40, seed=2)
     with torch.inference_mode():
-        assert_close_report("estimator.fallback", static(*frames, True), estimator(*frames, True), 0.0)
+        assert_close_report("estimator.fallback", static(*frames, True), estimator(*frames, True),
+                            0.0)
     assert static.num_fallbacks == 1
 
 
@@ -171,7 +185,8 @@ def test_cuda_graphs_need_a_cuda_estimator() -> None:
 
 
 def test_trt_profile_gives_each_input_its_min_opt_max_shape() -> None:
-    profile = TrtProfile(min_rows=2, opt_rows=8, max_rows=16, min_frames=4, opt_frames=100, max_frames=300)
+    profile = TrtProfile(min_rows=2, opt_rows=8, max_rows=16, min_frames=4, opt_frames=100,
+                         max_frames=300)
     assert profile.shapes("x") == ((2, 80, 4), (8, 80, 100), (16, 80, 300))
     assert profile.shapes("mask") == ((2, 1, 4), (8, 1, 100), (16, 1, 300))
     assert profile.shapes("t") == ((2,), (8,), (16,))
@@ -212,8 +227,8 @@ def test_the_onnx_digest_covers_its_external_data_file(tmp_path: Path) -> None:
 
 
 def test_the_context_pool_lets_as_many_calls_run_at_once_as_it_has_contexts() -> None:
-    """Two contexts, two threads: both hold one at the same time (a single shared context would deadlock
-    the barrier), a third caller waits and times out, and every context comes back."""
+    """Two contexts, two threads: both hold one at the same time (a single shared context would
+    deadlock the barrier), a third caller waits and times out, and every context comes back."""
     pool = ContextPool(["ctx0", "ctx1"])
     both_in = threading.Barrier(3, timeout=10)
     held: list[str] = []
@@ -240,7 +255,8 @@ def test_the_context_pool_lets_as_many_calls_run_at_once_as_it_has_contexts() ->
 
 
 @pytest.mark.parametrize(("requested", "device", "has_trt", "chosen"), [
-    ("auto", "cuda", True, "tensorrt"), ("auto", "cuda", False, "cuda_graphs"), ("auto", "cpu", True, "torch"),
+    ("auto", "cuda", True, "tensorrt"), ("auto", "cuda", False, "cuda_graphs"),
+    ("auto", "cpu", True, "torch"),
     ("torch", "cuda", True, "torch"), ("cuda_graphs", "cuda", True, "cuda_graphs")])
 def test_auto_picks_tensorrt_then_cuda_graphs_then_torch(requested: str, device: str, has_trt: bool,
                                                          chosen: str) -> None:
@@ -250,7 +266,8 @@ def test_auto_picks_tensorrt_then_cuda_graphs_then_torch(requested: str, device:
 def test_asking_for_a_runtime_the_machine_lacks_says_what_is_missing() -> None:
     with pytest.raises(ValueError, match="expected the tensorrt package"):
         choose_runtime("tensorrt", "cuda", False)
-    with pytest.raises(ValueError, match="expected a CUDA device for the cuda_graphs estimator, got cpu"):
+    with pytest.raises(ValueError,
+                       match="expected a CUDA device for the cuda_graphs estimator, got cpu"):
         choose_runtime("cuda_graphs", "cpu", True)
     with pytest.raises(ValueError, match="expected a flow estimator runtime"):
         choose_runtime("onnx", "cuda", True)

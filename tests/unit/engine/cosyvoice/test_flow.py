@@ -30,12 +30,14 @@ def loaded(request: pytest.FixtureRequest) -> tuple[FlowModel, dict[str, Any]]:
     return build_flow(model_dir), reference
 
 
-def reference_row(ref: dict[str, Any], extra: torch.Tensor | None = None, lookahead: int = 0) -> FlowRow:
+def reference_row(ref: dict[str, Any], extra: torch.Tensor | None = None,
+                  lookahead: int = 0) -> FlowRow:
     tokens = torch.cat([ref["prompt_speech_token"][0], ref["flow_token"][0]])
     if extra is not None:
         tokens = torch.cat([tokens, extra])
     frames = 2 * (tokens.shape[0] - lookahead)
-    return FlowRow(tokens, ref["prompt_feat"][0], ref["embedding"][0], lookahead, torch.arange(frames))
+    return FlowRow(tokens, ref["prompt_feat"][0], ref["embedding"][0], lookahead,
+                   torch.arange(frames))
 
 
 def test_fixed_noise_is_upstreams_seed_zero_noise(loaded: Any) -> None:
@@ -47,17 +49,19 @@ def test_offline_mel_matches_upstream(loaded: Any) -> None:
     flow, ref = loaded
     mel = flow.infer([reference_row(ref)], streaming=False)[0]
     prompt_frames = ref["prompt_feat"].shape[1]
-    assert_close_report(f"flow_v{flow.version}.mel", mel[None, :, prompt_frames:], ref["flow_mel"], ATOL)
+    assert_close_report(f"flow_v{flow.version}.mel", mel[None, :, prompt_frames:], ref["flow_mel"],
+                        ATOL)
 
 
 def test_batched_rows_equal_rows_run_alone(loaded: Any) -> None:
-    """Different lengths, one row with lookahead, one final, another voice: padding changes nothing."""
+    """Different lengths, one row with lookahead, one final, another voice: padding changes
+    nothing."""
     flow, ref = loaded
     gen = torch.Generator().manual_seed(3)
     long_row = reference_row(ref, torch.randint(0, 6561, (9,), generator=gen), lookahead=3)
     short = reference_row(ref)
-    other = FlowRow(short.tokens[:33], ref["prompt_feat"][0, :30] * 0.5, torch.randn(192, generator=gen), 0,
-                    torch.arange(20, 86))
+    other = FlowRow(short.tokens[:33], ref["prompt_feat"][0, :30] * 0.5,
+                    torch.randn(192, generator=gen), 0, torch.arange(20, 86))
     rows = [short, long_row, other]
     for streaming in (True, False):
         together = flow.infer(rows, streaming=streaming)
@@ -68,15 +72,18 @@ def test_batched_rows_equal_rows_run_alone(loaded: Any) -> None:
 
 
 def test_lookahead_tokens_change_only_the_frames_that_see_them(loaded: Any) -> None:
-    """With lookahead, the mel stops 3 tokens early; frames far from the end equal the final run's."""
+    """With lookahead, the mel stops 3 tokens early; frames far from the end equal the final
+    run's."""
     flow, ref = loaded
     row = reference_row(ref)
     final = flow.infer([row], streaming=True)[0]
     with_lookahead = flow.infer([FlowRow(row.tokens, row.prompt_mel, row.embedding, 3,
-                                         torch.arange(2 * (row.tokens.shape[0] - 3)))], streaming=True)[0]
+                                         torch.arange(2 * (row.tokens.shape[0] - 3)))],
+                                streaming=True)[0]
     assert with_lookahead.shape[1] == final.shape[1] - 6
     # chunked attention: the first 25-token cell cannot see the end of the sequence
-    assert_close_report(f"flow_v{flow.version}.lookahead_prefix", with_lookahead[:, :50], final[:, :50], 1e-5)
+    assert_close_report(f"flow_v{flow.version}.lookahead_prefix", with_lookahead[:, :50],
+                        final[:, :50], 1e-5)
 
 
 def test_a_checkpoint_missing_a_key_fails_naming_flow_pt(tmp_path: Path) -> None:
@@ -91,17 +98,20 @@ def test_a_checkpoint_missing_a_key_fails_naming_flow_pt(tmp_path: Path) -> None
 
 def test_flow_row_rejects_noise_of_the_wrong_length() -> None:
     with pytest.raises(ValueError, match="expected noise_index"):
-        FlowRow(torch.zeros(10, dtype=torch.long), torch.zeros(4, 80), torch.zeros(192), 3, torch.arange(20))
+        FlowRow(torch.zeros(10, dtype=torch.long), torch.zeros(4, 80), torch.zeros(192), 3,
+                torch.arange(20))
 
 
 # -- prompt mel (upstream feat_extractor: Matcha-TTS mel_spectrogram with librosa's filterbank) --
 
 
 def test_mel_filterbank_matches_librosas_slaney_filterbank() -> None:
-    """Reference values printed by librosa 0.11 `filters.mel(sr=24000, n_fft=1920, n_mels=80, fmin=0, fmax=...)`."""
+    """Reference values printed by librosa 0.11 `filters.mel(sr=24000, n_fft=1920, n_mels=80,
+    fmin=0, fmax=...)`."""
     basis = slaney_filterbank(24000, 1920, 80, 0.0, 8000.0)
     assert basis.shape == (80, 961)
-    want_row_sums = torch.tensor([0.07999607920646667, 0.07999607920646667, 0.07995374500751495, 0.08000148832798004])
+    want_row_sums = torch.tensor([0.07999607920646667, 0.07999607920646667, 0.07995374500751495,
+                                  0.08000148832798004])
     assert_close_report("mel.basis_row_sums", basis[[0, 10, 40, 79]].sum(1), want_row_sums, 1e-6)
     assert abs(float(basis.max()) - 0.02666536) < 1e-7
     assert abs(float(slaney_filterbank(24000, 1920, 80, 0.0, None).max()) - 0.023626816) < 1e-7
@@ -113,13 +123,16 @@ def test_prompt_mel_has_one_frame_per_480_samples_and_peaks_at_the_tone() -> Non
     t = torch.arange(24000) / 24000
     mel = extractor(0.5 * torch.sin(2 * torch.pi * 440 * t))
     assert mel.shape == (1, 50, 80)
-    centres = torch.tensor([float(c) for c in (slaney_filterbank(24000, 1920, 80, 0.0, 8000.0).argmax(1) * 12.5)])
+    centres = torch.tensor([float(c)
+                            for c in (slaney_filterbank(24000, 1920, 80, 0.0,
+                                                        8000.0).argmax(1) * 12.5)])
     assert int(mel[0, 25].argmax()) == int((centres - 440).abs().argmin())
     assert float(mel.min()) >= torch.log(torch.tensor(1e-5)).item() - 1e-6
 
 
 def test_flow_prompt_from_audio_trims_tokens_and_mel_to_one_to_two() -> None:
-    prompt = FlowPrompt.from_audio(list(range(30)), torch.zeros(24000) + 0.01, torch.ones(192), MelExtractor())
+    prompt = FlowPrompt.from_audio(list(range(30)), torch.zeros(24000) + 0.01, torch.ones(192),
+                                   MelExtractor())
     assert prompt.tokens.shape == (25,) and prompt.mel.shape == (50, 80)
 
 

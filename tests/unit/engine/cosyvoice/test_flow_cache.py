@@ -1,5 +1,5 @@
-"""The flow's K/V cache (CosyVoice 3): the cached solve against the whole-history chunk-causal solve,
-shared voice prompts, memory freed and refused, and every tick a graph replay."""
+"""The flow's K/V cache (CosyVoice 3): the cached solve against the whole-history chunk-causal
+solve, shared voice prompts, memory freed and refused, and every tick a graph replay."""
 
 from __future__ import annotations
 
@@ -31,26 +31,28 @@ MODELS = ["tiny_random", "upstream_fixture"]
 @pytest.fixture(scope="module", params=MODELS)
 def models(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[FlowModel, HiFT, FlowPrompt, list[int]]]:
-    """(flow, hift, a 50-token voice prompt, a 240-token answer) of the tiny random model or the fixture."""
+    """(flow, hift, a 50-token voice prompt, a 240-token answer) of the tiny random model or the
+    fixture."""
     if request.param == "upstream_fixture":
         model_dir = load_model_dir(fixture_dir(3))
         ref = torch.load(model_dir.path / "reference.pt", weights_only=True)
         tokens = torch.cat([ref["prompt_speech_token"][0], ref["flow_token"][0]])  # 50
         mel = torch.cat([ref["prompt_feat"][0], ref["flow_mel"][0].T])  # 100 frames
-        prompt, answer = FlowPrompt(tokens, mel, ref["embedding"][0]), ref["lm_greedy_tokens"].tolist()
+        prompt = FlowPrompt(tokens, mel, ref["embedding"][0])
+        answer = ref["lm_greedy_tokens"].tolist()
     else:
         model_dir = load_model_dir(tiny_model_dir(tmp_path_factory.getbasetemp(), 3))
         gen = torch.Generator().manual_seed(11)
-        prompt = FlowPrompt(torch.randint(0, 6561, (62,), generator=gen), torch.randn(124, 80, generator=gen),
-                            torch.randn(192, generator=gen))
+        prompt = FlowPrompt(torch.randint(0, 6561, (62,), generator=gen),
+                            torch.randn(124, 80, generator=gen), torch.randn(192, generator=gen))
         answer = torch.randint(0, 6561, (240,), generator=gen).tolist()
     hift = build_hift(model_dir)
     hift.cfg.noise_scale = 0.0
     yield build_flow(model_dir), hift, prompt, answer
 
 
-def cached_t2w(flow: FlowModel, hift: HiFT, config: T2WConfig = WHOLE, blocks: int = 64, max_streams: int = 4,
-               use_graphs: bool = False) -> TokenToWave:
+def cached_t2w(flow: FlowModel, hift: HiFT, config: T2WConfig = WHOLE, blocks: int = 64,
+               max_streams: int = 4, use_graphs: bool = False) -> TokenToWave:
     cached = CachedFlow.build(flow, blocks, config.max_history_tokens, max_streams, use_graphs)
     return TokenToWave(flow, hift, config, cached=cached)
 
@@ -70,7 +72,8 @@ def stream_all(t2w: TokenToWave, sid: str, tokens: list[int], step: int = 5) -> 
 def whole_history_solve(flow: FlowModel, trim: TrimmedPrompt, answer: list[int], num_present: int,
                         end: int) -> torch.Tensor:
     """The reference: the plain estimator over prompt + every answer token so far, chunk-causal,
-    the prompt's condition made from the prompt alone (as the cache shares it) -> mel of answer [0, end)."""
+    the prompt's condition made from the prompt alone (as the cache shares it) -> mel of answer [0,
+    end)."""
     p = len(trim.tokens)
     tokens = torch.tensor(trim.tokens + answer[:num_present])
     n = torch.tensor([tokens.shape[0]])
@@ -78,39 +81,47 @@ def whole_history_solve(flow: FlowModel, trim: TrimmedPrompt, answer: list[int],
         mu = flow.encode(tokens[None], n, n, True)
         if p:
             alone = torch.tensor(trim.tokens)[None]
-            mu = torch.cat([flow.encode(alone, torch.tensor([p]), torch.tensor([p]), True), mu[:, :, 2 * p:]], 2)
+            encoded = flow.encode(alone, torch.tensor([p]), torch.tensor([p]), True)
+            mu = torch.cat([encoded, mu[:, :, 2 * p:]], 2)
         frames = 2 * (p + end)
         cond = torch.zeros(1, 80, frames)
         cond[0, :, :trim.mel.shape[0]] = trim.mel.T
         spks = flow.spk_embed_affine_layer(F.normalize(trim.embedding[None], dim=1))
-        mel = flow.decoder(flow.noise[None, :, :frames], torch.ones(1, 1, frames), mu[:, :, :frames], spks, cond,
-                           True)
+        mel = flow.decoder(flow.noise[None, :, :frames], torch.ones(1, 1, frames),
+                           mu[:, :, :frames], spks, cond, True)
     return mel[0, :, 2 * p:]
 
 
-def test_with_history_kept_whole_the_cached_solve_equals_the_whole_history_chunk_causal_solve(models: Any) -> None:
+def test_with_history_kept_whole_the_cached_solve_equals_the_whole_history_chunk_causal_solve(
+        models: Any) -> None:
     flow, hift, prompt, answer = models
     t2w = cached_t2w(flow, hift)
     t2w.add_stream("a", prompt)
     chunks = stream_all(t2w, "a", answer)
-    assert [c.num_tokens for c in chunks] == [15, 10] + [25] * 8 + [15]  # the first hop, then its chunk whole
+    # the first hop, then its chunk whole
+    assert [c.num_tokens for c in chunks] == [15, 10] + [25] * 8 + [15]
     trim, offset = trim_prompt(prompt, 30), 0
     assert len(trim.tokens) == 50  # trimmed from the front to whole chunks
     for k, chunk in enumerate(chunks):
         end = offset + chunk.num_tokens
-        want = whole_history_solve(flow, trim, answer, min(len(answer), end + 3), end)[:, 2 * offset:]
+        want = whole_history_solve(flow, trim, answer, min(len(answer), end + 3),
+                                   end)[:, 2 * offset:]
         assert_close_report(f"flow_cache.chunk[{k}]", chunk.mel, want, 1e-4)
         offset = end
     solver = t2w.cached.solver if t2w.cached else None
-    assert solver is not None and solver.num_static == 2 + len(chunks)  # 2 prompt chunks, then a solve a run
+    # 2 prompt chunks, then a solve a run
+    assert solver is not None and solver.num_static == 2 + len(chunks)
 
 
-def test_an_answer_ending_just_past_the_grid_takes_one_more_run_never_two_chunks_at_once(models: Any) -> None:
+def test_an_answer_ending_just_past_the_grid_takes_one_more_run_never_two_chunks_at_once(
+        models: Any) -> None:
     flow, hift, prompt, answer = models
     t2w = cached_t2w(flow, hift)
     t2w.add_stream("a", prompt)
-    chunks = stream_all(t2w, "a", answer[:52], step=52)  # all at once: the last chunk could reach 52
-    assert [(c.num_tokens, c.is_final) for c in chunks] == [(15, False), (10, False), (25, False), (2, True)]
+    # all at once: the last chunk could reach 52
+    chunks = stream_all(t2w, "a", answer[:52], step=52)
+    assert [(c.num_tokens, c.is_final) for c in chunks] == [(15, False), (10, False), (25, False),
+                                                            (2, True)]
     trim, offset = trim_prompt(prompt, 30), 0
     for chunk in chunks:
         end = offset + chunk.num_tokens
@@ -132,7 +143,8 @@ def test_a_prompt_shared_by_two_streams_gives_each_what_it_gets_alone(models: An
     free = cache.num_free_blocks
     t2w.add_stream("a", prompt)
     t2w.add_stream("b", prompt)
-    assert free - cache.num_free_blocks == 2 + 2 * cache.blocks_per_stream  # the prompt's 2 chunks, once
+    # the prompt's 2 chunks, once
+    assert free - cache.num_free_blocks == 2 + 2 * cache.blocks_per_stream
     got: dict[str, list[WaveChunk]] = {"a": [], "b": []}
     answers = {"a": answer[:90], "b": answer[100:160]}
     for i in range(0, 90, 7):
@@ -152,7 +164,8 @@ def test_a_prompt_shared_by_two_streams_gives_each_what_it_gets_alone(models: An
             assert_close_report(f"flow_cache.shared[{sid}][{k}].audio", g.audio, w.audio, 1e-5)
 
 
-def test_drop_frees_the_streams_cache_at_once_or_when_its_chunk_in_flight_is_done(models: Any) -> None:
+def test_drop_frees_the_streams_cache_at_once_or_when_its_chunk_in_flight_is_done(
+        models: Any) -> None:
     flow, hift, prompt, answer = models
     t2w = cached_t2w(flow, hift, T2WConfig(max_history_tokens=50))
     assert t2w.cached is not None
@@ -161,7 +174,8 @@ def test_drop_frees_the_streams_cache_at_once_or_when_its_chunk_in_flight_is_don
     t2w.drop("voice")
     before = (cache.num_free_blocks, cache.num_free_slots)
     t2w.add_stream("a", prompt)
-    assert cache.blocks_per_stream == 3  # 50 tokens of history: a ring of 2 chunks, and the chunk in progress
+    # 50 tokens of history: a ring of 2 chunks, and the chunk in progress
+    assert cache.blocks_per_stream == 3
     assert (cache.num_free_blocks, cache.num_free_slots) == (before[0] - 3, before[1] - 1)
     t2w.feed("a", answer[:80])
     for _ in range(3):
@@ -201,7 +215,8 @@ def test_a_stream_the_cache_cannot_hold_is_refused_as_busy(models: Any) -> None:
     t2w.add_stream("e", other)
 
 
-def test_an_idle_voice_stays_until_its_memory_is_needed_and_goes_with_the_voice(models: Any) -> None:
+def test_an_idle_voice_stays_until_its_memory_is_needed_and_goes_with_the_voice(
+        models: Any) -> None:
     flow, hift, prompt, _ = models
     t2w = cached_t2w(flow, hift, T2WConfig(max_history_tokens=25), blocks=7)
     assert t2w.cached is not None
@@ -255,7 +270,8 @@ def test_a_bounded_history_ring_departs_only_after_its_first_cut_and_little(mode
     assert 0 < rel < 0.25, f"relative rms departure {rel:.3%}"
 
 
-def test_sharing_the_prompt_departs_from_upstreams_whole_sequence_condition_only_slightly(models: Any) -> None:
+def test_sharing_the_prompt_departs_from_upstreams_whole_sequence_condition_only_slightly(
+        models: Any) -> None:
     """The prompt's last 3 tokens see zeros, not the answer's first 3 (the cost of sharing it)."""
     flow, hift, prompt, answer = models
     t2w = cached_t2w(flow, hift)
@@ -281,7 +297,8 @@ def test_the_first_hop_must_fit_one_chunk_with_the_cache(models: Any) -> None:
         cached_t2w(flow, hift, T2WConfig(first_hop_tokens=30))
 
 
-class _RecordedGraph:  # stand-in for torch.cuda.CUDAGraph (no CUDA here): replays the recorded body eagerly
+# stand-in for torch.cuda.CUDAGraph (no CUDA here): replays the recorded body eagerly
+class _RecordedGraph:
     def __init__(self, solver: ChunkSolver, bucket: tuple[int, int]) -> None:
         self.solver, self.bucket = solver, bucket
 
@@ -290,7 +307,8 @@ class _RecordedGraph:  # stand-in for torch.cuda.CUDAGraph (no CUDA here): repla
 
 
 def recording_captures(solver: ChunkSolver) -> list[tuple[int, int]]:
-    """Graph mode on; each capture records its bucket and a stand-in graph that runs the static body."""
+    """Graph mode on; each capture records its bucket and a stand-in graph that runs the static
+    body."""
     captured: list[tuple[int, int]] = []
 
     def capture(bucket: tuple[int, int]) -> None:
@@ -309,7 +327,8 @@ def test_every_tick_of_a_steady_run_is_a_graph_replay_and_none_runs_eager(models
     assert graphed.cached is not None
     solver = graphed.cached.solver
     captured = recording_captures(solver)
-    assert solver.stream_buckets == [1, 2, 4] and solver.block_buckets == [4, 8, 12, 16, 20, 24, 28, 32, 33]
+    assert solver.stream_buckets == [1, 2, 4]
+    assert solver.block_buckets == [4, 8, 12, 16, 20, 24, 28, 32, 33]
     assert solver.capture_all() == 3 * 9 and len(captured) == 27  # at load, every bucket
     voices = [prompt, FlowPrompt(prompt.tokens[:30], prompt.mel[:60] * 0.7, prompt.embedding * 0.5)]
     out: dict[str, list[torch.Tensor]] = {}
@@ -326,7 +345,8 @@ def test_every_tick_of_a_steady_run_is_a_graph_replay_and_none_runs_eager(models
                 out.setdefault(f"{id(t2w)}:{chunk.stream_id}", []).append(chunk.mel)
     assert len(captured) == 27  # nothing captured while serving
     # 3 prompt chunks (2 + 1), then 6 runs of 3 streams (15, 10, 25, 25, 25, 20 tokens): all replays
-    assert solver.num_eager == 0 and solver.num_static == 0 and solver.num_replays == solver.num_solves == 9
+    assert solver.num_eager == 0 and solver.num_static == 0
+    assert solver.num_replays == solver.num_solves == 9
     for k in range(3):
         got = torch.cat(out[f"{id(graphed)}:s{k}"], dim=1)
         want = torch.cat(out[f"{id(static)}:s{k}"], dim=1)

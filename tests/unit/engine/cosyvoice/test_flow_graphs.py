@@ -1,6 +1,6 @@
-"""The flow estimator's CUDA graphs (flow_runtime/estimator_graphs.py): every bucket captured at load,
-only where a graph pays, and a call never captures. There is no CUDA here: a stand-in graph records
-its bucket and replays the static path eagerly (`recording_captures`).
+"""The flow estimator's CUDA graphs (flow_runtime/estimator_graphs.py): every bucket captured at
+load, only where a graph pays, and a call never captures. There is no CUDA here: a stand-in graph
+records its bucket and replays the static path eagerly (`recording_captures`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class _RecordedGraph:  # stand-in for torch.cuda.CUDAGraph: replays the recorded
 
 
 def recording_captures(graphed: GraphedEstimator) -> list[tuple[bool, int, int]]:
-    """Stand-in for CUDA (none here): graph mode on, each capture records its bucket's static path."""
+    """Stand-in for CUDA (none here): graph mode on, each capture records its bucket's static
+    path."""
     captured: list[tuple[bool, int, int]] = []
 
     def capture(bucket: tuple[bool, int, int], like: torch.Tensor) -> None:
@@ -76,28 +77,32 @@ def test_only_flow_buckets_where_a_graph_pays_are_captured_and_larger_calls_run_
     assert max(rows * frames for _, rows, frames in captured) <= 16 * 64
 
     def call(rows: int, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = (torch.randn(rows, 80, frames), torch.ones(rows, 1, frames), torch.randn(rows, 80, frames),
+        inputs = (torch.randn(rows, 80, frames), torch.ones(rows, 1, frames),
+                  torch.randn(rows, 80, frames),
                   torch.rand(rows), torch.randn(rows, 80), torch.randn(rows, 80, frames))
         with torch.inference_mode():
             return graphed(*inputs, True), estimator(*inputs, True)
 
     got, want = call(3, 50)  # a graph bucket: replayed
     assert graphed.num_plain == 0 and torch.allclose(got, want, atol=1e-5)
-    got, want = call(20, 100)  # 32 rows x 128 frames past the limit: the plain estimator, no padding
+    # 32 rows x 128 frames past the limit: the plain estimator, no padding
+    got, want = call(20, 100)
     assert graphed.num_plain == 1 and graphed.num_eager == 0 and torch.equal(got, want)
     assert len(captured) == 9  # and no call captured
 
 
 def test_the_default_limits_capture_119_flow_graphs_not_377() -> None:
-    config = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu", max_batch_size=256, max_streams=256,
-                                    max_flow_streams=128)
+    config = CosyVoiceBackendConfig(model_dir=Path("m"), device="cpu", max_batch_size=256,
+                                    max_streams=256, max_flow_streams=128)
     t2w = T2WConfig(first_hop_tokens=config.first_hop_tokens,
                     max_history_tokens=config.max_history_tokens)
     rows, frames = flow_limits(config.max_flow_streams, t2w, 25, 3)
     assert (rows, frames) == (256, 1856)
     estimator = tiny_flow().decoder.estimator
     for limit, count in ((0, 377), (config.max_flow_graph_row_frames, 119)):
-        graphed = GraphedEstimator(estimator, rows, frames, use_graphs=False, max_graph_row_frames=limit)
-        assert sum(graphed.has_graph_size((True, r, f)) for r in graphed.rows for f in graphed.frames) == count
+        graphed = GraphedEstimator(estimator, rows, frames, use_graphs=False,
+                                   max_graph_row_frames=limit)
+        assert sum(graphed.has_graph_size((True, r, f)) for r in graphed.rows
+                   for f in graphed.frames) == count
     with pytest.raises(ValueError, match="max_flow_graph_row_frames must be >= 0"):
         CosyVoiceBackendConfig(model_dir=Path("m"), max_flow_graph_row_frames=-1)

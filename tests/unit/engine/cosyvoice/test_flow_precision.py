@@ -1,5 +1,5 @@
-"""A bf16 flow keeps what must stay float32: the time embedding's argument, the rotary frequencies and
-the solver's time."""
+"""A bf16 flow keeps what must stay float32: the time embedding's argument, the rotary frequencies
+and the solver's time."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Choosing the flow estimator's runtime (flow_runtime/choose.py): TensorRT where it works, else CUDA
-graphs, one warning line; and the GPU extra's pins. Where a part needs a GPU (TensorRT itself) it is
-replaced by a stand-in that records what was asked of it; the test says so.
+"""Choosing the flow estimator's runtime (flow_runtime/choose.py): TensorRT where it works, else
+CUDA graphs, one warning line; and the GPU extra's pins. Where a part needs a GPU (TensorRT itself)
+it is replaced by a stand-in that records what was asked of it; the test says so.
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def test_only_the_streaming_engine_is_exported_and_built_with_one_context(
         return tmp_path / "engine.plan"
 
     class FakeTrt(nn.Module):  # stand-in: TensorRT's runtime needs a GPU
-        def __init__(self, path: Path, profile: Any, fallback: nn.Module, contexts: int, device: Any) -> None:
+        def __init__(self, path: Path, profile: Any, fallback: nn.Module, contexts: int,
+                     device: Any) -> None:
             super().__init__()
             calls.append(("contexts", contexts))
 
@@ -68,7 +69,8 @@ def test_only_the_streaming_engine_is_exported_and_built_with_one_context(
     monkeypatch.setattr(choose, "TrtEstimator", FakeTrt)
     monkeypatch.setattr(choose, "trt_available", lambda: True)
     flow = tiny_flow()
-    assert choose.accelerate_flow(flow, "tensorrt", cache_dir=tmp_path, device_type="cuda") == "tensorrt"
+    assert choose.accelerate_flow(flow, "tensorrt", cache_dir=tmp_path,
+                                  device_type="cuda") == "tensorrt"
     assert calls == [("export", True), ("build", "estimator_streaming.onnx"), ("contexts", 1)]
 
 
@@ -76,6 +78,8 @@ def test_the_gpu_extra_pins_tensorrt_10_and_installs_one_onnxruntime() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     gpu = project["optional-dependencies"]["gpu"]
     trt = [r for r in gpu if r.startswith("tensorrt")]
-    assert len(trt) == 1 and re.match(r"tensorrt(-cu13)?==10\.\d+", trt[0]), trt  # 11 removed BuilderFlag.FP16
+    # 11 removed BuilderFlag.FP16
+    assert len(trt) == 1 and re.match(r"tensorrt(-cu13)?==10\.\d+", trt[0]), trt
     runtimes = [r for r in [*project["dependencies"], *gpu] if r.startswith("onnxruntime")]
-    assert len(runtimes) == 1, runtimes  # onnxruntime and onnxruntime-gpu are one module: they collide
+    # onnxruntime and onnxruntime-gpu are one module: they collide
+    assert len(runtimes) == 1, runtimes

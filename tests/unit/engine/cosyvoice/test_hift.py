@@ -55,7 +55,8 @@ def test_source_has_one_sample_per_wave_sample_and_stays_in_tanh_range(loaded: A
 
 
 def test_source_phase_continues_across_a_split(loaded: Any) -> None:
-    """Two halves, the second started from the first's phase, give the whole's source (v3: noise too)."""
+    """Two halves, the second started from the first's phase, give the whole's source (v3: noise
+    too)."""
     hift, ref = loaded
     f0 = ref["hift_f0"] + 100.0  # voiced everywhere, so the harmonics dominate
     hift.cfg.noise_scale = 0.0
@@ -63,7 +64,8 @@ def test_source_phase_continues_across_a_split(loaded: Any) -> None:
         with torch.inference_mode():
             whole, cycles = hift.source(f0)
             first, c1 = hift.source(f0[:, :30])
-            second, _ = hift.source(f0[:, 30:], phase0=c1[:, -1], start=30 * hift.cfg.samples_per_frame)
+            second, _ = hift.source(f0[:, 30:], phase0=c1[:, -1],
+                                    start=30 * hift.cfg.samples_per_frame)
     finally:
         hift.cfg.noise_scale = 1.0
     assert_close_report(name(hift, "source_cycles"), c1, cycles[:, :30], 1e-9)
@@ -71,10 +73,12 @@ def test_source_phase_continues_across_a_split(loaded: Any) -> None:
         assert_close_report(name(hift, "split_source"), torch.cat([first, second], 2), whole, 1e-5)
     else:  # linear phase interpolation clamps at each edge: only half a frame differs
         spf = hift.cfg.samples_per_frame
-        assert_close_report(name(hift, "split_source"), second[:, :, spf:], whole[:, :, 31 * spf:], 1e-5)
+        assert_close_report(name(hift, "split_source"), second[:, :, spf:], whole[:, :, 31 * spf:],
+                            1e-5)
 
 
-def test_decode_of_a_prefix_agrees_with_the_whole_decode_where_streaming_needs_it(loaded: Any) -> None:
+def test_decode_of_a_prefix_agrees_with_the_whole_decode_where_streaming_needs_it(
+        loaded: Any) -> None:
     """v3: a non-final call emits (T - 8) frames of audio that later mel cannot change.
     v2: not causal, so the last frames of a prefix differ (t2w holds 8 back and cross-fades)."""
     hift, ref = loaded
@@ -91,8 +95,10 @@ def test_decode_of_a_prefix_agrees_with_the_whole_decode_where_streaming_needs_i
         else:
             part = hift.decode(mel[:, :, :40], source[:, :, : 40 * spf])
             tail = (part[:, 32 * spf:] - whole[:, 32 * spf: 40 * spf]).abs().max()
-            assert float(tail) > 1e-4, "expected the non-causal vocoder's prefix to differ near its end"
-            assert_close_report(name(hift, "prefix_head"), part[:, : 16 * spf], whole[:, : 16 * spf], 1e-6)
+            assert float(tail) > 1e-4, \
+                "expected the non-causal vocoder's prefix to differ near its end"
+            assert_close_report(name(hift, "prefix_head"), part[:, : 16 * spf],
+                                whole[:, : 16 * spf], 1e-6)
 
 
 def test_hift_pt_loads_with_or_without_the_generator_prefix(loaded: Any) -> None:

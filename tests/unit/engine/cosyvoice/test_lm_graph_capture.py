@@ -1,5 +1,6 @@
-"""The speech LM's CUDA graphs (lm/graphs.py): every (batch, KV) bucket captured at load, serving never
-captures. There is no CUDA here: a stand-in graph records its bucket and replays the static step eagerly.
+"""The speech LM's CUDA graphs (lm/graphs.py): every (batch, KV) bucket captured at load, serving
+never captures. There is no CUDA here: a stand-in graph records its bucket and replays the static
+step eagerly.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The speech LM's static-shape decode (the CUDA-graph path, run eagerly) and resumption after preemption."""
+"""The speech LM's static-shape decode (the CUDA-graph path, run eagerly) and resumption after
+preemption."""
 
 from __future__ import annotations
 
@@ -37,8 +38,10 @@ def prompts(ref: dict[str, Any]) -> list[tuple[list[int], list[int], list[int]]]
             (text[3:], prompt_text, speech[4:]), (text[:8], prompt_text, speech[:12])]
 
 
-def decode(runner: SpeechLMRunner, ref: dict[str, Any], steps: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Four greedy streams, the second freed at once (a hole in the slots); tokens and last log-probs."""
+def decode(runner: SpeechLMRunner, ref: dict[str, Any],
+           steps: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Four greedy streams, the second freed at once (a hole in the slots); tokens and last
+    log-probs."""
     streams = [runner.add_request(t, p, s, is_greedy=True) for t, p, s in prompts(ref)]
     runner.free(streams[1])
     live = [streams[0], streams[2], streams[3]]
@@ -70,7 +73,8 @@ def test_a_stream_resumed_with_its_tokens_continues_exactly(loaded: Any) -> None
     first: LMStream = runner.add_request(text, prompt_text, speech, is_greedy=True)
     head = [runner.step([first])[0] for _ in range(8)]
     runner.free(first)  # preempted
-    resumed = runner.add_request(text, prompt_text, speech, is_greedy=True, resume_tokens=first.tokens)
+    resumed = runner.add_request(text, prompt_text, speech, is_greedy=True,
+                                 resume_tokens=first.tokens)
     assert resumed.tokens == first.tokens and resumed.num_cached == first.num_cached
     tail = [runner.step([resumed])[0] for _ in range(12)]
     assert head + tail == want
@@ -101,7 +105,8 @@ def test_prompts_prefilled_together_give_each_stream_its_single_prefill(loaded: 
     together = SpeechLMRunner(lm, max_batch=4, max_len=320)
     streams = together.add_requests(requests)
     assert [s.num_cached for s in streams if isinstance(s, LMStream)] == [
-        len(r.prompt_text_ids) + len(r.text_ids) + len(r.prompt_speech_tokens) + 2 for r in requests]
+        len(r.prompt_text_ids) + len(r.text_ids) + len(r.prompt_speech_tokens) + 2
+        for r in requests]
     got = together.logp([s for s in streams if isinstance(s, LMStream)])
     assert_close_report("llm.batched_prefill_logp", got, torch.stack(want), 1e-4)
     # with one slot free: an empty prompt is refused, one fits, the next finds no slot;

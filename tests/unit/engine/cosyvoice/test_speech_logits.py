@@ -43,7 +43,8 @@ def test_the_batched_step_equals_the_per_row_computation() -> None:
     bias = torch.randn(V, generator=gen)
     logits = torch.randn(6, V, generator=gen)  # row 1 and 5: requests without state
     rows = rows_of_every_kind()
-    got = SpeechLogits(MASK, bias, torch.device("cpu"), max_rows=2, max_window=4).apply(logits.clone(), rows)
+    got = SpeechLogits(MASK, bias, torch.device("cpu"), max_rows=2, max_window=4).apply(
+        logits.clone(), rows)
     want = reference(logits, rows, bias)
     assert torch.equal(got[[1, 5]], want[[1, 5]])
     assert torch.allclose(got, want, atol=1e-6) and got[0, MASK] == float("-inf")
@@ -58,7 +59,8 @@ def test_a_step_builds_no_tensor_from_python_data(monkeypatch: pytest.MonkeyPatc
     for name in ("tensor", "full", "as_tensor", "from_numpy", "empty"):
         original = getattr(torch, name)
 
-        def counting(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+        def counting(*args: Any, _name: str = name, _original: Any = original,
+                     **kwargs: Any) -> Any:
             made.append(_name)
             return _original(*args, **kwargs)
 
@@ -74,6 +76,8 @@ def test_vllm_seeds_only_requests_that_asked_for_a_seed() -> None:
     from engine.backends.cosyvoice.lm.driver_vllm import sampling_seed
 
     lm_input = LMInput([1, 2], [], [])
-    assert sampling_seed(LMStart("a", lm_input, False, seed=123), 0) is None  # a fused, unseeded draw
+    # a fused, unseeded draw
+    assert sampling_seed(LMStart("a", lm_input, False, seed=123), 0) is None
     assert sampling_seed(LMStart("a", lm_input, False, seed=123, is_seeded=True), 0) == 123
-    assert sampling_seed(LMStart("a", lm_input, True, seed=123, is_seeded=True), 0) is None  # greedy
+    # greedy
+    assert sampling_seed(LMStart("a", lm_input, True, seed=123, is_seeded=True), 0) is None

@@ -1,4 +1,5 @@
-"""Token-to-wave streaming: chunk schedule, streamed vs offline audio, batching, cancel, bounded history."""
+"""Token-to-wave streaming: chunk schedule, streamed vs offline audio, batching, cancel, bounded
+history."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def models(request: pytest.FixtureRequest) -> Iterator[tuple[FlowModel, HiFT, di
     model_dir = load_model_dir(fixture_dir(request.param))
     reference = torch.load(model_dir.path / "reference.pt", weights_only=True)
     hift = build_hift(model_dir)
-    hift.cfg.noise_scale = 0.0  # a deterministic source, so streamed audio can be compared with offline
+    # a deterministic source, so streamed audio can be compared with offline
+    hift.cfg.noise_scale = 0.0
     yield build_flow(model_dir), hift, reference
 
 
@@ -62,7 +64,8 @@ def stream_all(t2w: TokenToWave, sid: str, tokens: torch.Tensor, step: int = 5) 
     return chunks
 
 
-def offline(flow: FlowModel, hift: HiFT, prompt: FlowPrompt, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def offline(flow: FlowModel, hift: HiFT, prompt: FlowPrompt,
+            tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The whole answer at once (chunked attention, as streaming uses): mel [80, 2n] and wave."""
     full = torch.cat([prompt.tokens, tokens])
     row = FlowRow(full, prompt.mel, prompt.embedding, 0, torch.arange(2 * full.shape[0]))
@@ -77,7 +80,8 @@ def test_first_hop_is_15_tokens_then_hops_return_to_the_25_token_grid() -> None:
         ends.append(grid_end(20, ends[-1], 25, 8))
     assert ends == [15, 30, 55, 80]  # 20 prompt tokens: the grid is at 5, 30, 55, 80
     assert first_end(20, 25, None) == 30  # upstream: 25 plus the padding to the grid
-    assert grid_end(34, 15, 25, 8) == 41  # 34 + 15 = 49: the next grid point is too close, skip to 75
+    # 34 + 15 = 49: the next grid point is too close, skip to 75
+    assert grid_end(34, 15, 25, 8) == 41
 
 
 def test_schedule_lists_each_chunks_recomputed_history_and_new_tokens() -> None:
@@ -110,7 +114,8 @@ def test_a_chunk_waits_for_its_lookahead_tokens_and_the_last_needs_none(models: 
     (chunk,) = t2w.run(["a"])
     assert (chunk.num_tokens, chunk.is_final) == (15, False)
     assert chunk.mel.shape == (80, 30)
-    assert chunk.audio.shape == (22 * SPF,)  # the vocoder keeps its last 8 frames for the next chunk
+    # the vocoder keeps its last 8 frames for the next chunk
+    assert chunk.audio.shape == (22 * SPF,)
     assert t2w.ready() == []
     t2w.finish("a")
     (last,) = t2w.run(t2w.ready())
@@ -142,7 +147,8 @@ def test_streaming_on_upstreams_grid_reproduces_the_offline_mel_and_audio(models
     for j in joins.tolist():
         near[max(0, j - 10 * SPF):j + 10 * SPF] = True
     assert_close_report("t2w_v2.wav_away_from_joins", wav[~near], want_wav[~near], 1e-5)
-    assert_close_report("t2w_v2.wav_near_joins", wav[near], want_wav[near], 0.15 * float(want_wav.abs().max()))
+    assert_close_report("t2w_v2.wav_near_joins", wav[near], want_wav[near],
+                        0.15 * float(want_wav.abs().max()))
 
 
 def test_a_small_first_hop_changes_only_the_first_chunks_frames(models: Any) -> None:
@@ -155,7 +161,8 @@ def test_a_small_first_hop_changes_only_the_first_chunks_frames(models: Any) -> 
     assert [c.num_tokens for c in chunks] == [15, 15, 25, 25]
     mel = torch.cat([c.mel for c in chunks], dim=1)
     want, _ = offline(flow, hift, prompt, tokens)
-    assert_close_report(f"t2w_v{flow.version}.mel_after_first_chunk", mel[:, 30:], want[:, 30:], 1e-5)
+    assert_close_report(f"t2w_v{flow.version}.mel_after_first_chunk", mel[:, 30:], want[:, 30:],
+                        1e-5)
     # tokens 0-4 close the prompt's cell (complete); tokens 5-14 sit in a cell still being filled
     assert_close_report(f"t2w_v{flow.version}.mel_first_cell", mel[:, :10], want[:, :10], 1e-5)
     assert float((mel[:, 10:30] - want[:, 10:30]).abs().max()) > 1e-4
@@ -165,7 +172,8 @@ def test_streams_run_in_one_batch_get_what_they_get_alone(models: Any) -> None:
     flow, hift, ref = models
     voice_a = prompt_of(ref)
     gen = torch.Generator().manual_seed(5)
-    voice_b = FlowPrompt(voice_a.tokens[:14], voice_a.mel[:28] * 0.8, torch.randn(192, generator=gen))
+    voice_b = FlowPrompt(voice_a.tokens[:14], voice_a.mel[:28] * 0.8,
+                         torch.randn(192, generator=gen))
     tokens_a, tokens_b = answer(ref, 49), answer(ref, 99)[50:]
 
     def alone(voice: FlowPrompt, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -215,7 +223,8 @@ def test_drop_forgets_a_stream_and_its_ready_chunk_without_touching_others(model
         t2w.feed("b", [5, 6561])  # a stop id is not a speech token
 
 
-def test_bounded_history_departs_from_full_recomputation_only_where_history_was_cut(models: Any) -> None:
+def test_bounded_history_departs_from_full_recomputation_only_where_history_was_cut(
+        models: Any) -> None:
     """max_history_tokens=25: the last chunk (tokens 55-80) recomputes tokens 25-55, not 0-55."""
     flow, hift, ref = models
     prompt, tokens = prompt_of(ref), answer(ref, 80)
@@ -227,13 +236,16 @@ def test_bounded_history_departs_from_full_recomputation_only_where_history_was_
         assert t2w.history_start(55) == (0 if limit is None else 25)
     full, bounded = runs[None], runs[25]
     # chunks ending at 30 and 55 start at offsets 0 and 30 <= 25 + 25 tokens: no history cut
-    assert_close_report(f"t2w_v{flow.version}.bounded_before_cut", bounded[:, :110], full[:, :110], 1e-5)
+    assert_close_report(f"t2w_v{flow.version}.bounded_before_cut", bounded[:, :110], full[:, :110],
+                        1e-5)
     rel = float((bounded - full).pow(2).mean().sqrt() / full.std())
-    assert 0 < rel < 0.25, f"relative rms departure {rel:.3%} (docs/cosyvoice-design.md, \"Bounded history\", reports it per version)"
+    assert 0 < rel < 0.25, (f"relative rms departure {rel:.3%} (docs/cosyvoice-design.md, "
+                            "\"Bounded history\", reports it per version)")
 
 
 @pytest.mark.parametrize("speed", [0.75, 1.6])
-def test_a_stream_at_another_speed_is_the_offline_mel_stretched_then_vocoded(models: Any, speed: float) -> None:
+def test_a_stream_at_another_speed_is_the_offline_mel_stretched_then_vocoded(
+        models: Any, speed: float) -> None:
     """Upstream offers speed only offline (mel resampled before HiFT); streamed, it matches that
     to the same bounds as at speed 1: v3 exactly, v2 exactly away from the chunk joins."""
     flow, hift, ref = models
@@ -258,7 +270,8 @@ def test_a_stream_at_another_speed_is_the_offline_mel_stretched_then_vocoded(mod
                         0.15 * float(want_wav.abs().max()))
 
 
-def test_at_double_speed_every_chunk_still_covers_the_frames_the_v2_vocoder_holds_back(models: Any) -> None:
+def test_at_double_speed_every_chunk_still_covers_the_frames_the_v2_vocoder_holds_back(
+        models: Any) -> None:
     flow, hift, ref = models
     t2w = TokenToWave(flow, hift, T2WConfig(first_hop_tokens=4, min_hop_tokens=4))
     t2w.add_stream("a", prompt_of(ref), speed=2.0)

@@ -1,4 +1,5 @@
-"""Text normalization for CosyVoice (wetext): what the LM reads, while the gateway keeps the LLM's text."""
+"""Text normalization for CosyVoice (wetext): what the LM reads, while the gateway keeps the LLM's
+text."""
 
 from __future__ import annotations
 
@@ -46,26 +47,31 @@ def wetext() -> WeTextNormalizer:
     ("I have 3 cats and 45% of a dog.", ["three", "forty five percent"]),
     ("Meet me at 10:30am.", ["ten thirty"]),
 ])
-def test_english_digits_and_symbols_are_spelled_out(wetext: WeTextNormalizer, text: str, words: list[str]) -> None:
+def test_english_digits_and_symbols_are_spelled_out(wetext: WeTextNormalizer, text: str,
+                                                    words: list[str]) -> None:
     spoken = wetext.normalize(text)
     assert not DIGITS.search(spoken) and "$" not in spoken and "%" not in spoken
     for word in words:
         assert word in spoken.lower()
 
 
-def test_chinese_uses_the_chinese_grammar_and_drops_blanks_between_ideographs(wetext: WeTextNormalizer) -> None:
+def test_chinese_uses_the_chinese_grammar_and_drops_blanks_between_ideographs(
+        wetext: WeTextNormalizer) -> None:
     spoken = wetext.normalize("今天 是2024年3月5日， 气温25℃。")
     assert not DIGITS.search(spoken)
     assert "二零二四年三月五日" in spoken and "二十五" in spoken
     assert " " not in spoken
 
 
-def test_text_the_grammar_fails_on_is_normalized_around_the_failing_words(wetext: WeTextNormalizer) -> None:
+def test_text_the_grammar_fails_on_is_normalized_around_the_failing_words(
+        wetext: WeTextNormalizer) -> None:
     # wetext raises an AssertionError on "+1" (found by bench/bench_textnorm.py on the load corpus)
     with pytest.raises(AssertionError):
         wetext._en.normalize("a UTC offset of +1 hours.")
-    spoken = wetext.normalize("It is 15:45 where you are, given a UTC offset of +1 hours and 3 minutes.")
-    assert spoken == "It is fifteen forty five where you are, given a UTC offset of +1 hours and three minutes."
+    spoken = wetext.normalize("It is 15:45 where you are, given a UTC offset of +1 hours and 3 "
+                              "minutes.")
+    assert spoken == ("It is fifteen forty five where you are, given a UTC offset of +1 hours "
+                      "and three minutes.")
     assert wetext.normalize("+1") == "+1"
 
 
@@ -74,10 +80,12 @@ def test_text_with_inline_markup_or_nothing_to_say_is_left_alone(wetext: WeTextN
         assert wetext.normalize(text) == text
 
 
-def test_modes_none_and_auto_and_a_missing_wetext_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_modes_none_and_auto_and_a_missing_wetext_is_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(load_text_normalizer("none"), PlainText)
     assert load_text_normalizer("none").normalize("3 cats") == "3 cats"
-    assert isinstance(load_text_normalizer("auto"), WeTextNormalizer)  # installed by the test extras
+    # installed by the test extras
+    assert isinstance(load_text_normalizer("auto"), WeTextNormalizer)
     # An absent package (simulated: this machine has it installed).
     monkeypatch.setitem(sys.modules, "wetext", None)
     assert isinstance(load_text_normalizer("auto"), PlainText)

@@ -1,5 +1,6 @@
-"""CosyVoice 3's vocoder step at a stream's usual shapes, padded to row buckets and replayed as graphs
-(t2w/vocoder_graphs.py): the audio is the eager path's, and a steady stream's calls are all replays
+"""CosyVoice 3's vocoder step at a stream's usual shapes, padded to row buckets and replayed as
+graphs (t2w/vocoder_graphs.py): the audio is the eager path's, and a steady stream's calls are all
+replays
 but its last. No CUDA here: the graph path runs as its static body, or as a stand-in graph that
 records its bucket and replays that body."""
 
@@ -30,8 +31,8 @@ def models() -> Iterator[tuple[FlowModel, HiFT, FlowPrompt, list[int]]]:
     ref = torch.load(model_dir.path / "reference.pt", weights_only=True)
     tokens = torch.cat([ref["prompt_speech_token"][0], ref["flow_token"][0]])
     mel = torch.cat([ref["prompt_feat"][0], ref["flow_mel"][0].T])
-    yield (build_flow(model_dir), build_hift(model_dir), FlowPrompt(tokens, mel, ref["embedding"][0]),
-           ref["lm_greedy_tokens"].tolist())
+    yield (build_flow(model_dir), build_hift(model_dir),
+           FlowPrompt(tokens, mel, ref["embedding"][0]), ref["lm_greedy_tokens"].tolist())
 
 
 class _RecordedGraph:  # stand-in for torch.cuda.CUDAGraph: replays the recorded body eagerly
@@ -42,7 +43,8 @@ class _RecordedGraph:  # stand-in for torch.cuda.CUDAGraph: replays the recorded
         self.graphs.outputs[self.key] = self.graphs._body(*self.key)
 
 
-def speak(t2w: TokenToWave, prompt: FlowPrompt, answers: list[list[int]]) -> dict[str, list[WaveChunk]]:
+def speak(t2w: TokenToWave, prompt: FlowPrompt,
+          answers: list[list[int]]) -> dict[str, list[WaveChunk]]:
     out: dict[str, list[WaveChunk]] = {}
     for k in range(len(answers)):
         t2w.add_stream(f"s{k}", prompt)
@@ -58,7 +60,8 @@ def speak(t2w: TokenToWave, prompt: FlowPrompt, answers: list[list[int]]) -> dic
 
 
 def t2w_of(flow: FlowModel, hift: HiFT, graphs: VocoderGraphs | None) -> TokenToWave:
-    return TokenToWave(flow, hift, T2WConfig(), CachedFlow.build(flow, 64, 100, 4, False), vocoder_graphs=graphs)
+    return TokenToWave(flow, hift, T2WConfig(), CachedFlow.build(flow, 64, 100, 4, False),
+                       vocoder_graphs=graphs)
 
 
 def test_the_usual_shapes_are_the_first_hop_the_chunk_that_completes_it_and_then_one() -> None:
@@ -66,9 +69,11 @@ def test_the_usual_shapes_are_the_first_hop_the_chunk_that_completes_it_and_then
     assert steady_shapes(None, 24) == [(50, 0), (82, 29)]
 
 
-def test_graph_replays_speak_what_the_eager_vocoder_speaks_and_only_last_chunks_run_eager(models: Any) -> None:
+def test_graph_replays_speak_what_the_eager_vocoder_speaks_and_only_last_chunks_run_eager(
+        models: Any) -> None:
     flow, hift, prompt, answer = models
-    answers = [answer[:140], answer[60:200], answer[100:190]]  # 3 streams: a bucket of 4 with a padding row
+    # 3 streams: a bucket of 4 with a padding row
+    answers = [answer[:140], answer[60:200], answer[100:190]]
     want = speak(t2w_of(flow, hift, None), prompt, answers)
     graphs = VocoderGraphs(hift, 4, steady_shapes(15, 24), use_graphs=False)
     captured: list[tuple[int, tuple[int, int]]] = []
@@ -82,11 +87,13 @@ def test_graph_replays_speak_what_the_eager_vocoder_speaks_and_only_last_chunks_
     assert graphs.capture_all() == 3 * 3  # rows 1, 2, 4 at each shape, at load
     got = speak(t2w_of(flow, hift, graphs), prompt, answers)
     for sid in want:
-        audio, expected = torch.cat([c.audio for c in got[sid]]), torch.cat([c.audio for c in want[sid]])
+        audio = torch.cat([c.audio for c in got[sid]])
+        expected = torch.cat([c.audio for c in want[sid]])
         assert audio.shape == expected.shape
         assert_close_report(f"vocoder_graphs.{sid}", audio, expected, 1e-5)
     assert len(captured) == 9 and graphs.num_static == 0
-    # eager: the last chunks only (streams 0 and 1 end together, in one call); every other call a replay
+    # eager: the last chunks only (streams 0 and 1 end together, in one call); every other call a
+    # replay
     assert graphs.num_eager == 2 and graphs.num_replays >= 6
 
 

@@ -50,7 +50,7 @@ def synthesize(backend: PiperBackend, *requests: SynthesisRequest) -> list[np.nd
 
 def test_batched_segments_equal_their_unbatched_synthesis(backend: PiperBackend) -> None:
     batched = synthesize(backend, *(request(t) for t in TEXTS))
-    for text, pcm in zip(TEXTS, batched):
+    for text, pcm in zip(TEXTS, batched, strict=True):
         (solo,) = synthesize(backend, request(text))
         assert pcm.dtype == np.float32
         assert len(pcm) == len(solo)
@@ -78,7 +78,7 @@ def test_padded_tail_of_a_shorter_item_is_not_silent(backend: PiperBackend) -> N
 
 def test_word_timings_tile_the_audio_and_keep_the_texts_words(backend: PiperBackend) -> None:
     items = [backend.prepare(request(t)) for t in TEXTS]
-    for text, result in zip(TEXTS, backend.step(items)):
+    for text, result in zip(TEXTS, backend.step(items), strict=True):
         words = result.words
         assert words is not None
         assert [w.word for w in words] == text.split()
@@ -194,7 +194,8 @@ def test_unknown_backend_name_is_refused() -> None:
 def test_a_registered_voice_speaks_with_its_base_until_removed_and_unlisted_once_retired(
         backend: PiperBackend) -> None:
     info = backend.add_voice("alice", None, {"name": "Alice"})
-    assert (info.voice_id, info.name, info.language, info.is_builtin) == ("alice", "Alice", "en-US", False)
+    assert (info.voice_id, info.name, info.language, info.is_builtin) == (
+        "alice", "Alice", "en-US", False)
     assert "alice" in [v.voice_id for v in backend.voices()]
     assert backend.prepare(request("Hi.", voice="alice")).state.voice.info.voice_id == "joe"
     backend.retire_voice("alice")
@@ -219,7 +220,8 @@ def test_voices_declare_their_languages_from_their_config(tmp_path: Path) -> Non
     (tmp_path / "mandarin.onnx").symlink_to(joe.model_path)
     piper = create_backend("piper", voices_dir=tmp_path, num_threads=1)
     piper.load()
-    assert {v.voice_id: v.languages for v in piper.voices()} == {"joe": ("en",), "mandarin": ("zh",)}
+    assert {v.voice_id: v.languages for v in piper.voices()} == {
+        "joe": ("en",), "mandarin": ("zh",)}
     assert piper.add_voice("alice", None, {"base_voice": "mandarin"}).languages == ("zh",)
 
 

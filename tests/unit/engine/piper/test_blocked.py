@@ -1,4 +1,5 @@
-"""The decoder kept in onnxruntime's blocked layout: fewer reorders, the same audio, checked at load."""
+"""The decoder kept in onnxruntime's blocked layout: fewer reorders, the same audio, checked at
+load."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def decode(graph: bytes, name: str, latent: np.ndarray) -> np.ndarray:
     return np.asarray(audio).reshape(-1)
 
 
-def test_joes_decoder_keeps_its_residual_blocks_blocked_and_decodes_the_same(split: SplitGraphs) -> None:
+def test_joes_decoder_keeps_its_residual_blocks_blocked_and_decodes_the_same(
+        split: SplitGraphs) -> None:
     lifted = decoder_as_2d(split.decoder)
     assert lifted is not None
     blocked = blocked_decoder(lifted, 192)
@@ -70,7 +72,8 @@ def test_the_loaded_voice_decodes_with_the_blocked_graph(caplog: pytest.LogCaptu
 
 
 def test_a_blocked_graph_that_decodes_otherwise_is_not_taken(
-        split: SplitGraphs, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        split: SplitGraphs, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     def louder(graph: bytes, channels: int) -> bytes:
         model = onnx.load_from_string(graph)
         out = model.graph.output[0].name
@@ -100,12 +103,14 @@ def residual_graph(channels: int = 16) -> tuple[bytes, np.ndarray]:
 
     nodes = [
         helper.make_node("Unsqueeze", ["x", "axes"], ["x4"]),
-        helper.make_node("Conv", ["x4", "w0", "b0"], ["c0"], kernel_shape=[1, 3], pads=[0, 1, 0, 1]),
-        helper.make_node("LeakyRelu", ["c0"], ["a0"], alpha=0.1),
-        helper.make_node("ConvTranspose", ["a0", "wt", "bt"], ["y"], kernel_shape=[1, 4], strides=[1, 2],
+        helper.make_node("Conv", ["x4", "w0", "b0"], ["c0"], kernel_shape=[1, 3],
                          pads=[0, 1, 0, 1]),
+        helper.make_node("LeakyRelu", ["c0"], ["a0"], alpha=0.1),
+        helper.make_node("ConvTranspose", ["a0", "wt", "bt"], ["y"], kernel_shape=[1, 4],
+                         strides=[1, 2], pads=[0, 1, 0, 1]),
         helper.make_node("LeakyRelu", ["y"], ["a1"], alpha=0.1),
-        helper.make_node("Conv", ["a1", "w1", "b1"], ["c1"], kernel_shape=[1, 3], pads=[0, 1, 0, 1]),
+        helper.make_node("Conv", ["a1", "w1", "b1"], ["c1"], kernel_shape=[1, 3],
+                         pads=[0, 1, 0, 1]),
         helper.make_node("Add", ["c1", "y"], ["r1"]),
         helper.make_node("LeakyRelu", ["r1"], ["a2"], alpha=0.1),
         helper.make_node("Conv", ["a2", "w2", "b2"], ["c2"], kernel_shape=[1, 5], pads=[0, 4, 0, 4],
@@ -123,8 +128,10 @@ def residual_graph(channels: int = 16) -> tuple[bytes, np.ndarray]:
         weight("w2", channels, channels, 1, 5), weight("b2", channels),
         weight("w3", 1, channels, 1, 3), numpy_helper.from_array(np.array(2.0, np.float32), "two"),
     ]
-    graph = helper.make_graph(nodes, "residual", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)], inits)
+    graph = helper.make_graph(nodes, "residual",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                              inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])
     latent = rng.standard_normal((1, channels, 40)).astype(np.float32)
     return model.SerializeToString(), latent
@@ -152,25 +159,30 @@ def test_a_conv_transpose_as_its_phases_gives_the_same_output(
         size: int, stride: int, pads: tuple[int, int], has_bias: bool) -> None:
     rng = np.random.default_rng(size)
     inputs = ["x", "w", "b"] if has_bias else ["x", "w"]
-    node = helper.make_node("ConvTranspose", inputs, ["y"], kernel_shape=[1, size], strides=[1, stride],
-                            pads=[0, pads[0], 0, pads[1]])
+    node = helper.make_node("ConvTranspose", inputs, ["y"], kernel_shape=[1, size],
+                            strides=[1, stride], pads=[0, pads[0], 0, pads[1]])
     inits = [numpy_helper.from_array(rng.standard_normal((6, 5, 1, size)).astype(np.float32), "w"),
-             numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b")][: len(inputs) - 1]
-    graph = helper.make_graph([node], "up", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+             numpy_helper.from_array(rng.standard_normal(5).astype(np.float32),
+                                     "b")][: len(inputs) - 1]
+    graph = helper.make_graph([node], "up",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    original = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]).SerializeToString()
+    original = helper.make_model(graph,
+                                 opset_imports=[helper.make_opsetid("", 15)]).SerializeToString()
     phased = _polyphase(original)
     assert "ConvTranspose" not in op_counts(phased)
     for frames in (1, 7, 40):
         x = rng.standard_normal((2, 6, 1, frames)).astype(np.float32)
-        (want,), (got,) = (open_session(1, graph).run(None, {"x": x}) for graph in (original, phased))
+        (want,), (got,) = (open_session(1, graph).run(None, {"x": x})
+                           for graph in (original, phased))
         assert got.shape == want.shape
         assert np.abs(got - want).max() < 1e-5
 
 
 def test_a_graph_without_2d_convolutions_has_nothing_to_block() -> None:
     nodes = [helper.make_node("Mul", ["x", "two"], ["y"]), helper.make_node("Tanh", ["y"], ["out"])]
-    graph = helper.make_graph(nodes, "plain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+    graph = helper.make_graph(nodes, "plain",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
                               [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)])

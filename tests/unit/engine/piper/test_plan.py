@@ -15,7 +15,8 @@ from engine.backend import StepPlan
 from engine.backends.piper.config import PiperBackendConfig
 from engine.backends.piper.plan import Pace
 
-POLICY = PiperBackendConfig().pace_policy  # urgent 0.1 s, behind 0.3 s, medium 0.3 s, catch-up 0.15 s
+# urgent 0.1 s, behind 0.3 s, medium 0.3 s, catch-up 0.15 s
+POLICY = PiperBackendConfig().pace_policy
 
 
 @pytest.mark.parametrize(("lead", "is_contended", "is_lone", "pace"), [
@@ -49,16 +50,19 @@ def test_a_segments_pace_follows_its_lead_and_what_the_engine_says_runs_beside_i
     (0.0, True), (0.15, True), (-0.3, True), (0.16, False), (-0.31, False), (5.0, False)])
 def test_a_later_window_is_cut_short_only_while_its_listener_is_about_to_run_dry(
         lead: float, is_catching_up: bool) -> None:
-    assert POLICY.is_catching_up(StepPlan(lead, is_alone=False, is_contended=True), 0.0) is is_catching_up
+    assert POLICY.is_catching_up(StepPlan(lead, is_alone=False, is_contended=True),
+                                 0.0) is is_catching_up
     never = dataclasses.replace(POLICY, catchup_lead_s=0.0)
     assert not never.is_catching_up(StepPlan(lead), 0.0)
 
 
 def test_window_sizes_follow_the_pace() -> None:
     plan = PiperBackendConfig().window_plan
-    assert [plan.size(i, Pace.LONE) for i in range(3)] == [plan.lone_first_frames, plan.second_frames,
+    assert [plan.size(i, Pace.LONE) for i in range(3)] == [plan.lone_first_frames,
+                                                           plan.second_frames,
                                                             plan.frames]
-    assert [plan.size(i, Pace.SHORT) for i in range(3)] == [plan.first_frames, plan.second_frames, plan.frames]
+    assert [plan.size(i, Pace.SHORT) for i in range(3)] == [plan.first_frames, plan.second_frames,
+                                                            plan.frames]
     assert [plan.size(i, Pace.MEDIUM) for i in range(2)] == [plan.medium_first_frames, plan.frames]
     assert [plan.size(i, Pace.LONG) for i in range(2)] == [plan.frames, plan.frames]
     # a window due too soon is cut to a short one; a segment's end takes no sliver

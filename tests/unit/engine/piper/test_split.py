@@ -1,4 +1,5 @@
-"""Piper graphs cut at their flow and decoder (graphs/split.py): fallbacks, the decoder's 2-D form."""
+"""Piper graphs cut at their flow and decoder (graphs/split.py): fallbacks, the decoder's 2-D
+form."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _joe_split() -> piper_split.SplitGraphs:
     return split
 
 
-def test_the_loaded_decoder_runs_2d_convolutions_and_equals_the_1d_graph(piper: PiperBackend) -> None:
+def test_the_loaded_decoder_runs_2d_convolutions_and_equals_the_1d_graph(
+        piper: PiperBackend) -> None:
     import onnxruntime
 
     split = _joe_split()

@@ -1,4 +1,5 @@
-"""Piper in decoder windows (windows.py): equal to the whole decode, click-free joins, paces, cancel.
+"""Piper in decoder windows (windows.py): equal to the whole decode, click-free joins, paces,
+cancel.
 
 Each step is handed the plan the engine would give it (`StepPlan`): what runs beside
 the segment is the engine's to say, and these tests say it.
@@ -28,8 +29,10 @@ LONG = ("The quick brown fox jumps over the lazy dog, and then it runs far away 
 SHORT = "Yes, okay."
 
 
-def request(text: str, voice: str = "joe", speed: float = 1.0, context: str = "") -> SynthesisRequest:
-    params = SamplingParams(speed=speed, noise_scale=0.0, noise_w_scale=0.0)  # VITS samples otherwise
+def request(text: str, voice: str = "joe", speed: float = 1.0,
+            context: str = "") -> SynthesisRequest:
+    # VITS samples otherwise
+    params = SamplingParams(speed=speed, noise_scale=0.0, noise_w_scale=0.0)
     return SynthesisRequest(RequestId(text[:8]), text, voice, context_key=context,
                             params=params)
 
@@ -51,7 +54,8 @@ def backends() -> dict[str, PiperBackend]:
 ONE_SESSION = StepPlan(0.0, is_lone=True)  # the only talking session, its steps alone
 TWO_SESSIONS = StepPlan(0.0)  # another session talks too; its steps alone
 BESIDE_LOOK_AHEAD = StepPlan(0.0, is_alone=False)  # another lane's step runs look-ahead work
-BESIDE_WORK_DUE = StepPlan(0.0, is_alone=False, is_contended=True)  # another lane's step is due soon
+# another lane's step is due soon
+BESIDE_WORK_DUE = StepPlan(0.0, is_alone=False, is_contended=True)
 
 
 def stream(backend: PiperBackend, req: SynthesisRequest, due_in: float = 0.0,
@@ -90,10 +94,12 @@ def test_windowed_decode_equals_the_whole_decode_for_every_bundled_voice(
         if text is LONG:
             assert len(windows) >= 3, "a long segment came in one piece"
             assert windows[0].words is not None and all(w.words is None for w in windows[1:])
-            assert len(windows[0].pcm) < len(windows[1].pcm), "the first window is not the small one"
+            assert len(windows[0].pcm) < len(windows[1].pcm), \
+                "the first window is not the small one"
 
 
-def test_windows_with_full_context_equal_the_whole_decode_exactly(backends: dict[str, PiperBackend]) -> None:
+def test_windows_with_full_context_equal_the_whole_decode_exactly(
+        backends: dict[str, PiperBackend]) -> None:
     (whole,), _ = stream(backends["whole"], request(LONG))
     windows, _ = stream(backends["full_context"], request(LONG))
     assert len(windows) >= 3
@@ -160,20 +166,23 @@ def test_a_cancel_stops_a_segment_within_one_window() -> None:
     assert len(after) <= 1, "the segment kept being decoded after its cancel"
 
 
-def test_the_flow_on_a_slice_with_its_context_equals_the_whole_flow(backends: dict[str, PiperBackend]) -> None:
+def test_the_flow_on_a_slice_with_its_context_equals_the_whole_flow(
+        backends: dict[str, PiperBackend]) -> None:
     voice = backends["windows"].get_voice("joe")
     assert voice.has_flow, "the joe voice's flow was not cut out"
     item = backends["windows"].prepare(request(LONG))
     state = item.state
     backends["windows"].release(item)  # only its ids are read here
     scales = np.array(state.scales, dtype=np.float32)
-    outputs, durations = voice.run_front(np.array([state.ids]), np.array([len(state.ids)]), scales, None)
+    outputs, durations = voice.run_front(np.array([state.ids]), np.array([len(state.ids)]), scales,
+                                         None)
     total = int(np.rint(durations).sum())
     whole = voice.run_flow(voice.flow_feeds(outputs, None))  # [1, C, T]
     context = PiperBackendConfig().window_flow_context_frames
     for needed in (24, 40, 100):
         part = voice.run_flow(piper_windows.flow_slice(outputs, 0, needed + context, total))
-        assert np.abs(part[:, :, :needed] - whole[:, :, :needed]).max() < 1e-4  # float rounding only
+        # float rounding only
+        assert np.abs(part[:, :, :needed] - whole[:, :, :needed]).max() < 1e-4
     rest = voice.run_flow(piper_windows.flow_slice(outputs, 40 - context, total, total))
     assert np.abs(rest[:, :, context:] - whole[:, :, 40:total]).max() < 1e-4
 
@@ -281,7 +290,8 @@ def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> N
         async for _chunk in engine.submit(SynthesisRequest(
                 RequestId("b"), LONG * 2, "joe", context_key="s2")):
             engine.cancel(RequestId("b"))
-        await async_wait_until(lambda: "b" in released, timeout=10.0, message="b was never released")
+        await async_wait_until(lambda: "b" in released, timeout=10.0,
+                               message="b was never released")
         # nothing is held: a third session's segment is planned as the only one talking
         item = BackendRequest(SynthesisRequest(RequestId("c"), SHORT, "joe", context_key="s3"))
         engine.loop.plan([item], {})
@@ -294,7 +304,8 @@ def test_the_engine_releases_every_prepared_segment_finished_or_cancelled() -> N
     assert is_lone
 
 
-def test_a_segments_length_is_exact_once_its_first_window_ran(backends: dict[str, PiperBackend]) -> None:
+def test_a_segments_length_is_exact_once_its_first_window_ran(
+        backends: dict[str, PiperBackend]) -> None:
     # The next segment of the context is due when this one's audio ends: the engine reads
     # the backend's estimate after every step, and from the first window on it is exact.
     piper = backends["windows"]
@@ -354,7 +365,8 @@ def test_an_urgent_segment_beside_work_due_soon_takes_one_medium_first_window(
     hop = piper.get_voice("joe").config.hop_length
     if beside == "work due soon":
         assert [len(w.pcm) // hop for w in windows[:2]] == [plan.medium_first_frames, plan.frames]
-        assert frames[0] == plan.medium_first_frames + plan.context_frames + plan.flow_context_frames
+        assert frames[0] == (plan.medium_first_frames + plan.context_frames
+                             + plan.flow_context_frames)
     else:
         assert len(windows[0].pcm) == plan.first_frames * hop
         assert frames[0] == plan.first_frames + plan.context_frames + plan.first_flow_context_frames
@@ -379,13 +391,15 @@ def test_a_later_segment_due_soon_beside_work_due_soon_takes_one_medium_first_wi
 
 @pytest.mark.parametrize("catchup_lead_s", [0.15, 0.0])
 def test_a_later_window_due_too_soon_for_a_long_one_is_cut_short_once(
-        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch, catchup_lead_s: float) -> None:
+        backends: dict[str, PiperBackend], monkeypatch: pytest.MonkeyPatch,
+        catchup_lead_s: float) -> None:
     # Beside another lane's step a medium first window, then long ones; but each piece
     # here is due now: the window after the medium one is cut to `second_frames` (the
     # flow sliced for it), and only that one, so a box behind keeps its long windows.
     # With `window_catchup_lead_s` 0 the long windows stay.
     piper = backends["windows"]
-    monkeypatch.setattr(piper, "_policy", dataclasses.replace(piper._policy, catchup_lead_s=catchup_lead_s))
+    monkeypatch.setattr(piper, "_policy",
+                        dataclasses.replace(piper._policy, catchup_lead_s=catchup_lead_s))
     frames = count_flow_calls(monkeypatch)
     windows, _ = stream(piper, request(LONG), beside=BESIDE_WORK_DUE)
     plan = PiperBackendConfig().window_plan
@@ -445,4 +459,5 @@ def test_a_segment_whose_listener_already_waits_long_takes_long_windows(
     windows, _ = stream(backends["windows"], request(LONG), due_in=-2.0)  # the box is behind
     hop = backends["windows"].get_voice("joe").config.hop_length
     assert len(windows[0].pcm) == PiperBackendConfig().window_frames * hop
-    assert frames[0] == PiperBackendConfig().window_plan.flow_frames + PiperBackendConfig().window_flow_context_frames
+    config = PiperBackendConfig()
+    assert frames[0] == config.window_plan.flow_frames + config.window_flow_context_frames

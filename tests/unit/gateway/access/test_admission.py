@@ -28,8 +28,9 @@ HINT = "Authorization: Bearer <key>"
 
 
 def make_state(tmp_path: Path, *, max_engine_contexts: int = 16, **config: object) -> AppState:
-    engine = Engine(ScriptedBackend(), EngineConfig(scheduler=SchedulerConfig(max_contexts=max_engine_contexts),
-                                                    warmup_text=""))
+    engine = Engine(ScriptedBackend(),
+                    EngineConfig(scheduler=SchedulerConfig(max_contexts=max_engine_contexts),
+                                 warmup_text=""))
     gateway = GatewayConfig(voice="v", data_dir=tmp_path, auth=AuthConfig(api_keys=(KEY, OTHER)),
                             **config)  # type: ignore[arg-type]
     return AppState(gateway, engine, Metrics(engine))
@@ -64,10 +65,12 @@ def test_the_checks_run_in_order_key_origin_shutdown_sessions_owner(tmp_path: Pa
     state.is_shutting_down = False
     with admit(state, handshake(), KEY, protocol="native", key_hint=HINT):
         fourth = refusal(state, KEY)
-        assert (fourth.code, fourth.close_code) == ("rate_limited", 1013) and "this key" in fourth.message
+        assert (fourth.code, fourth.close_code) == ("rate_limited", 1013)
+        assert "this key" in fourth.message
         with admit(state, handshake(), OTHER, protocol="native", key_hint=HINT):
             fifth = refusal(state, OTHER)  # the session cap comes before the owner's
-            assert (fifth.code, fifth.close_code) == ("busy", 1013) and "2 sessions" in fifth.message
+            assert (fifth.code, fifth.close_code) == ("busy", 1013)
+            assert "2 sessions" in fifth.message
     assert state.key_counter.num_open == 0 and state.key_counter.counts == {}
 
 
@@ -126,24 +129,29 @@ def keyless(state: AppState, host: str = "10.0.0.7") -> Admission:
                  defer_auth=True)
 
 
-def test_sockets_waiting_for_their_key_take_the_keyless_pool_not_the_session_cap(tmp_path: Path) -> None:
-    state = make_state(tmp_path, max_sessions=1, max_keyless_sockets=3, max_keyless_sockets_per_address=2)
+def test_sockets_waiting_for_their_key_take_the_keyless_pool_not_the_session_cap(
+        tmp_path: Path) -> None:
+    state = make_state(tmp_path, max_sessions=1, max_keyless_sockets=3,
+                       max_keyless_sockets_per_address=2)
     waiting = [keyless(state), keyless(state), keyless(state, host="10.0.0.8")]
     assert state.key_counter.num_open == 0 and state.keyless.num_open == 3
     with admit(state, handshake(), KEY, protocol="native", key_hint=HINT):  # the server is not full
         assert refusal(state, OTHER).code == "busy"  # but now it is: one session
     full = refusal(state, None, connection=handshake(host="10.0.0.9"), defer_auth=True)
-    assert (full.code, full.close_code) == ("busy", 1013) and "3 sockets are waiting" in full.message
+    assert (full.code, full.close_code) == ("busy", 1013)
+    assert "3 sockets are waiting" in full.message
     waiting[2].release()
     mine = refusal(state, None, defer_auth=True)  # 10.0.0.7 holds its two places
-    assert (mine.code, mine.close_code) == ("rate_limited", 1013) and "from this address" in mine.message
+    assert (mine.code, mine.close_code) == ("rate_limited", 1013)
+    assert "from this address" in mine.message
     third = keyless(state, host="10.0.0.9")
     for admission in (*waiting, third):
         admission.release()
     assert state.keyless.num_open == 0 and state.keyless.counts == {}
 
 
-def test_a_key_that_comes_takes_a_session_place_and_gives_its_keyless_one_back(tmp_path: Path) -> None:
+def test_a_key_that_comes_takes_a_session_place_and_gives_its_keyless_one_back(
+        tmp_path: Path) -> None:
     state = make_state(tmp_path, max_sessions=1)
     first, second = keyless(state), keyless(state)
     first.rekey(KEY)

@@ -30,7 +30,8 @@ class Engine:
 
 def make(capacity: int = 16, share: float = 0.5) -> tuple[FairShare, Engine]:
     engine = Engine(capacity)
-    return FairShare(engine.admit, engine.release, lambda: engine.capacity, FairShareConfig(share)), engine
+    return FairShare(
+        engine.admit, engine.release, lambda: engine.capacity, FairShareConfig(share)), engine
 
 
 def test_one_owner_holds_at_most_its_share_and_the_rest_stays_for_others() -> None:
@@ -94,7 +95,8 @@ def test_the_cap_follows_the_engines_capacity_as_it_is_remeasured() -> None:
 
 def test_owners_are_keys_with_auth_on_and_client_addresses_with_auth_off() -> None:
     key = "sk-test-0123456789"
-    assert owner_of(key, "10.0.0.1", is_auth_enabled=True) == owner_of(key, "10.0.0.2", is_auth_enabled=True)
+    assert owner_of(key, "10.0.0.1", is_auth_enabled=True) == owner_of(
+        key, "10.0.0.2", is_auth_enabled=True)
     assert key not in owner_of(key, "10.0.0.1", is_auth_enabled=True)  # a hash: safe to log
     # auth off: any key passes, so a key names nobody; the address does
     assert owner_of("made-up-1", "127.0.0.1", is_auth_enabled=False) == owner_of(

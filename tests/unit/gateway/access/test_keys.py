@@ -1,4 +1,5 @@
-"""API keys: where they come from, how they are checked, whom they name, how many sockets each holds."""
+"""API keys: where they come from, how they are checked, whom they name, how many sockets each
+holds."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ KEY = "sk-voxgate-0123456789"
 OTHER = "sk-voxgate-9876543210"
 
 
-def test_keys_come_from_the_variable_and_the_file_without_comments_or_repeats(tmp_path: Path) -> None:
+def test_keys_come_from_the_variable_and_the_file_without_comments_or_repeats(
+        tmp_path: Path) -> None:
     keys_file = tmp_path / "keys"
     keys_file.write_text(f"# team keys\n{OTHER}  # ops\n\n{KEY}\n", encoding="utf-8")
-    env = {"VOXGATE_API_KEYS": f" {KEY}, ,another-key-123 ", "VOXGATE_API_KEYS_FILE": str(keys_file)}
+    env = {"VOXGATE_API_KEYS": f" {KEY}, ,another-key-123 ",
+           "VOXGATE_API_KEYS_FILE": str(keys_file)}
     assert load_keys(env) == (KEY, "another-key-123", OTHER)
     assert load_keys({}) == ()
     assert load_keys({"VOXGATE_ADMIN_KEYS": KEY}, variable="VOXGATE_ADMIN_KEYS") == (KEY,)

@@ -36,7 +36,8 @@ def test_in_loopback_mode_a_same_origin_page_passes_only_when_it_is_a_loopback_o
     assert is_origin_allowed(auth, "http://[::1]:8000", "[::1]:8000")
     # a DNS-rebound page: its Origin and Host both name the attacker's domain
     assert not is_origin_allowed(auth, "http://evil.example:8000", "evil.example:8000")
-    assert not is_origin_allowed(auth, "http://localhost:3000", "localhost:8000")  # another local app
+    # another local app
+    assert not is_origin_allowed(auth, "http://localhost:3000", "localhost:8000")
     assert is_origin_allowed(AuthConfig(allowed_origins=("http://localhost:3000",)),
                              "http://localhost:3000", "localhost:8000")
 
@@ -46,5 +47,6 @@ def test_in_loopback_mode_a_same_origin_page_passes_only_when_it_is_a_loopback_o
     ("::1", True), ("127.9.9.9", True), ("evil.example", False), ("evil.example:8000", False),
     ("localhost.evil.example", False), ("127.0.0.1.nip.io", False), ("", False), (None, False),
 ])
-def test_a_host_header_is_loopback_only_when_it_names_this_machine(host: str | None, expected: bool) -> None:
+def test_a_host_header_is_loopback_only_when_it_names_this_machine(
+        host: str | None, expected: bool) -> None:
     assert is_loopback_host(host) is expected

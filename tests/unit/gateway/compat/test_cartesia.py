@@ -1,4 +1,5 @@
-"""The Cartesia adapter against Cartesia's documented shapes, driven sans-I/O: frames in, actions out.
+"""The Cartesia adapter against Cartesia's documented shapes, driven sans-I/O: frames in, actions
+out.
 
 The shapes come from Cartesia's docs ("Context Flushing and Flush IDs",
 "Concurrency and WebSocket Limits") and the response models of its Python SDK
@@ -43,7 +44,8 @@ def _send(session: CartesiaSession, now: float = 0.0, **fields: Any) -> list[Act
 
 
 def _frames(actions: list[Action]) -> list[dict[str, Any]]:
-    return [json.loads(a.frame) for a in actions if isinstance(a, SendFrame) and isinstance(a.frame, str)]
+    return [json.loads(a.frame) for a in actions if isinstance(a, SendFrame)
+            and isinstance(a.frame, str)]
 
 
 def _submits(actions: list[Action]) -> list[Submit]:
@@ -53,9 +55,11 @@ def _submits(actions: list[Action]) -> list[Submit]:
 def _chunk(submit: Submit, seconds: float, *, step_ms: float, is_last: bool = True) -> AudioChunk:
     pcm = (np.sin(np.arange(int(RATE * seconds)) / 5.0) * 0.3).astype(np.float32)
     tokens = submit.request.text.split()
-    words = [WordTiming(t, i * 1000.0 * seconds / len(tokens), (i + 1) * 1000.0 * seconds / len(tokens))
+    words = [WordTiming(t, i * 1000.0 * seconds / len(tokens),
+                        (i + 1) * 1000.0 * seconds / len(tokens))
              for i, t in enumerate(tokens)] if is_last else None
-    return AudioChunk(submit.request.request_id, pcm, RATE, is_last=is_last, words=words, step_ms=step_ms)
+    return AudioChunk(submit.request.request_id, pcm, RATE, is_last=is_last, words=words,
+                      step_ms=step_ms)
 
 
 def test_a_flush_speaks_its_text_and_flush_done_follows_its_last_chunk_in_cartesias_shape() -> None:
@@ -66,10 +70,11 @@ def test_a_flush_speaks_its_text_and_flush_done_follows_its_last_chunk_in_cartes
     frames = _frames(session.receive_audio(_chunk(first, 0.5, step_ms=30.0), 0.1))
     chunks = [f for f in frames if f["type"] == "chunk"]
     assert chunks and all(f["flush_id"] == 1 for f in chunks)
-    assert frames[-1] == {"type": "flush_done", "context_id": "c", "status_code": 206, "done": False,
-                          "flush_done": True, "flush_id": 1}
+    assert frames[-1] == {"type": "flush_done", "context_id": "c", "status_code": 206,
+                          "done": False, "flush_done": True, "flush_id": 1}
     # the context goes on: the next input is group 2, and its end is `done`, not another flush_done
-    (second,) = _submits(_send(session, 0.2, transcript="Then a second part. ", **{"continue": False}))
+    (second,) = _submits(_send(session, 0.2, transcript="Then a second part. ",
+                               **{"continue": False}))
     frames = _frames(session.receive_audio(_chunk(second, 0.4, step_ms=20.0), 0.3))
     assert {f["flush_id"] for f in frames if f["type"] == "chunk"} == {2}
     assert [f["type"] for f in frames if f["type"] != "chunk"] == ["done"]
@@ -79,7 +84,8 @@ def test_flush_done_waits_for_the_audio_and_flushes_are_answered_in_order() -> N
     session = _session()
     (first,) = _submits(_send(session, transcript="Group one speaks. ", flush=True))
     # a flush with nothing buffered is done at once, but not before group 1, still speaking
-    assert [f for f in _frames(_send(session, transcript="", flush=True)) if f["type"] == "flush_done"] == []
+    frames = _frames(_send(session, transcript="", flush=True))
+    assert [f for f in frames if f["type"] == "flush_done"] == []
     frames = _frames(session.receive_audio(_chunk(first, 0.3, step_ms=10.0), 0.1))
     assert [f["flush_id"] for f in frames if f["type"] == "flush_done"] == [1, 2]
     last_chunk = max(i for i, f in enumerate(frames) if f["type"] == "chunk")
@@ -123,7 +129,8 @@ def test_the_engine_time_ledger_lets_go_of_a_context_once_it_is_over() -> None:
             "context_id": f"c{n}", "voice": {"mode": "id", "id": "joe"}, "output_format": FORMAT,
             "transcript": "A whole turn of speech. ", "continue": False}), float(n))
         (submit,) = _submits(actions)
-        assert _frames(session.receive_audio(_chunk(submit, 0.2, step_ms=5.0), n + 0.5))[-1]["type"] == "done"
+        assert _frames(session.receive_audio(_chunk(submit, 0.2, step_ms=5.0),
+                                             n + 0.5))[-1]["type"] == "done"
     assert session._engine_time is not None and len(session._engine_time) == 0
 
 

@@ -1,4 +1,5 @@
-"""The vendor adapters driven synchronously, like tests/unit/gateway/stream/test_session.py: frames in, actions out.
+"""The vendor adapters driven synchronously, like tests/unit/gateway/stream/test_session.py: frames
+in, actions out.
 
 No socket, no engine, no clock: the engine's chunks are made here. What this
 proves that the socket tests cannot time: a barge-in's `Cancel` actions for
@@ -32,7 +33,8 @@ RATE = 22050
 
 def _make(kind: type[VendorSession[Any, Any]], output: OutputFormat, limits: Limits | None = None,
           **kwargs: Any) -> Any:
-    session = kind("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, options=SessionOptions(voice="joe"),
+    session = kind("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE,
+                   options=SessionOptions(voice="joe"),
                    limits=limits or Limits(), output=output, admit=lambda key: None,
                    release=lambda key: None, **kwargs)
     session.start(0.0)
@@ -40,7 +42,8 @@ def _make(kind: type[VendorSession[Any, Any]], output: OutputFormat, limits: Lim
 
 
 def _frames(actions: list[Action]) -> list[dict[str, Any]]:
-    return [json.loads(a.frame) for a in actions if isinstance(a, SendFrame) and isinstance(a.frame, str)]
+    return [json.loads(a.frame) for a in actions if isinstance(a, SendFrame)
+            and isinstance(a.frame, str)]
 
 
 def _chunk(submit: Submit, seconds: float, *, is_last: bool) -> AudioChunk:
@@ -87,7 +90,8 @@ def test_close_context_after_a_bare_flush_finishes_the_turn_with_its_alignment()
 
 def test_stream_input_ends_with_is_final_and_a_normal_close() -> None:
     session = _make(ElevenLabsSession, parse_output_format("ulaw_8000"))
-    actions = session.receive_frame(json.dumps({"text": " ", "voice_settings": {"speed": 1.2}}), 0.0)
+    actions = session.receive_frame(json.dumps({"text": " ", "voice_settings": {"speed": 1.2}}),
+                                    0.0)
     actions += session.receive_frame(json.dumps({"text": "Bye now. "}), 0.0)
     actions += session.receive_frame(json.dumps({"text": ""}), 0.0)
     (submit,) = _submits(actions)
@@ -99,21 +103,25 @@ def test_stream_input_ends_with_is_final_and_a_normal_close() -> None:
 
 def test_cartesia_cancel_cancels_the_context_requests_and_sends_nothing_more() -> None:
     session = _make(CartesiaSession, OutputFormat("pcm_s16le", 24000))
-    message = {"context_id": "c", "transcript": "One sentence here. Another one there. Still more to come",
+    message = {"context_id": "c",
+               "transcript": "One sentence here. Another one there. Still more to come",
                "continue": True, "voice": {"mode": "id", "id": "joe"},
                "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
     submits = _submits(session.receive_frame(json.dumps(message), 0.0))
     actions = session.receive_frame(json.dumps({"context_id": "c", "cancel": True}), 0.1)
-    assert {a.request_id for a in actions if isinstance(a, Cancel)} == {s.request.request_id for s in submits}
+    assert {a.request_id for a in actions if isinstance(a, Cancel)} == {
+        s.request.request_id for s in submits}
     assert _frames(actions) == []
 
 
 def test_deepgram_clear_cancels_and_answers_cleared_in_the_same_call() -> None:
     session = _make(DeepgramSession, OutputFormat("pcm_s16le", 16000))
-    submits = _submits(session.receive_frame(json.dumps({"type": "Speak", "text": "A first part. Then some"}),
+    submits = _submits(session.receive_frame(json.dumps({"type": "Speak",
+                                                         "text": "A first part. Then some"}),
                                              0.0))
     actions = session.receive_frame(json.dumps({"type": "Clear"}), 0.1)
-    assert {a.request_id for a in actions if isinstance(a, Cancel)} == {s.request.request_id for s in submits}
+    assert {a.request_id for a in actions if isinstance(a, Cancel)} == {
+        s.request.request_id for s in submits}
     assert _frames(actions) == [{"type": "Cleared", "sequence_id": 0}]
 
 
@@ -138,7 +146,8 @@ def test_a_context_the_engine_refuses_gets_the_vendor_error_and_its_end() -> Non
                                      output=parse_output_format("pcm_16000"), admit=full,
                                      release=lambda key: None)
     session.start(0.0)
-    actions = session.receive_frame(json.dumps({"text": "No room for me. ", "context_id": "a"}), 0.0)
+    actions = session.receive_frame(json.dumps({"text": "No room for me. ", "context_id": "a"}),
+                                    0.0)
     actions += session.receive_frame(json.dumps({"context_id": "a", "flush": True}), 0.0)
     actions += session.receive_frame(json.dumps({"context_id": "a", "close_context": True}), 0.0)
     frames = _frames(actions)
@@ -162,14 +171,16 @@ def test_a_vendor_frame_costs_one_rate_token_however_many_native_messages_it_bec
         assert _frames(actions) == []  # no error
         submitted += _submits(actions)
     assert [s.request.params.speed for s in submitted] == list(speeds)
-    (refused,) = _frames(session.receive_frame(json.dumps({"text": "One more. ", "context_id": "c9"}), 0.0))
+    (refused,) = _frames(session.receive_frame(json.dumps({"text": "One more. ",
+                                                           "context_id": "c9"}), 0.0))
     assert refused["error"] == "rate_limited"
 
 
 def test_a_frame_of_chinese_is_sized_as_the_client_sent_it_and_spoken() -> None:
     text = "今天天气很好，我们一起去公园散步吧。" * 1000  # 18,000 characters, 54,000 bytes of UTF-8
     frame = json.dumps({"text": text, "context_id": "zh", "flush": True}, ensure_ascii=False)
-    assert 50_000 < len(frame.encode("utf-8")) < Limits().max_message_bytes < len(json.dumps({"text": text}))
+    assert 50_000 < len(frame.encode("utf-8")) < Limits().max_message_bytes < len(
+        json.dumps({"text": text}))
     limits = Limits(max_text_chars_per_s=4000.0, burst_s=5.0)
     session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), limits)
     actions = session.receive_frame(frame, 0.0)
@@ -179,8 +190,10 @@ def test_a_frame_of_chinese_is_sized_as_the_client_sent_it_and_spoken() -> None:
 
 
 def test_a_frame_too_large_as_sent_is_refused_before_it_is_read() -> None:
-    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(max_message_bytes=100))
-    (error,) = _frames(session.receive_frame(json.dumps({"text": "x" * 200, "context_id": "a"}), 0.0))
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"),
+                    Limits(max_message_bytes=100))
+    (error,) = _frames(session.receive_frame(json.dumps({"text": "x" * 200, "context_id": "a"}),
+                                             0.0))
     assert error["error"] == "message_too_large" and "the limit is 100" in error["message"]
 
 
@@ -214,15 +227,16 @@ def test_a_speed_too_large_for_a_float_is_a_bad_message_not_a_crash() -> None:
     session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"))
     frame = '{"text": "Hi. ", "context_id": "a", "voice_settings": {"speed": ' + "1" * 400 + "}}"
     (error,) = _frames(session.receive_frame(frame, 0.0))
-    assert error["error"] == "bad_message" and "voice_settings.speed must be a finite number" in error["message"]
+    assert error["error"] == "bad_message"
+    assert "voice_settings.speed must be a finite number" in error["message"]
 
 
 def test_a_socket_waiting_for_its_key_is_closed_at_the_deadline_with_the_vendors_error() -> None:
     def authorize(key: str | None) -> None:
         raise AssertionError("no frame came, so no key was checked")
 
-    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(auth_timeout_s=5.0),
-                    authorize=authorize)
+    session = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"),
+                    Limits(auth_timeout_s=5.0), authorize=authorize)
     assert session.next_wakeup() == 5.0  # the timer wakes the session for it
     assert session.tick(4.9) == []
     actions = session.tick(5.0)
@@ -233,12 +247,13 @@ def test_a_socket_waiting_for_its_key_is_closed_at_the_deadline_with_the_vendors
     assert session.tick(6.0) == [] and session.next_wakeup() is None  # said once
 
 
-def test_a_socket_whose_key_came_has_no_deadline_and_one_keyed_at_the_handshake_never_had_one() -> None:
-    accepted = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(auth_timeout_s=5.0),
-                     authorize=lambda key: None)
+def test_a_socket_whose_key_came_has_no_deadline_and_one_keyed_at_the_handshake_had_none() -> None:
+    accepted = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"),
+                     Limits(auth_timeout_s=5.0), authorize=lambda key: None)
     accepted.receive_frame(json.dumps({"text": " ", "xi_api_key": "good-key-123"}), 1.0)
     assert accepted.tick(60.0) == [] and accepted.next_wakeup() is None
-    keyed = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"), Limits(auth_timeout_s=5.0))
+    keyed = _make(ElevenLabsMultiSession, parse_output_format("pcm_16000"),
+                  Limits(auth_timeout_s=5.0))
     assert keyed.tick(60.0) == [] and keyed.next_wakeup() is None
 
 
@@ -251,8 +266,10 @@ def test_the_url_voice_of_a_first_message_key_is_resolved_in_that_keys_tenant() 
     def session_for(tenant: Principal) -> ElevenLabsMultiSession:
         view = catalog.view(Principal(""))  # no key yet: the shared voices only
         session = ElevenLabsMultiSession(
-            "s1", catalog=view, sample_rate=RATE, options=SessionOptions(voice="joe"), limits=Limits(),
-            output=parse_output_format("pcm_16000"), admit=lambda key: None, release=lambda key: None,
+            "s1", catalog=view, sample_rate=RATE, options=SessionOptions(voice="joe"),
+            limits=Limits(),
+            output=parse_output_format("pcm_16000"), admit=lambda key: None,
+            release=lambda key: None,
             authorize=lambda key: view.rekey(tenant))  # the endpoint's: admission, then this view
         session.pending_voice = "alice-voice"
         session.start(0.0)
@@ -261,7 +278,8 @@ def test_the_url_voice_of_a_first_message_key_is_resolved_in_that_keys_tenant() 
     first = {"text": "Hello there. ", "context_id": "a", "xi_api_key": "any-key-123", "flush": True}
     refused = session_for(bob).receive_frame(json.dumps(first), 0.0)
     (error,) = _frames(refused)
-    assert (error["error"], error["message"]) == ("unknown_voice", unknown_voice_message("alice-voice"))
+    assert (error["error"], error["message"]) == ("unknown_voice",
+                                                  unknown_voice_message("alice-voice"))
     assert any(isinstance(a, Close) and a.code == 1008 for a in refused) and not _submits(refused)
     spoken = _submits(session_for(alice).receive_frame(json.dumps(first), 0.0))
     assert spoken and {s.request.voice for s in spoken} == {"alice-voice"}

@@ -1,4 +1,5 @@
-"""The Deepgram adapter's idle close against the vendor's: no message, 1011 with `NET-0001` in the reason.
+"""The Deepgram adapter's idle close against the vendor's: no message, 1011 with `NET-0001` in the
+reason.
 
 Deepgram reports a socket closed for sending nothing in the close frame alone
 (its "TTS Troubleshooting WebSocket, NET, and DATA Errors" guide: 1011,

@@ -1,4 +1,5 @@
-"""The ElevenLabs adapter's idle close against the vendor's own: the `input_timeout_exceeded` error, 1008.
+"""The ElevenLabs adapter's idle close against the vendor's own: the `input_timeout_exceeded` error,
+1008.
 
 ElevenLabs answers a socket that sent no text within `inactivity_timeout`
 (20 s by default, up to 180) with {"message", "error": "input_timeout_exceeded",
@@ -19,7 +20,8 @@ from gateway.voices.catalog import VoiceCatalog
 
 
 def _session(kind: type[ElevenLabsSession]) -> ElevenLabsSession:
-    return kind("s1", catalog=VoiceCatalog({"joe"}), sample_rate=22050, options=SessionOptions(voice="joe"),
+    return kind("s1", catalog=VoiceCatalog({"joe"}), sample_rate=22050,
+                options=SessionOptions(voice="joe"),
                 limits=Limits(idle_timeout_s=20.0), output=parse_output_format("pcm_16000"),
                 admit=lambda key: None, release=lambda key: None)
 
@@ -33,4 +35,5 @@ def test_an_idle_socket_gets_input_timeout_exceeded_and_a_1008_close_on_both_end
         assert (message["error"], message["code"]) == ("input_timeout_exceeded", 1008)
         assert "20 s" in message["message"]
         assert isinstance(close, Close) and close.code == 1008
-        assert close.reason.startswith("input_timeout_exceeded") and len(close.reason.encode()) <= 123
+        assert close.reason.startswith("input_timeout_exceeded")
+        assert len(close.reason.encode()) <= 123

@@ -29,7 +29,8 @@ def test_elevenlabs_output_formats_parse(name: str, expected: OutputFormat) -> N
     assert parse_output_format(name) == expected
 
 
-@pytest.mark.parametrize("name", ["pcm_11025", "mp3_22050_128", "opus_24000_32", "wav", "ulaw_16000"])
+@pytest.mark.parametrize("name",
+                         ["pcm_11025", "mp3_22050_128", "opus_24000_32", "wav", "ulaw_16000"])
 def test_an_unoffered_elevenlabs_format_is_refused_with_the_list(name: str) -> None:
     with pytest.raises(ProtocolError) as caught:
         parse_output_format(name)
@@ -74,7 +75,8 @@ def test_raw_formats_keep_the_length_at_the_stated_rate(fmt: OutputFormat) -> No
     assert 0.15 < float(np.abs(decoded).max()) < 0.35  # 0.25, through the codec
 
 
-@pytest.mark.parametrize("fmt", [OutputFormat("mp3", 22050, 32000), OutputFormat("ogg_opus", 48000, 64000)])
+@pytest.mark.parametrize("fmt", [OutputFormat("mp3", 22050, 32000),
+                                 OutputFormat("ogg_opus", 48000, 64000)])
 def test_compressed_formats_are_one_stream_a_decoder_reads_whole(fmt: OutputFormat) -> None:
     encoder = EncoderFactory().open(fmt.audio, 22050)
     pcm = _engine_pcm(2.0)

@@ -12,8 +12,8 @@ RATE = 1000  # one sample a millisecond: durations read directly
 
 
 def _chunk(request: str, audio_ms: int, step_ms: float, *, is_last: bool = True) -> AudioChunk:
-    return AudioChunk(RequestId(request), np.zeros(audio_ms, dtype=np.float32), RATE, is_last=is_last,
-                      step_ms=step_ms)
+    return AudioChunk(RequestId(request), np.zeros(audio_ms, dtype=np.float32), RATE,
+                      is_last=is_last, step_ms=step_ms)
 
 
 def test_each_stretch_gets_the_share_of_the_chunks_it_overlaps() -> None:
@@ -24,7 +24,8 @@ def test_each_stretch_gets_the_share_of_the_chunks_it_overlaps() -> None:
     ledger.made(_chunk("r1", 100, 30.0))                  # 0.3
     ledger.started("v1", RequestId("r1"), 0.0)
     assert ledger.spent("v1", 0.0, 100.0) == pytest.approx(10.0)
-    assert ledger.spent("v1", 150.0, 100.0) == pytest.approx(5.0 + 15.0)  # across the chunk boundary
+    # across the chunk boundary
+    assert ledger.spent("v1", 150.0, 100.0) == pytest.approx(5.0 + 15.0)
     # the next request's audio follows on the same timeline, and arrived out of order: no matter
     ledger.made(_chunk("r2", 100, 50.0))
     ledger.started("v1", RequestId("r2"), 300.0)

@@ -69,7 +69,8 @@ def test_sse_sends_base64_deltas_of_the_same_body_then_done(app: Any) -> None:
     raw = speak(client, response_format="pcm").content
     response = speak(client, response_format="pcm", stream_format="sse")
     assert response.headers["content-type"].startswith("text/event-stream")
-    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in response.text.splitlines()
+              if line.startswith("data: ")]
     assert events[-1] == {"type": "speech.audio.done", "usage": None}
     deltas = [e for e in events[:-1] if e["type"] == "speech.audio.delta"]
     assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == raw
@@ -109,7 +110,8 @@ def test_the_voice_and_the_engine_capacity_are_let_go_when_the_body_ends(app: An
     ({"instructions": "Whisper."}, 400, "unsupported_option", "does not take instructions"),
     ({"input": "🙂🙂"}, 400, "bad_request", "nothing speakable"),
     # types before values (issue 21: {"voice": ["a"]} was a 500)
-    ({"voice": ["a"]}, 400, "bad_request", "'voice' must be a string or {\"id\": string}, got an array"),
+    ({"voice": ["a"]}, 400, "bad_request",
+     "'voice' must be a string or {\"id\": string}, got an array"),
     ({"voice": {"id": ["a"]}}, 400, "bad_request", "got an array"),
     ({"input": ["Hello."]}, 400, "bad_request", "'input' must be a string, got an array"),
     ({"model": {"a": 1}}, 400, "bad_request", "'model' must be a string, got an object"),
@@ -133,8 +135,8 @@ def test_each_bad_request_gets_the_one_error_shape(app: Any, body: dict[str, Any
 def test_a_body_that_is_not_a_json_object_is_refused(app: Any) -> None:
     client, backend, _ = app
     json_type = {"Content-Type": "application/json"}
-    for body in (b"[1, 2]", b"{oops", b'{"input": "Hi.", "speed": NaN}', b'{"input": "Hi.", "speed": 1e400}',
-                 b"[" * 3000 + b"]" * 3000):
+    for body in (b"[1, 2]", b"{oops", b'{"input": "Hi.", "speed": NaN}',
+                 b'{"input": "Hi.", "speed": 1e400}', b"[" * 3000 + b"]" * 3000):
         response = client.post("/v1/audio/speech", content=body, headers=json_type)
         assert response.status_code == 400 and response.json()["code"] == "bad_request", body[:40]
     assert backend.requests == []
@@ -162,7 +164,8 @@ def test_a_body_over_the_cap_is_refused_with_413_as_it_streams(app: Any) -> None
             yield b"x" * 4096
         yield b'"}'
 
-    response = client.post("/v1/audio/speech", content=chunked(), headers={"Content-Type": "application/json"})
+    response = client.post("/v1/audio/speech", content=chunked(),
+                           headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and response.json()["code"] == "body_too_large"
     assert backend.requests == []
 
@@ -175,7 +178,8 @@ def test_a_server_shutting_down_answers_busy(app: Any) -> None:
     assert response.json()["code"] == "busy"
 
 
-def test_another_tenants_voice_is_unknown_to_a_key_and_the_error_lists_no_voice(tmp_path: Path) -> None:
+def test_another_tenants_voice_is_unknown_to_a_key_and_the_error_lists_no_voice(
+        tmp_path: Path) -> None:
     from gateway.access.keys import AuthConfig, tenant_of
 
     key_a, key_b = "sk-tenant-a-0123", "sk-tenant-b-0123"

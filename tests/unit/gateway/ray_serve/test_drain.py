@@ -27,11 +27,13 @@ def app_loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def test_the_drain_runs_on_the_apps_loop_and_is_waited_for(app_loop: asyncio.AbstractEventLoop) -> None:
+def test_the_drain_runs_on_the_apps_loop_and_is_waited_for(
+        app_loop: asyncio.AbstractEventLoop) -> None:
     seen: list[object] = []
 
     async def drain() -> None:
-        await asyncio.sleep(0.05)  # a drain that takes a while: the subject is that it is waited for
+        # a drain that takes a while: the subject is that it is waited for
+        await asyncio.sleep(0.05)
         seen.append(asyncio.get_running_loop())
 
     asyncio.run(run_drain(drain, app_loop, timeout_s=10))

@@ -50,7 +50,8 @@ def test_without_word_timings_a_segment_counts_as_heard_once_it_began_playing() 
 
 def test_word_timings_split_a_segment_at_the_last_word_heard_whole() -> None:
     context = make_context()
-    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200), WordTiming("gamma.", 200, 300)]
+    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200),
+             WordTiming("gamma.", 200, 300)]
     add_segment(context, "Alpha beta gamma.", audio_ms=300, words=words)
     assert heard(context, 150) == ("Alpha", "beta gamma.")
     assert heard(context, 300) == ("Alpha beta gamma.", "")
@@ -63,7 +64,7 @@ def test_text_still_in_the_segmenter_is_unspoken() -> None:
     assert heard(context, 500) == ("Spoken.", "and the rest")
 
 
-def test_what_was_heard_is_the_report_given_else_the_last_playback_and_never_past_what_was_sent() -> None:
+def test_what_was_heard_is_the_report_else_the_last_playback_and_never_past_what_was_sent() -> None:
     context = make_context()
     context.playout.audio_ms_sent = 800.0
     assert context.heard_ms(None) == 800.0

@@ -78,7 +78,8 @@ def run(scenario: Scenario, *, limits: Limits | None = None, is_reading: bool = 
     async def main() -> AppState:
         engine = Engine(backend or ScriptedBackend(), EngineConfig(warmup_text=""))
         await engine.start()
-        state = AppState(GatewayConfig(voice="v", data_dir=tmp_path or Path(".")), engine, Metrics(engine))
+        state = AppState(GatewayConfig(voice="v", data_dir=tmp_path or Path(".")), engine,
+                         Metrics(engine))
         state.catalog.set_listed({"v"})
         session = Session("s", catalog=state.catalog, sample_rate=engine.sample_rate, options=PCM16,
                           limits=limits, admit=engine.admit, release=engine.release_context)
@@ -121,7 +122,8 @@ def test_a_client_that_stops_reading_is_dropped_as_a_slow_consumer_and_its_work_
         tmp_path: Path) -> None:
     async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
         running = asyncio.create_task(connection.run())
-        ws.say({"type": "text", "context_id": "c", "text": "A long answer nobody reads. ", "flush": True})
+        ws.say({"type": "text", "context_id": "c", "text": "A long answer nobody reads. ",
+                "flush": True})
         await asyncio.wait_for(running, 20)  # the connection ends by itself
         assert ws.sent == []  # nothing ever got through
         assert 'voxgate_errors_total{code="slow_consumer"} 1.0' in state.metrics.render().decode()
@@ -139,13 +141,15 @@ def test_a_silent_client_gets_a_fatal_error_and_close_4000_after_the_idle_timeou
     async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
         await asyncio.wait_for(connection.run(), 10)
         error = ws.events()[-1]
-        assert error["type"] == "error" and error["fatal"] is True and "without messages" in error["message"]
+        assert error["type"] == "error" and error["fatal"] is True
+        assert "without messages" in error["message"]
         assert ws.closed == (4000, "idle timeout")
 
     run(scenario, limits=Limits(idle_timeout_s=0.2), tmp_path=tmp_path)
 
 
-def test_an_open_context_does_not_keep_a_silent_client_past_the_idle_timeout(tmp_path: Path) -> None:
+def test_an_open_context_does_not_keep_a_silent_client_past_the_idle_timeout(
+        tmp_path: Path) -> None:
     async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
         running = asyncio.create_task(connection.run())
         ws.say({"type": "text", "context_id": "c", "text": "x"})  # never flushed

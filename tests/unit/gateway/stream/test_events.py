@@ -1,4 +1,5 @@
-"""Server events: each spells its wire fields once (`to_wire`), and is encoded in the session's encoding."""
+"""Server events: each spells its wire fields once (`to_wire`), and is encoded in the session's
+encoding."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_session_ready_and_updated_carry_the_wire_options() -> None:
 
 def test_segment_rounds_its_times_and_lists_words_when_known() -> None:
     event = SegmentEvent("c", 2, "Hi there.", 1234.5678, 456.789,
-                         [WordTiming("Hi", 0.04, 120.06), WordTiming("there.", 120.06, 456.7)]).to_wire()
+                         [WordTiming("Hi", 0.04, 120.06),
+                          WordTiming("there.", 120.06, 456.7)]).to_wire()
     assert event["pts_ms"] == 1234.6 and event["duration_ms"] == 456.8
     assert event["words"] == [{"word": "Hi", "start_ms": 0.0, "end_ms": 120.1},
                               {"word": "there.", "start_ms": 120.1, "end_ms": 456.7}]
@@ -45,7 +47,8 @@ def test_audio_carries_opus_packets_as_a_list_and_pcm_joined() -> None:
     opus = AudioEvent("c", 3, 60.00049, 40.0, "opus", (b"ab", b"cd")).to_wire()
     assert opus["packets"] == [b"ab", b"cd"] and "data" not in opus and opus["pts_ms"] == 60.0
     pcm = AudioEvent("c", 0, 0.0, 40.0, "pcm16", (b"ab", b"cd"))
-    assert pcm.data == b"abcd" and pcm.to_wire()["data"] == b"abcd" and "packets" not in pcm.to_wire()
+    assert pcm.data == b"abcd" and pcm.to_wire()["data"] == b"abcd"
+    assert "packets" not in pcm.to_wire()
 
 
 def test_cancelled_rounds_what_was_sent_and_keeps_nones_for_a_closed_context() -> None:

@@ -39,8 +39,8 @@ def make_session(voice_for: dict[str, str] | None = None, catalog: VoiceCatalog 
 
 
 def text(session: Session, context_id: str, value: str, flush: bool = True) -> list[Any]:
-    return session.receive_frame(json.dumps({"type": "text", "context_id": context_id, "text": value,
-                                             "flush": flush}), 0.0)
+    return session.receive_frame(json.dumps({"type": "text", "context_id": context_id,
+                                             "text": value, "flush": flush}), 0.0)
 
 
 def events(actions: list[Any], *kinds: str) -> list[dict[str, Any]]:
@@ -93,10 +93,12 @@ def test_a_chinese_sentence_goes_to_the_voice_mapped_for_chinese_in_order() -> N
     session = make_session(voice_for={"zh": "mei"})
     actions = text(session, "c", "Hello there, my friend. 今天天气很好。 See you tomorrow.")
     requests = submits(actions)
-    assert [(r.voice, r.language) for r in requests] == [("joe", None), ("mei", None), ("joe", None)]
+    assert [(r.voice, r.language) for r in requests] == [("joe", None), ("mei", None),
+                                                         ("joe", None)]
     out = speak_all(session, actions)
     segments = events(out, "segment")
-    assert [s["text"] for s in segments] == ["Hello there, my friend.", "今天天气很好。", "See you tomorrow."]
+    assert [s["text"] for s in segments] == ["Hello there, my friend.", "今天天气很好。",
+                                             "See you tomorrow."]
     assert [s["pts_ms"] for s in segments] == sorted(s["pts_ms"] for s in segments)
     assert events(out, "text.skipped") == []
     audio = [a.message for a in out if isinstance(a, Send) and a.message.type == "audio"]
@@ -122,8 +124,9 @@ def test_a_chinese_name_in_an_english_sentence_stays_english_and_is_cut_out() ->
     assert segment["text"][:skipped["offset"]] == "I met"
 
 
-def test_a_cyrillic_segment_is_skipped_as_undetermined_cyrillic_or_goes_to_a_russian_voice() -> None:
-    out = speak_all(session := make_session(), text(session, "c", "Привет, как дела? Fine, thanks."))
+def test_a_cyrillic_segment_is_skipped_as_undetermined_or_goes_to_a_russian_voice() -> None:
+    out = speak_all(session := make_session(),
+                    text(session, "c", "Привет, как дела? Fine, thanks."))
     assert [(e["text"], e["language"]) for e in events(out, "text.skipped")] == [
         ("Привет, как дела?", "und-Cyrl")]
     session = make_session(voice_for={"ru": "ivan"})
@@ -143,14 +146,16 @@ def test_a_context_with_nothing_to_say_takes_no_engine_capacity_and_ends_silent(
 
 def test_at_barge_in_skipped_text_is_unspoken_wherever_it_fell() -> None:
     session = make_session()
-    actions = text(session, "c", "I met 王小明 at the station yesterday. 今天天气很好。 Then we left.")
+    actions = text(session, "c",
+                   "I met 王小明 at the station yesterday. 今天天气很好。 Then we left.")
     first = submits(actions)[0]
     answer(session, first)  # 6 words of 100 ms
     cancel = session.receive_frame(json.dumps({"type": "cancel", "context_id": "c",
                                                "played_ms": 250}), 0.5)
     (cancelled,) = events(cancel, "cancelled")
     assert cancelled["spoken_text"] == "I met"
-    assert cancelled["unspoken_text"] == "王小明 at the station yesterday. 今天天气很好。 Then we left."
+    assert cancelled["unspoken_text"] == \
+        "王小明 at the station yesterday. 今天天气很好。 Then we left."
 
 
 def test_a_fully_heard_segment_leaves_its_skipped_name_unspoken() -> None:
@@ -193,7 +198,8 @@ def test_without_languages_a_session_speaks_everything_with_its_voice() -> None:
     session = Session("s1", catalog=VoiceCatalog(LANGUAGES), sample_rate=RATE)
     session.start(0.0)
     requests = submits(text(session, "c", "Hello there. 今天天气很好。"))
-    assert [(r.text, r.voice) for r in requests] == [("Hello there.", "joe"), ("今天天气很好。", "joe")]
+    assert [(r.text, r.voice) for r in requests] == [("Hello there.", "joe"),
+                                                     ("今天天气很好。", "joe")]
 
 
 @given(mixed_text, st.sampled_from([None, {"zh": "mei"}, {"ru": "ivan", "ja": "mei"}]))

@@ -35,15 +35,18 @@ def decoded(message: dict) -> object:
 def test_json_and_msgpack_frames_decode_to_the_same_message() -> None:
     message = {"type": "text", "context_id": "c1", "text": "Hi there.", "flush": True}
     assert decode_message(json.dumps(message), 1000) == TextMessage("c1", "Hi there.", flush=True)
-    assert decode_message(msgpack.packb(message), 1000) == TextMessage("c1", "Hi there.", flush=True)
+    assert decode_message(msgpack.packb(message), 1000) == TextMessage(
+        "c1", "Hi there.", flush=True)
 
 
 def test_each_message_type_decodes_to_its_typed_message() -> None:
     assert decoded({"type": "text", "context_id": "c", "text": "Hi"}) == TextMessage("c", "Hi")
     assert decoded({"type": "flush", "context_id": "c"}) == FlushMessage("c")
     assert decoded({"type": "cancel"}) == CancelMessage()
-    assert decoded({"type": "cancel", "context_id": "c", "played_ms": 250}) == CancelMessage("c", 250.0)
-    assert decoded({"type": "playback", "context_id": "c", "played_ms": 9.5}) == PlaybackMessage("c", 9.5)
+    assert decoded({"type": "cancel", "context_id": "c", "played_ms": 250}) == CancelMessage(
+        "c", 250.0)
+    assert decoded({"type": "playback", "context_id": "c", "played_ms": 9.5}) == PlaybackMessage(
+        "c", 9.5)
     assert decoded({"type": "close"}) == CloseMessage()
     update = decoded({"type": "session.update", "speed": 1.5, "codec": "pcm16"})
     assert update == SessionUpdate({"speed": 1.5, "codec": "pcm16"})
@@ -56,17 +59,20 @@ def test_a_misspelt_field_is_refused_naming_it_and_the_fields_expected() -> None
     assert error.context_id == "c"  # the error is routed to the context it came for
     closing = refusal(decoded, {"type": "close", "now": True})
     assert "unknown field 'now' in 'close'; expected no field besides 'type'" in closing.message
-    assert "expected context_id, played_ms" in refusal(decoded, {"type": "cancel", "id": "c"}).message
+    assert "expected context_id, played_ms" in refusal(decoded,
+                                                       {"type": "cancel", "id": "c"}).message
 
 
 def test_an_unknown_option_in_an_update_is_unsupported_and_lists_the_options() -> None:
     error = refusal(decoded, {"type": "session.update", "sped": 1.5})
-    assert error.code == "unsupported_option" and "unknown option 'sped'; expected one of voice" in error.message
+    assert error.code == "unsupported_option"
+    assert "unknown option 'sped'; expected one of voice" in error.message
 
 
 def test_an_unknown_type_lists_the_types() -> None:
     error = refusal(decoded, {"type": "speak"})
-    assert error.code == "bad_message" and "expected one of session.update, text, flush" in error.message
+    assert error.code == "bad_message"
+    assert "expected one of session.update, text, flush" in error.message
 
 
 @pytest.mark.parametrize(("raw", "code", "words"), [
@@ -76,7 +82,8 @@ def test_an_unknown_type_lists_the_types() -> None:
     ("[1, 2]", "bad_message", "must be an object, got list"),
     ('{"context_id": "c"}', "bad_message", "string field 'type'"),
 ])
-def test_a_bad_frame_is_refused_with_what_was_expected(raw: str | bytes, code: str, words: str) -> None:
+def test_a_bad_frame_is_refused_with_what_was_expected(raw: str | bytes, code: str,
+                                                       words: str) -> None:
     error = refusal(decode_message, raw, 1000)
     assert error.code == code and words in error.message
 
@@ -102,7 +109,8 @@ def test_numbers_too_large_for_a_float_are_refused_where_a_number_goes() -> None
     huge = int("9" * 400)
     assert "finite number" in refusal(optional_ms, {"played_ms": huge}, "played_ms").message
     assert "finite number" in refusal(optional_ms, {"played_ms": float("nan")}, "played_ms").message
-    update = refusal(decode_message, msgpack.packb({"type": "session.update", "speed": float("nan")}), 100)
+    update = refusal(decode_message,
+                     msgpack.packb({"type": "session.update", "speed": float("nan")}), 100)
     assert update.code == "bad_message" and "speed must be a finite number" in update.message
 
 
@@ -115,7 +123,8 @@ def test_context_ids_are_checked_for_type_and_charset() -> None:
     assert context_id_of({"type": "flush", "context_id": "a.b:c-1_2"}, required=True) == "a.b:c-1_2"
     assert context_id_of({"type": "cancel"}, required=False) is None
     assert refusal(context_id_of, {"type": "flush"}, required=True).code == "bad_message"
-    assert refusal(context_id_of, {"type": "flush", "context_id": 7}, required=True).code == "bad_message"
+    assert refusal(context_id_of, {"type": "flush", "context_id": 7},
+                   required=True).code == "bad_message"
     bad = refusal(context_id_of, {"type": "flush", "context_id": "no spaces"}, required=True)
     assert bad.code == "bad_context_id" and "got 'no spaces'" in bad.message
 

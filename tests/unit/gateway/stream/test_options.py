@@ -1,4 +1,5 @@
-"""Session options and limits: updates and query strings checked, rates limited with the time passed in."""
+"""Session options and limits: updates and query strings checked, rates limited with the time passed
+in."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def test_numbers_too_large_for_a_float_are_refused_where_a_number_goes() -> None
     huge = int("9" * 400)
     error = refusal(apply_update, SessionOptions(), {"speed": huge}, {"joe"})
     assert error.code == "bad_message" and "speed must be a finite number" in error.message
-    assert refusal(apply_update, SessionOptions(), {"speed": float("inf")}, {"joe"}).code == "bad_message"
-    assert refusal(apply_update, SessionOptions(), {"bitrate": huge}, {"joe"}).code == "unsupported_option"
+    assert refusal(apply_update, SessionOptions(), {"speed": float("inf")},
+                   {"joe"}).code == "bad_message"
+    error = refusal(apply_update, SessionOptions(), {"bitrate": huge}, {"joe"})
+    assert error.code == "unsupported_option"
 
 
 def test_an_update_may_only_choose_a_listed_voice() -> None:
@@ -72,11 +75,14 @@ def test_every_option_on_the_wire_is_one_an_update_may_set() -> None:
 
 def test_query_options_arrive_as_text_and_are_checked_like_an_update() -> None:
     options = options_from_query({"codec": "pcm16", "sample_rate": "16000", "speed": "1.5",
-                                  "voice": "ada", "api_key": "ignored"}, SessionOptions(), {"joe", "ada"})
-    assert (options.codec, options.sample_rate, options.speed, options.voice) == ("pcm16", 16000, 1.5, "ada")
+                                  "voice": "ada", "api_key": "ignored"}, SessionOptions(),
+                                 {"joe", "ada"})
+    assert (options.codec, options.sample_rate, options.speed, options.voice) == (
+        "pcm16", 16000, 1.5, "ada")
     with pytest.raises(ProtocolError, match="sample_rate must be a number, got 'fast'"):
         options_from_query({"sample_rate": "fast"}, SessionOptions(), {"joe"})
-    assert refusal(options_from_query, {"voice": "zed"}, SessionOptions(), {"joe"}).code == "unknown_voice"
+    assert refusal(options_from_query, {"voice": "zed"}, SessionOptions(),
+                   {"joe"}).code == "unknown_voice"
 
 
 def test_a_token_bucket_allows_a_burst_then_refills_with_the_time_passed_in() -> None:

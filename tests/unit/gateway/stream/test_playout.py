@@ -65,7 +65,8 @@ def test_opus_messages_carry_a_list_of_packets_that_decode_back() -> None:
     playout.finish()
     messages = playout.release(0.0, 0.0)
     packets = [p for m in messages for p in m.payloads]
-    assert all(isinstance(p, bytes) for p in packets) and messages[0].to_wire().keys() >= {"packets"} and "data" not in messages[0].to_wire()
+    assert all(isinstance(p, bytes) for p in packets)
+    assert messages[0].to_wire().keys() >= {"packets"} and "data" not in messages[0].to_wire()
     decoded = decode_opus_packets(packets, 48000, pre_skip=encoder.pre_skip)
     assert len(decoded) >= 0.5 * 48000
 
@@ -98,7 +99,8 @@ def test_realtime_pacing_keeps_the_client_at_most_the_lead_ahead() -> None:
     assert due is not None and 10.0 < due <= 10.1
     assert playout.release(now=due - 0.01, playback_end=0.0) == []
     later = playout.release(now=11.0, playback_end=0.0)
-    assert lead_ms + sum(m.duration_ms for m in later) == pytest.approx(REALTIME_LEAD_MS + 1000, abs=100)
+    assert lead_ms + sum(m.duration_ms for m in later) == pytest.approx(
+        REALTIME_LEAD_MS + 1000, abs=100)
 
 
 def test_a_context_starts_playing_when_the_one_before_it_ends() -> None:

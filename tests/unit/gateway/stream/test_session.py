@@ -20,14 +20,16 @@ RATE = 22050
 
 def make_session(**kwargs) -> Session:  # type: ignore[no-untyped-def]
     options = kwargs.pop("options", SessionOptions(codec="pcm16", sample_rate=24000))
-    session = Session("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, options=options, **kwargs)
+    session = Session("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, options=options,
+                      **kwargs)
     session.start(0.0)
     return session
 
 
-def text(session: Session, context_id: str, value: str, now: float = 0.0, flush: bool = False) -> list:
-    return session.receive_frame(json.dumps({"type": "text", "context_id": context_id, "text": value,
-                                             "flush": flush}), now)
+def text(session: Session, context_id: str, value: str, now: float = 0.0,
+         flush: bool = False) -> list:
+    return session.receive_frame(json.dumps({"type": "text", "context_id": context_id,
+                                             "text": value, "flush": flush}), now)
 
 
 def sent(actions: list, kind: str | None = None) -> list[dict]:
@@ -50,7 +52,8 @@ def chunk(request_id, seconds: float, words: list[WordTiming] | None = None) -> 
 
 
 def test_session_ready_announces_options_and_limits() -> None:
-    session = Session("abc", catalog=VoiceCatalog({"joe"}), sample_rate=RATE, limits=Limits(max_open_contexts=3))
+    session = Session("abc", catalog=VoiceCatalog({"joe"}), sample_rate=RATE,
+                      limits=Limits(max_open_contexts=3))
     ready = sent(session.start(0.0))[0]
     assert ready["type"] == "session.ready" and ready["protocol"] == 1
     assert ready["limits"]["max_open_contexts"] == 3
@@ -61,7 +64,8 @@ def test_segments_go_to_the_engine_in_order_with_where_they_play_and_no_time() -
     # the engine times them (engine/clock.py): a context's segments play in the order submitted,
     # and a context opened while another still plays plays after it
     session = make_session()
-    requests = submits(text(session, "c", "The first sentence is here. Second one follows. Third", now=5.0))
+    requests = submits(text(session, "c", "The first sentence is here. Second one follows. Third",
+                            now=5.0))
     assert [r.text for r in requests] == ["The first sentence is here.", "Second one follows."]
     assert len({r.context_key for r in requests}) == 1
     assert [r.plays_after for r in requests] == ["", ""]
@@ -101,10 +105,11 @@ def test_contexts_play_one_after_another() -> None:
 def test_cancel_splits_heard_text_by_word_timings() -> None:
     session = make_session()
     r1, r2 = submits(text(session, "c", "Alpha beta gamma delta. Epsilon zeta. Eta", now=0.0))
-    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200), WordTiming("gamma", 200, 250),
-             WordTiming("delta.", 250, 300)]
+    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200),
+             WordTiming("gamma", 200, 250), WordTiming("delta.", 250, 300)]
     session.receive_audio(chunk(r1.request_id, 0.3, words), 0.1)
-    actions = session.receive_frame(json.dumps({"type": "cancel", "context_id": "c", "played_ms": 210}), 0.3)
+    actions = session.receive_frame(json.dumps({"type": "cancel", "context_id": "c",
+                                                "played_ms": 210}), 0.3)
     cancelled = sent(actions, "cancelled")[0]
     assert cancelled["spoken_text"] == "Alpha beta"
     assert cancelled["unspoken_text"] == "gamma delta. Epsilon zeta. Eta"
@@ -210,7 +215,8 @@ def test_engine_failure_ends_only_its_context() -> None:
 
 
 def test_realtime_pacing_keeps_a_bounded_lead() -> None:
-    session = make_session(options=SessionOptions(codec="pcm16", sample_rate=24000, pacing="realtime"))
+    session = make_session(options=SessionOptions(codec="pcm16", sample_rate=24000,
+                                                  pacing="realtime"))
     (r1,) = submits(text(session, "c", "A long segment of speech. ", flush=True))
     first = session.receive_audio(chunk(r1.request_id, 5.0), 10.0)
     sent_ms = sum(a.duration_ms for a in audio_of(first))
@@ -245,10 +251,13 @@ def test_session_update_changes_options_for_new_contexts() -> None:
 def test_cancel_after_all_audio_was_sent_still_splits_by_what_was_heard() -> None:
     session = make_session()
     (r1,) = submits(text(session, "c", "Alpha beta gamma. ", flush=True))
-    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200), WordTiming("gamma.", 200, 300)]
+    words = [WordTiming("Alpha", 0, 100), WordTiming("beta", 100, 200),
+             WordTiming("gamma.", 200, 300)]
     assert sent(session.receive_audio(chunk(r1.request_id, 0.3, words), 0.1), "context.done")
-    session.receive_frame(json.dumps({"type": "playback", "context_id": "c", "played_ms": 150}), 0.2)
-    cancelled = sent(session.receive_frame(json.dumps({"type": "cancel", "context_id": "c"}), 0.3))[0]
+    session.receive_frame(json.dumps({"type": "playback", "context_id": "c", "played_ms": 150}),
+                          0.2)
+    cancelled = sent(session.receive_frame(json.dumps({"type": "cancel", "context_id": "c"}),
+                                           0.3))[0]
     assert cancelled["spoken_text"] == "Alpha" and cancelled["unspoken_text"] == "beta gamma."
     # with no played_ms of its own, the answer says where it cut: the last playback report
     assert cancelled["played_ms"] == 150

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from gateway.text.cleanup import BREAK, CODE_CLOSE, CODE_OPEN, SpeechCleaner, clean_for_speech
 
 WORDS = ["hello", "World", "Dr.", "e.g.", "3.14", "1,000", "v2.1.3", "a.m.", "U.S.", "The", "I",
-         "你好", "世界", "中文", "Python", "great🎉", "✅done", "x_y", "2*3", "C#", "it's", "(see)", "“quoted”"]
+         "你好", "世界", "中文", "Python", "great🎉", "✅done", "x_y", "2*3", "C#", "it's", "(see)",
+         "“quoted”"]
 WRAPS = ["{}", "{}", "{}", "**{}**", "*{}*", "_{}_", "__{}__", "~~{}~~", "`{}`", "[{}](https://x.com/a.b)",
          "![{}](i.png)", "***{}***"]
-PREFIXES = ["", "", "", "- ", "* ", "+ ", "1. ", "12) ", "# ", "### ", "> ", "> - ", "  - ", "**1.** "]
+PREFIXES = ["", "", "", "- ", "* ", "+ ", "1. ", "12) ", "# ", "### ", "> ", "> - ", "  - ",
+            "**1.** "]
 ENDS = ["", ".", "!", "?", "…", "。", "！", "：", ",", ";", " —"]
 
 
@@ -134,7 +136,7 @@ def test_cleanup_of_any_text_is_split_invariant_and_folds_whitespace(text: str) 
     assert spoken == spoken.strip() and "  " not in spoken and "\n" not in spoken
 
 
-# -- cost per delta (docs/segmenter.md, "Cost per delta") --------------------------------------------
+# -- cost per delta (docs/segmenter.md, "Cost per delta") ------------------------------------------
 #
 # Work is counted, not timed: `num_examined` adds up the characters the cleaner reads, held
 # text read again included. Before the holds were bounded and remembered, a delta on a line of
@@ -169,7 +171,8 @@ def test_the_cost_of_a_delta_stays_flat_as_a_held_line_grows(opening: str) -> No
 
 
 def test_a_line_long_past_its_judgement_cleans_alike_whole_and_in_pieces() -> None:
-    for text in ["a\n" + "-" * 300 + " tail\nb", "```\nx\n" + "`" * 300 + "\nafter", "~" * 300 + " info\nx",
+    for text in ["a\n" + "-" * 300 + " tail\nb", "```\nx\n" + "`" * 300 + "\nafter",
+                 "~" * 300 + " info\nx",
                  "a snake" + "_" * 500 + "case b", "x " + "`" * 250 + "y" + "`" * 250 + " z",
                  "| " + "c " * 1100 + "|\nnext", "[" + "t" * 400 + "](u) end"]:
         whole = clean_in_pieces(text, [])
@@ -183,9 +186,10 @@ def test_a_rule_judged_from_its_start_drops_more_of_its_marks_and_reads_other_te
     assert clean_for_speech("a snake" + "_" * 500 + "case") == "a snake" + "_" * 500 + "case"
 
 
-LONG_PIECES = ["-" * 255, "-" * 257, "_" * 260, "`" * 199, "`" * 201, "~" * 258, "=" * 300, " " * 300,
-               "x" * 1999, "| " + "y" * 2001, "[" + "t" * 299, "](" + "u" * 2001, "*" * 3, "\n", "```\n",
-               " word ", "snake_", "`code`", "|", "#"]
+LONG_PIECES = ["-" * 255, "-" * 257, "_" * 260, "`" * 199, "`" * 201, "~" * 258, "=" * 300,
+               " " * 300,
+               "x" * 1999, "| " + "y" * 2001, "[" + "t" * 299, "](" + "u" * 2001, "*" * 3, "\n",
+               "```\n", " word ", "snake_", "`code`", "|", "#"]
 
 
 @settings(max_examples=100, deadline=None)

@@ -81,7 +81,8 @@ def test_digits_and_punctuation_stay_on_the_voice() -> None:
 
 
 def test_voice_for_keys_are_normalized_and_checked() -> None:
-    assert normalize_voice_for({"zh-CN": "mei", "und-cyrl": "ivan"}) == {"zh": "mei", "und-Cyrl": "ivan"}
+    assert normalize_voice_for({"zh-CN": "mei", "und-cyrl": "ivan"}) == {
+        "zh": "mei", "und-Cyrl": "ivan"}
     with pytest.raises(ValueError, match="language tags"):
         normalize_voice_for({"chinese!": "mei"})
     with pytest.raises(ValueError, match="voice id"):
@@ -107,7 +108,8 @@ def test_voice_scripts_are_read_again_after_forget() -> None:
 
 
 @given(mixed_text, st.sampled_from(sorted(LANGUAGES)),
-       st.dictionaries(st.sampled_from(["zh", "ru", "ja", "und-Grek"]), st.sampled_from(sorted(LANGUAGES))))
+       st.dictionaries(st.sampled_from(["zh", "ru", "ja", "und-Grek"]),
+                       st.sampled_from(sorted(LANGUAGES))))
 @settings(max_examples=300, deadline=None)
 def test_a_route_rejoins_to_its_segment(text: str, voice: str, voice_for: dict[str, str]) -> None:
     result = route(text, voice, voice_for, scripts)

@@ -21,8 +21,10 @@ CASES = [json.loads(line) for line in
 
 # Fragments that meet at the hard places: abbreviations, numbers, markdown, CJK, emoji.
 FRAGMENTS = [
-    "Hello", "world", "Mr.", "Dr.", "e.g.", "U.S.", "etc.", "3.14", "1,000", "v2.1.3", "The", "I", "J.",
-    "a.m.", ".", ". ", "! ", "? ", "...", "…", ", ", "; ", ": ", " - ", "—", " ", "  ", "\n", "\n\n",
+    "Hello", "world", "Mr.", "Dr.", "e.g.", "U.S.", "etc.", "3.14", "1,000", "v2.1.3", "The", "I",
+    "J.",
+    "a.m.", ".", ". ", "! ", "? ", "...", "…", ", ", "; ", ": ", " - ", "—", " ", "  ", "\n",
+    "\n\n",
     "- ", "* ", "1. ", "# ", "**", "*", "_", "~~", "`", "```", "```py\n", "[", "](", ")", "![", "|",
     "| a | b |\n", "---\n", "> ", "你好", "。", "，", "！", "；", "世界", "“", "”", "\"", "(", "🎉",
     "\u200d", "https://x.com/a.b", "a@b.com", "Yes", "it", "12345", "Let's", "\t", "\\", "2", "*3",
@@ -200,7 +202,8 @@ def test_a_short_opener_is_spoken_at_once_and_the_next_clause_follows_before_it_
     assert segmenter.push(" the short version, in two parts. Then", 0.0) == [
         "Here is the short version,", "in two parts."]
     # ...and once the context has spoken 4 words, segments are whole sentences.
-    assert segmenter.push(" more, and more. Ok. Fine. Next", 0.0) == ["Then more, and more.", "Ok.", "Fine."]
+    assert segmenter.push(" more, and more. Ok. Fine. Next", 0.0) == ["Then more, and more.",
+                                                                      "Ok.", "Fine."]
     assert segmenter.num_words_emitted == 1 + 5 + 3 + 4 + 1 + 1
 
 

@@ -97,7 +97,8 @@ def test_a_session_speaking_a_deleted_voice_keeps_speaking_while_newcomers_are_r
     holder = Session("s1", catalog=catalog, sample_rate=16000, options=SessionOptions(voice="ada"))
     assert catalog.retire("ada") is False
     newcomer = Session("s2", catalog=catalog, sample_rate=16000)
-    refused = sent(newcomer.receive_frame(json.dumps({"type": "session.update", "voice": "ada"}), 0.0),
+    refused = sent(newcomer.receive_frame(json.dumps({"type": "session.update", "voice": "ada"}),
+                                          0.0),
                    "error")
     assert refused[0]["code"] == "unknown_voice"
     (request,) = [a.request for a in say(holder, "c", "Still speaking. ") if isinstance(a, Submit)]
@@ -118,7 +119,8 @@ class RegisteringBackend(ScriptedBackend):
         self.removed: list[str] = []
 
     def voices(self) -> list[VoiceInfo]:
-        return super().voices() + [VoiceInfo(v, name, "en", self.name, self.sample_rate, is_builtin=False)
+        return super().voices() + [VoiceInfo(v, name, "en", self.name, self.sample_rate,
+                                             is_builtin=False)
                                    for v, name in self.registered.items()]
 
     def prepare(self, request: SynthesisRequest) -> BackendRequest:
@@ -129,7 +131,8 @@ class RegisteringBackend(ScriptedBackend):
     def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
         self.retired.discard(voice_id)
         self.registered[voice_id] = str(meta["name"])
-        return VoiceInfo(voice_id, str(meta["name"]), "en", self.name, self.sample_rate, is_builtin=False)
+        return VoiceInfo(voice_id, str(meta["name"]), "en", self.name, self.sample_rate,
+                         is_builtin=False)
 
     def retire_voice(self, voice_id: str) -> None:
         if self.registered.pop(voice_id, None) is None:
@@ -148,7 +151,8 @@ def run_with_service(tmp_path: Path, body: Any) -> Any:
         backend = RegisteringBackend()
         engine = Engine(backend, EngineConfig(warmup_text=""))
         await engine.start()
-        service = VoiceService(VoiceConfig(data_dir=tmp_path, default_voice="v"), engine, VoiceCatalog())
+        service = VoiceService(VoiceConfig(data_dir=tmp_path, default_voice="v"), engine,
+                               VoiceCatalog())
         await service.start()
         try:
             await service.register(VoiceUpload(audio=make_wav(2.0, rate=16000), transcript="Hi.",
@@ -193,7 +197,8 @@ def test_a_deleted_voice_nobody_holds_leaves_the_engine_at_once(tmp_path: Path) 
     run_with_service(tmp_path, body)
 
 
-def test_a_voice_registered_again_while_held_is_not_removed_by_the_old_holder(tmp_path: Path) -> None:
+def test_a_voice_registered_again_while_held_is_not_removed_by_the_old_holder(
+        tmp_path: Path) -> None:
     async def body(backend: RegisteringBackend, engine: Engine,
                    service: VoiceService) -> tuple[RegisteringBackend, VoiceService]:
         session = Session("s", catalog=service.catalog, sample_rate=engine.sample_rate,
@@ -221,7 +226,8 @@ def test_a_socket_holding_a_deleted_voice_never_gets_another_tenants_voice_under
 
     async def body(backend: RegisteringBackend, engine: Engine, service: VoiceService) -> None:
         def upload(name: str) -> VoiceUpload:
-            return VoiceUpload(audio=make_wav(2.0, rate=16000), transcript="Hi.", voice_id="x", name=name)
+            return VoiceUpload(audio=make_wav(2.0, rate=16000), transcript="Hi.", voice_id="x",
+                               name=name)
 
         await service.register(upload("Alice's"), owner=alice.tenant)
         session = Session("s", catalog=service.catalog.view(alice), sample_rate=engine.sample_rate,
@@ -296,7 +302,8 @@ def test_a_session_on_a_tenants_view_cannot_switch_to_another_tenants_voice() ->
     alice, bob = Principal("a" * 32), Principal("b" * 32)
     catalog = VoiceCatalog({"joe", "alice-1"}, owners={"alice-1": alice.tenant})
     session = Session("s", catalog=catalog.view(bob), sample_rate=16000)
-    (error,) = sent(session.receive_frame(json.dumps({"type": "session.update", "voice": "alice-1"}),
+    (error,) = sent(session.receive_frame(json.dumps({"type": "session.update",
+                                                      "voice": "alice-1"}),
                                           0.0), "error")
     assert error["code"] == "unknown_voice" and "joe" not in error["message"]
     assert catalog.num_holders("alice-1") == 0
@@ -305,6 +312,6 @@ def test_a_session_on_a_tenants_view_cannot_switch_to_another_tenants_voice() ->
 def test_the_unknown_voice_message_names_the_id_asked_for_and_nothing_else() -> None:
     from gateway.voices.catalog import unknown_voice_message
 
-    assert unknown_voice_message("nope") == ("unknown voice 'nope'; GET /v1/voices lists the voices "
-                                             "this key may use")
+    assert unknown_voice_message("nope") == ("unknown voice 'nope'; GET /v1/voices lists the "
+                                             "voices this key may use")
     assert len(unknown_voice_message("x" * 10000)) < 200

@@ -76,7 +76,8 @@ def test_the_schema_version_is_recorded_and_a_newer_one_is_refused(tmp_path: Pat
     ("audio", b"RIFF\x00fake-audio\xfe"), ("transcript", "Hello there!"), ("name", "Eve"),
     ("sample_rate", 48000), ("created_at", 0.0), ("base_voice", "joe"),
 ])
-def test_tampering_with_any_stored_column_is_detected(tmp_path: Path, column: str, value: Any) -> None:
+def test_tampering_with_any_stored_column_is_detected(tmp_path: Path, column: str,
+                                                      value: Any) -> None:
     store = store_at(tmp_path)
     store.insert(record())
     store.insert(record("bob"))
@@ -97,7 +98,8 @@ def test_damaged_features_are_reported_not_returned(tmp_path: Path) -> None:
         store.get_features("ada", "cosyvoice", "v3")
 
 
-def test_deleting_a_voice_deletes_its_features_and_reports_whether_it_existed(tmp_path: Path) -> None:
+def test_deleting_a_voice_deletes_its_features_and_reports_whether_it_existed(
+        tmp_path: Path) -> None:
     store = store_at(tmp_path)
     store.insert(record(), ("piper", "", None))
     assert store.delete("ada") is True and store.delete("ada") is False
@@ -171,7 +173,8 @@ def test_concurrent_async_inserts_and_deletes_all_land(tmp_path: Path) -> None:
         await asyncio.gather(*(registry.delete(f"v{n}") for n in range(0, 20, 2)))
         records, _ = await registry.load_all()
         await registry.close()
-        return sorted(r.voice_id for r in records), sum(isinstance(o, VoiceExistsError) for o in outcomes)
+        return sorted(r.voice_id for r in records), sum(isinstance(o, VoiceExistsError)
+                                                        for o in outcomes)
 
     ids, num_conflicts = asyncio.run(scenario())
     assert ids == sorted(f"v{n}" for n in range(1, 20, 2))
@@ -194,16 +197,19 @@ class CloningBackend(ScriptedBackend):
         self.added: dict[str, bytes | None] = {}
 
     def voices(self) -> list[VoiceInfo]:
-        registered = [VoiceInfo(v, v, "en", self.name, self.sample_rate, is_builtin=False) for v in self.added]
+        registered = [VoiceInfo(v, v, "en", self.name, self.sample_rate, is_builtin=False)
+                      for v in self.added]
         return super().voices() + registered
 
-    def make_voice_features(self, audio: np.ndarray, sample_rate: int, transcript: str) -> bytes | None:
+    def make_voice_features(self, audio: np.ndarray, sample_rate: int,
+                            transcript: str) -> bytes | None:
         self.num_made += 1
         return f"{self.voice_features_version}:{len(audio)}@{sample_rate}:{transcript}".encode()
 
     def add_voice(self, voice_id: str, features: bytes | None, meta: dict[str, Any]) -> VoiceInfo:
         self.added[voice_id] = features
-        return VoiceInfo(voice_id, meta["name"], "en", self.name, self.sample_rate, is_builtin=False)
+        return VoiceInfo(voice_id, meta["name"], "en", self.name, self.sample_rate,
+                         is_builtin=False)
 
     def retire_voice(self, voice_id: str) -> None:
         self.added.pop(voice_id)
@@ -229,7 +235,8 @@ def upload(voice_id: str = "ada", transcript: str = "Hello there.") -> VoiceUplo
     return VoiceUpload(audio=make_wav(2.0, rate=16000), transcript=transcript, voice_id=voice_id)
 
 
-def test_features_are_computed_once_at_registration_and_reused_after_a_restart(tmp_path: Path) -> None:
+def test_features_are_computed_once_at_registration_and_reused_after_a_restart(
+        tmp_path: Path) -> None:
     first, second = CloningBackend(), CloningBackend()
 
     async def register(service: VoiceService) -> dict[str, Any]:
@@ -244,10 +251,12 @@ def test_features_are_computed_once_at_registration_and_reused_after_a_restart(t
     voices = asyncio.run(with_service(tmp_path, second, listing))["voices"]
     assert second.num_made == 0  # loaded as stored
     assert second.added["ada"] == first.added["ada"]
-    assert {"id": "ada", "registered": True}.items() <= next(v for v in voices if v["id"] == "ada").items()
+    assert {"id": "ada", "registered": True}.items() <= next(v for v in voices
+                                                             if v["id"] == "ada").items()
 
 
-def test_features_made_by_another_model_are_recomputed_once_from_the_stored_audio(tmp_path: Path) -> None:
+def test_features_made_by_another_model_are_recomputed_once_from_the_stored_audio(
+        tmp_path: Path) -> None:
     async def register(service: VoiceService) -> None:
         await service.register(upload())
 
@@ -356,7 +365,8 @@ def test_a_version_1_store_gains_owners_and_keeps_every_checksum(tmp_path: Path)
 
 
 def test_changing_a_voice_owner_by_hand_is_detected(tmp_path: Path) -> None:
-    store_at(tmp_path).insert(VoiceRecord("bob", "Bob", "en", "Hi.", b"x", "wav", 16000, 2.0, owner="t1"))
+    store_at(tmp_path).insert(VoiceRecord("bob", "Bob", "en", "Hi.", b"x", "wav", 16000, 2.0,
+                                          owner="t1"))
     with tamper(tmp_path) as db:
         db.execute("UPDATE voices SET owner = 't2' WHERE voice_id = 'bob'")
     with pytest.raises(CorruptRecordError):
@@ -397,7 +407,8 @@ def test_the_store_is_private_to_the_server_user_and_writes_with_full_sync(tmp_p
     assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
 
 
-def test_another_connection_s_commit_changes_the_data_version_and_our_own_does_not(tmp_path: Path) -> None:
+def test_another_connection_s_commit_changes_the_data_version_and_our_own_does_not(
+        tmp_path: Path) -> None:
     mine, theirs = store_at(tmp_path), store_at(tmp_path)
     before = mine.data_version()
     mine.insert(record("ada"))
@@ -407,8 +418,8 @@ def test_another_connection_s_commit_changes_the_data_version_and_our_own_does_n
     assert set(mine.checksums()) == {"ada", "bob"}
 
 
-def test_a_damaged_file_is_moved_aside_and_an_empty_store_opened(tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_damaged_file_is_moved_aside_and_an_empty_store_opened(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "voices.sqlite3").write_bytes(b"not a database, just bytes " * 200)
 
     async def scenario() -> tuple[str | None, int]:
@@ -455,16 +466,19 @@ def test_a_corrupt_voice_is_shown_to_its_own_tenant_and_admins_only(tmp_path: Pa
         db.execute("UPDATE voices SET transcript = 'changed by hand' WHERE voice_id = 'ada'")
 
     async def views(service: VoiceService) -> list[list[str]]:
-        return [[u["id"] for u in service.listing(p)["unavailable"]] for p in (alice, bob, OPERATOR)]
+        return [[u["id"] for u in service.listing(p)["unavailable"]]
+                for p in (alice, bob, OPERATOR)]
 
     assert asyncio.run(with_service(tmp_path, CloningBackend(), views)) == [["ada"], [], ["ada"]]
 
 
-def test_sync_picks_up_what_another_service_on_the_same_store_registered_and_deleted(tmp_path: Path) -> None:
+def test_sync_picks_up_what_another_service_on_the_same_store_registered_and_deleted(
+        tmp_path: Path) -> None:
     async def scenario() -> list[Any]:
         engines = [Engine(CloningBackend(), EngineConfig(warmup_text="")) for _ in range(2)]
-        services = [VoiceService(VoiceConfig(data_dir=tmp_path, default_voice="v", sync_interval_s=0), e)
-                    for e in engines]
+        configs = [VoiceConfig(data_dir=tmp_path, default_voice="v", sync_interval_s=0)
+                   for _ in engines]
+        services = [VoiceService(c, e) for c, e in zip(configs, engines, strict=True)]
         for engine, service in zip(engines, services, strict=True):
             await engine.start()
             await service.start()
