@@ -43,7 +43,8 @@ class _EngineCollector(Collector):
         values = {
             "voxgate_engine_queue_depth": ("requests held by the scheduler", s.num_queued),
             "voxgate_engine_batch_size": ("size of the last batch", e.last_batch_size),
-            "voxgate_engine_step_seconds": ("duration of the last backend step", e.last_step_seconds),
+            "voxgate_engine_step_seconds": ("duration of the last backend step",
+                                            e.last_step_seconds),
             "voxgate_engine_steps_total": ("backend steps run", e.num_steps),
             "voxgate_engine_busy_seconds_total": ("seconds spent in backend steps", e.busy_seconds),
             "voxgate_engine_audio_seconds_total": ("audio seconds synthesized", e.audio_seconds),
@@ -53,10 +54,13 @@ class _EngineCollector(Collector):
             "voxgate_engine_deadline_misses_total": ("batches that ended after a member's deadline",
                                                      s.stats.num_deadline_misses),
             "voxgate_engine_contexts_admitted_total": ("contexts admitted", s.stats.num_admitted),
-            "voxgate_engine_contexts_refused_total": ("contexts refused with busy", s.stats.num_refused),
+            "voxgate_engine_contexts_refused_total": ("contexts refused with busy",
+                                                      s.stats.num_refused),
             "voxgate_engine_active_contexts": ("contexts holding engine capacity", s.num_contexts),
-            "voxgate_engine_max_contexts": ("admission limit on talking contexts", s.max_contexts()),
-            "voxgate_engine_ready": ("1 when the engine is loaded and warmed", int(self.engine.is_ready)),
+            "voxgate_engine_max_contexts": ("admission limit on talking contexts",
+                                            s.max_contexts()),
+            "voxgate_engine_ready": ("1 when the engine is loaded and warmed",
+                                     int(self.engine.is_ready)),
         }
         for name, (doc, value) in values.items():
             family = GaugeMetricFamily(name, doc)
@@ -76,7 +80,8 @@ def _step_histogram(counts: list[int], total_s: float) -> HistogramMetricFamily:
     family = HistogramMetricFamily("voxgate_engine_step_duration_seconds",
                                    "backend step durations")
     cumulative, buckets = 0, []
-    for bound, count in zip((*STEP_BUCKETS, float("inf")), counts):
+    # a replica of another build may count other buckets: the shorter of the two
+    for bound, count in zip((*STEP_BUCKETS, float("inf")), counts, strict=False):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
     family.add_metric([], buckets, sum_value=total_s)
@@ -104,8 +109,9 @@ class Metrics:
                                     buckets=LATE_BUCKETS, registry=r)
         self.audio_seconds = Counter("voxgate_audio_sent_seconds", "audio seconds sent", registry=r)
         self.errors = Counter("voxgate_errors", "error events sent, by code", ["code"], registry=r)
-        self.admissions = Counter("voxgate_socket_admissions", "socket handshakes by protocol (native, "
-                                  "elevenlabs, cartesia, deepgram) and result (admitted, or why not)",
+        self.admissions = Counter("voxgate_socket_admissions",
+                                  "socket handshakes by protocol (native, elevenlabs, "
+                                  "cartesia, deepgram) and result (admitted, or why not)",
                                   ["protocol", "result"], registry=r)
         self.cancels = Counter("voxgate_cancels", "contexts cancelled by clients", registry=r)
         # labelled by the detected language: a bounded set (gateway/text/language.py)
