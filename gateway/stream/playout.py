@@ -4,7 +4,8 @@
 protocol half (which segment speaks next, what was heard). It hands PCM to
 the context's encoder (gateway/audio/encoders.py: one encode per chunk, in
 the context's output format), packs what comes out into `audio` messages of
-up to `FRAMES_PER_MESSAGE` frames with gapless `seq` and `pts_ms`
+up to `frames_per_message` frames (the session's option, `FRAMES_PER_MESSAGE` by
+default) with gapless `seq` and `pts_ms`
 (docs/protocol.md, "Rules the server keeps"), and holds them in an outbox
 until pacing lets them go. Encoding is one self-contained call (`push` is
 `encode`, then `pack`), so the two halves could run apart. Like the session it
@@ -30,8 +31,10 @@ import numpy as np
 from gateway.audio.codecs import EncodedFrame
 from gateway.audio.encoders import AudioEncoder
 from gateway.stream.events import AudioEvent
+from gateway.stream.options import DEFAULT_FRAMES_PER_MESSAGE
 
-FRAMES_PER_MESSAGE = 5
+#: the default of the session's `frames_per_message` (gateway/stream/options.py)
+FRAMES_PER_MESSAGE = DEFAULT_FRAMES_PER_MESSAGE
 REALTIME_LEAD_MS = 1500.0
 
 
@@ -45,10 +48,14 @@ class Playout:
     caller's monotonic clock; None before the first release).
     """
 
-    def __init__(self, context_id: str, encoder: AudioEncoder, *, is_realtime: bool) -> None:
+    def __init__(self, context_id: str, encoder: AudioEncoder, *, is_realtime: bool,
+                 frames_per_message: int = FRAMES_PER_MESSAGE) -> None:
+        if frames_per_message < 1:
+            raise ValueError(f"expected frames_per_message >= 1, got {frames_per_message}")
         self.context_id = context_id
         self.encoder = encoder
         self.is_realtime = is_realtime
+        self.frames_per_message = frames_per_message
         self.seq = 0
         self.pcm_ms_framed = 0.0
         self.audio_ms_queued = 0.0
@@ -109,9 +116,10 @@ class Playout:
         return start + (pts_ms - REALTIME_LEAD_MS) / 1000.0
 
     def pack(self, frames: list[EncodedFrame]) -> None:
-        """Encoded frames join the outbox, `FRAMES_PER_MESSAGE` to a message, in order."""
-        for start in range(0, len(frames), FRAMES_PER_MESSAGE):
-            group = frames[start:start + FRAMES_PER_MESSAGE]
+        """Encoded frames join the outbox, up to `frames_per_message` to a message, in order."""
+        size = self.frames_per_message
+        for start in range(0, len(frames), size):
+            group = frames[start:start + size]
             duration = sum(f.duration_ms for f in group)
             self._outbox.append(AudioEvent(self.context_id, self.seq, self.audio_ms_queued, duration,
                                            self.encoder.codec, tuple(f.data for f in group)))

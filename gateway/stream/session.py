@@ -361,7 +361,8 @@ class Session:
         options = self.options
         config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
         playout = Playout(context_id, self._open_encoder(context_id, options),
-                          is_realtime=options.pacing == "realtime")
+                          is_realtime=options.pacing == "realtime",
+                          frames_per_message=options.frames_per_message)
         context = Context(context_id, key, Segmenter(config), playout, options, now, last_text_at=now,
                           voice_for=merge_voice_for(self._synthesis.voice_for, options.voice_for))
         self.contexts[context_id] = context
