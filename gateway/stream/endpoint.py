@@ -123,6 +123,7 @@ class Connection:
         self._last_progress = time.monotonic()
         self._wake_writer = asyncio.Event()
         self._wake_timer = asyncio.Event()
+        self._timer_at: float | None = None  # when the timer next ticks (None: only when woken)
         self._closing: Close | None = None
         self._done = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
@@ -266,7 +267,11 @@ class Connection:
                 self.metrics.observe(action.name, action.value)
             elif isinstance(action, Close):
                 self._close(action)
-        self._wake_timer.set()
+        # The timer is woken only for a wakeup sooner than the one it waits for: not once per
+        # chunk and message (a wakeup that moved later costs one early tick, which looks again).
+        wakeup = self.session.next_wakeup()
+        if wakeup is not None and (self._timer_at is None or wakeup < self._timer_at):
+            self._wake_timer.set()
 
     def _encode(self, action: Encode) -> None:
         self._encoding_ms += action.job.pcm_ms
@@ -342,6 +347,7 @@ class Connection:
     async def _timer_loop(self) -> None:
         while True:
             wakeup = self.session.next_wakeup()
+            self._timer_at = wakeup
             self._wake_timer.clear()
             delay = None if wakeup is None else max(0.0, wakeup - time.monotonic())
             try:
