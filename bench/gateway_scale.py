@@ -14,12 +14,13 @@ tool are always this checkout's.
 Per level and build: TTFA p50/p95, gaps (count, turns, seconds of silence), audio seconds per
 wall second the clients heard, the server's CPU (its process tree: cores, and ms of CPU per
 audio second it sent, per process when there are several), the CPU of its threads over the
-middle half of the level (the event loop is each process's main thread; the engine's threads
-are named `voxgate-engine*`, the encode worker `voxgate-encode*`), the engine's steps, busy
-seconds and deadline misses (/metrics), what the synthetic GPU did (LM and flow busy shares,
-mean streams a tick), the load tool's own CPU, and whether the level holds: first audio p95
-<= 300 ms, no gap, no failed or timed-out turn. `--floor` first runs each level on the engine alone in this process (no gateway:
-bench/gpu_shaped_floor.py), the anchor: what the engine model allows with a free host.
+middle half of the level (the event loop is each process's main thread; the engine's threads are
+named `voxgate-engine*`, the encode worker `voxgate-encode*`), the engine's steps, busy seconds
+and deadline misses (/metrics), what the synthetic GPU did (LM and flow busy shares, mean
+streams a tick), the load tool's own CPU, and whether the level holds: first audio p95 <= 300
+ms, no gap, no failed or timed-out turn. `--floor` first runs each level on the engine alone in
+this process (no gateway: bench/gpu_shaped_floor.py), the anchor: what the engine model allows
+with a free host.
 
 `--workers N` is passed on as `voxgate serve --workers N` to a build whose `serve --help`
 offers it, and left out (the build runs one process) where it does not.
