@@ -119,11 +119,13 @@ class StepLoop:
                         for handle, outcome in zip(fresh, prepared, strict=True):
                             self._admit_prepared(handle, outcome)
                     self.send_outbox()
+                timeout, has_incoming = None, False
                 with lock:
                     self._start_steps(loop, running)
                     releases = [] if running else requests.take_releases()
-                    is_idle = not running and not releases
-                    if is_idle:  # cleared under the lock: a wake from now on is kept
+                    if not running and not releases:
+                        # Cleared on this loop before it looks: a wake posted from the gateway's
+                        # loop runs here later, after this, so none is lost.
                         self.wake.clear()
                         timeout = self._next_wake_s(time.monotonic())
                         has_incoming = bool(requests.incoming)
