@@ -14,12 +14,13 @@ tool are always this checkout's.
 Per level and build: TTFA p50/p95, gaps (count, turns, seconds of silence), audio seconds per
 wall second the clients heard, the server's CPU (its process tree: cores, and ms of CPU per
 audio second it sent, per process when there are several), the CPU of its threads over the
-middle half of the level (the event loop is each process's main thread; the engine's threads
-are named `voxgate-engine*`), the engine's steps, busy seconds and deadline misses (/metrics),
-what the synthetic GPU did (LM and flow busy shares, mean streams a tick), the load tool's own
-CPU, and whether the level holds: first audio p95 <= 300 ms, no gap, no failed or timed-out
-turn. `--floor` first runs each level on the engine alone in this process (no gateway:
-bench/gpu_shaped_floor.py), the anchor: what the engine model allows with a free host.
+middle half of the level (the event loop is each process's main thread; the engine's threads are
+named `voxgate-engine*`, the encode worker `voxgate-encode*`), the engine's steps, busy seconds
+and deadline misses (/metrics), what the synthetic GPU did (LM and flow busy shares, mean
+streams a tick), the load tool's own CPU, and whether the level holds: first audio p95 <= 300
+ms, no gap, no failed or timed-out turn. `--floor` first runs each level on the engine alone in
+this process (no gateway: bench/gpu_shaped_floor.py), the anchor: what the engine model allows
+with a free host.
 
 `--workers N` is passed on as `voxgate serve --workers N` to a build whose `serve --help`
 offers it, and left out (the build runs one process) where it does not.
@@ -256,6 +257,7 @@ def run_level(
         ],
         "loop_thread_cores": max(main_threads.values(), default=None),
         "engine_thread_cores": sum(c for t, c in threads if t.name.startswith("voxgate-engine")),
+        "encode_thread_cores": sum(c for t, c in threads if t.name.startswith("voxgate-encode")),
         "threads": [
             {"pid": t.pid, "tid": t.tid, "name": t.name, "cores": round(c, 3)}
             for t, c in threads
@@ -296,9 +298,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         (
             "| build | sessions | TTFA p50 / p95 ms | gaps (turns, silence s) | audio-s/s "
             "| server cores | CPU ms per audio-s (per process) | loop thread | engine threads "
-            "| steps, busy s | misses | GPU LM / flow busy | load tool cores | holds |"
+            "| encode thread | steps, busy s | misses | GPU LM / flow busy | load tool cores "
+            "| holds |"
         ),
-        "|---|---:|---|---|---:|---:|---|---:|---:|---|---:|---|---:|---|",
+        "|---|---:|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|",
     ]
     for r in rows:
         per_process = " + ".join(
@@ -312,6 +315,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['server_cores']:.2f} | {_num(r['cpu_ms_per_audio_s'], '.1f')}"
             f"{f' ({per_process})' if len(r['processes']) > 1 else ''} "
             f"| {_num(r['loop_thread_cores'], '.2f')} | {r['engine_thread_cores']:.2f} "
+            f"| {r.get('encode_thread_cores', 0.0):.2f} "
             f"| {eng['steps']:.0f}, {eng['busy_s']:.0f} | {eng['deadline_misses']:.0f} "
             f"| {gpu['lm_busy']:.2f} / {gpu['flow_busy']:.2f} | {r['load_tool_cores']:.2f} "
             f"| {'yes' if r['holds'] else 'no'} |"

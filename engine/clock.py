@@ -22,8 +22,10 @@ whether a request is far enough ahead to run only in idle time
 (`is_ahead`), and how long the loop may sleep before a clock makes a
 request runnable again (`next_wake_s`). A clock never runs past what its
 consumer has taken; the lead, audio made but not yet heard, gives the next
-piece's due time. Everything here runs on the event loop; the engine
-(engine.engine) owns the thread contract.
+piece's due time. Everything here is read and changed under the request
+table's lock (engine/requests.py), by the engine's loop thread and by the
+consumer on the gateway's event loop; the engine (engine.engine) owns the
+thread contract.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from engine.backend import BackendRequest
 from engine.types import AudioChunk, RequestId, SynthesisRequest, estimate_audio_s
 
-#: chunks a request's output queue holds; a request whose queue is full is not stepped
+#: chunks a request's output queue holds; a request with this many unread is not stepped
 QUEUE_DEPTH = 16
 
 
@@ -62,16 +64,25 @@ class RequestHandle:
     deadline goes to whoever has waited longest (a new turn's first piece is
     due at its submission). When audio comes again the listener resumes there:
     the start moves on by the wait, as a player does after a gap.
+
+    The queue lives on the gateway's event loop and the engine routes from its own
+    thread: chunks reach the queue a step at a time, after the step (engine/loop.py), so
+    the engine bounds it by its own count, `num_unread` (routed, not yet taken), never by
+    the queue's length. `is_closed`: the queue holds its terminal item (the end of a
+    cancelled request, or an error); nothing is put after it.
     """
 
-    __slots__ = ("after", "est_s", "is_cancelled", "is_done", "is_finished", "made_s", "prev",
-                 "queue", "request", "started_at", "submitted_at", "taken_s")
+    __slots__ = ("after", "est_s", "is_cancelled", "is_closed", "is_done", "is_finished",
+                 "made_s", "num_unread", "prev", "queue", "request", "started_at",
+                 "submitted_at", "taken_s")
 
     def __init__(self, request: SynthesisRequest, submitted_at: float,
                  prev: RequestHandle | None = None, after: PlaybackRecord | None = None) -> None:
         self.request = request
         self.queue: asyncio.Queue[AudioChunk | BaseException | None] = asyncio.Queue(QUEUE_DEPTH)
         self.is_cancelled = False
+        self.is_closed = False
+        self.num_unread = 0  # chunks routed to the queue and not yet taken
         self.is_done = False  # no more audio will be made (finished, cancelled or failed)
         self.is_finished = False  # its last audio was made
         self.submitted_at = submitted_at
@@ -102,6 +113,7 @@ class RequestHandle:
         return self.start() + length
 
     def took(self, chunk: AudioChunk, now: float) -> None:
+        self.num_unread -= 1
         if self.started_at is None:
             self.started_at = max(self.start(), now)
             self.prev = self.after = None  # the chain is no longer needed: let finished requests go
@@ -110,8 +122,8 @@ class RequestHandle:
         self.taken_s += chunk.duration_ms / 1000.0
 
     def lead(self, now: float) -> float:
-        """Seconds until this request's listener runs out of audio (negative: ran out that long
-        ago)."""
+        """Seconds until this request's listener runs out of audio (negative: ran out that
+        long ago)."""
         start = self.start()
         elapsed = now - start
         if elapsed > self.taken_s and self.made_s <= self.taken_s + 1e-9:
@@ -183,7 +195,7 @@ def next_wake_s(items: Iterable[BackendRequest], handles: Mapping[RequestId, Req
     waits = []
     for item in items:
         handle = handles.get(item.request_id)
-        if handle is None or handle.queue.full():
+        if handle is None or handle.num_unread >= QUEUE_DEPTH:
             continue
         unread = handle.made_s - handle.taken_s
         if unread >= horizon:

@@ -11,6 +11,13 @@ request table with each request's and each context's playback clock
 (engine/requests.py, engine/clock.py), the scheduler (engine/scheduler.py),
 the counters (engine/stats.py) and the voice verbs (engine/voice_verbs.py).
 
+Threads. The loop runs on a thread of its own (engine/loop_thread.py), so it
+never waits for the gateway's event loop; the face (`submit`, `cancel`,
+`admit`, `release_context`, a consumer taking a chunk) stays on the
+gateway's event loop, and both sides change the request table and the
+scheduler under the table's lock, briefly and never across a wait. A step's
+chunks come back to the gateway's loop as one batch per step.
+
 Thread contract: `prepare`, `step` and `release` run only on the worker
 thread. `cancel` (event loop) marks the request and takes it out of the
 scheduler; the worker releases it before its next step, so a step never sees
@@ -42,6 +49,7 @@ from engine.backend import Backend
 from engine.clock import RequestHandle
 from engine.errors import EngineBusyError, EngineStoppedError
 from engine.loop import StepLoop, post
+from engine.loop_thread import LoopThread
 from engine.requests import RequestTable
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stats import EngineStats
@@ -114,7 +122,7 @@ class Engine(VoiceVerbs):
         self.loop = StepLoop(backend, self.scheduler, self.requests, self.stats, self._executor,
                              self._lanes, self.num_lanes, self.config.look_ahead_s,
                              self.config.max_prepare_per_step, self.config.lane_slack_s)
-        self._task: asyncio.Task[None] | None = None
+        self._thread: LoopThread | None = None
         self._voices: list[VoiceInfo] = []
         self.is_ready = False
 
@@ -128,21 +136,23 @@ class Engine(VoiceVerbs):
         return self.loop.num_failed_steps_in_row
 
     async def run_in_worker(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(*args)` in the worker thread: between steps, or beside the lanes' steps (engine docstring)."""
+        """Run `fn(*args)` in the worker thread: between steps, or beside the lanes' steps
+        (engine docstring)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, *args)
 
     @property
     def is_healthy(self) -> bool:
         """False when the loop died or the backend keeps failing (/readyz turns false)."""
-        loop_alive = self._task is not None and not self._task.done()
+        loop_alive = self._thread is not None and self._thread.is_running
         return loop_alive and self.num_failed_steps_in_row < 3
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self.backend.load)
         self.refresh_voices()
-        self._task = asyncio.create_task(self.loop.run(), name="voxgate-engine")
+        self._thread = LoopThread(self.loop)
+        self._thread.start()
         if self.config.warmup_text and self._voices:
             await self._warm_up()
         self.is_ready = True
@@ -160,13 +170,9 @@ class Engine(VoiceVerbs):
         """Stop the loop, end every request (`EngineStoppedError`), release what the backend
         holds, then end every thread and pool: the worker, the lanes and the backend's own."""
         self.is_ready = False
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        if self._thread is not None:
+            await self._thread.stop()  # from here on, only this thread touches the table
+            self._thread = None
         requests = self.requests
         for handle in [*requests.handles.values(), *requests.incoming]:
             if not handle.is_done:
@@ -174,6 +180,7 @@ class Engine(VoiceVerbs):
         requests.incoming = []
         for item in list(self.scheduler.items()):
             self.loop.retire(item.request_id)
+        self.loop.send_outbox()  # the errors, into their queues at once
         if self._lanes is not self._executor:
             self._lanes.shutdown(wait=True, cancel_futures=False)  # no step runs after this
         requests.in_flight.clear()
@@ -190,7 +197,9 @@ class Engine(VoiceVerbs):
     # -- admission --------------------------------------------------------
     def admit(self, context_key: str) -> None:
         """Reserve capacity for a new context; raises EngineBusyError when full."""
-        if not self.scheduler.admit(context_key):
+        with self.requests.lock:
+            is_admitted = self.scheduler.admit(context_key)
+        if not is_admitted:
             raise EngineBusyError(
                 f"the engine is at capacity ({self.scheduler.max_contexts()} talking contexts); "
                 "try again shortly"
@@ -198,29 +207,36 @@ class Engine(VoiceVerbs):
 
     def release_context(self, context_key: str) -> None:
         """The context ended: its capacity goes back, and its playback record with it."""
-        self.scheduler.release_context(context_key)
-        self.requests.release_context(context_key)
+        with self.requests.lock:
+            self.scheduler.release_context(context_key)
+            self.requests.release_context(context_key)
 
     # -- requests ---------------------------------------------------------
     def submit(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
         """Queue a request; iterate the result for its audio chunks."""
-        if self._task is None:
+        if self._thread is None:
             raise EngineStoppedError("the engine is not running")
-        handle = self.requests.add(request, time.monotonic())
+        with self.requests.lock:
+            handle = self.requests.add(request, time.monotonic())
         self.stats.num_submitted += 1
-        self.loop.wake.set()
+        self._thread.wake()
         return self._iterate(handle)
+
+    def _wake(self) -> None:
+        if self._thread is not None:
+            self._thread.wake()
 
     async def _iterate(self, handle: RequestHandle) -> AsyncIterator[AudioChunk]:
         try:
             while True:
                 item = await handle.queue.get()
-                self.loop.wake.set()  # what was taken may make the request runnable again
                 if item is None:  # cancelled: end quietly
                     return
                 if isinstance(item, BaseException):
                     raise item
-                handle.took(item, time.monotonic())
+                with self.requests.lock:
+                    handle.took(item, time.monotonic())
+                self._wake()  # what was taken may make the request runnable again
                 yield item
                 if item.is_last:
                     return
@@ -235,12 +251,13 @@ class Engine(VoiceVerbs):
         marked and taken out of the scheduler here; the worker releases it
         before its next step (the thread contract, module docstring).
         """
-        handle = self.requests.handles.get(request_id)
-        if handle is None or handle.is_done:
-            return
-        handle.is_cancelled = True
-        self.requests.end(handle)
+        with self.requests.lock:
+            handle = self.requests.handles.get(request_id)
+            if handle is None or handle.is_done:
+                return
+            handle.is_cancelled = True
+            self.requests.end(handle)
+            self.loop.retire(request_id)
         self.stats.num_cancelled += 1
-        self.loop.retire(request_id)
         post(handle, None)
-        self.loop.wake.set()
+        self._wake()

@@ -3,10 +3,16 @@
 Each iteration is prepare (new requests, most urgent first, on the worker
 thread), schedule (EDF over each request's next piece, engine/scheduler.py),
 run (one backend step in the worker thread, or one per free lane) and route
-(chunks to each request's bounded queue). The loop reads and changes the
-request table (engine/requests.py) and the scheduler, and touches the backend
-only through the worker and the lanes; the engine's face (engine/engine.py)
-starts it as a task and stops it.
+(chunks to each request's bounded queue). The loop runs on a thread of its
+own, with an event loop of its own (engine/loop_thread.py), so no step,
+prepare or release waits for a turn of the gateway's event loop. It reads
+and changes the request table (engine/requests.py) and the scheduler under
+the table's lock, and touches the backend only through the worker and the
+lanes. What a step routed (each request's chunk, an error that ends one)
+goes to the consumers as one batch (`send_outbox`: one hand-off to the
+gateway's event loop per step, not one per chunk), where `deliver` puts
+each item into its request's queue. The engine's face (engine/engine.py)
+starts the thread and stops it.
 
 Thread contract (the engine's docstring): `prepare`, `step` and `release`
 run only on the worker thread, or, for a backend with `concurrent_steps`, a
@@ -23,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +61,12 @@ class _Step:
 
 
 Running = dict[asyncio.Future[list[StepResult]], _Step]
+#: routed items on their way to the consumers: a request's chunk, or the error that ends it
+Deliveries = list[tuple[RequestHandle, AudioChunk | BaseException]]
 
 
 class StepLoop:
-    """The loop over one backend; `run` is its task."""
+    """The loop over one backend; `run` is its task, on the engine's loop thread."""
 
     def __init__(self, backend: Backend, scheduler: Scheduler, requests: RequestTable,
                  stats: EngineStats, worker: Executor, lanes: Executor, num_lanes: int,
@@ -68,8 +77,13 @@ class StepLoop:
         self.look_ahead_s = look_ahead_s
         self.max_prepare_per_step = max_prepare_per_step
         self.lane_slack_s = lane_slack_s
-        self.wake = asyncio.Event()
+        self.wake = asyncio.Event()  # set on the loop's own event loop only (engine/loop_thread.py)
         self.num_failed_steps_in_row = 0
+        #: what was routed (chunks, and errors that end a request) since it was last sent
+        self.outbox: Deliveries = []
+        #: hands a batch to the consumers: on their event loop, from the loop's thread once it
+        #: runs (engine/loop_thread.py), else at once (the caller is on it)
+        self.send: Callable[[Deliveries], None] = deliver
 
     def retire(self, request_id: RequestId) -> None:
         """Take a request out of the scheduler; the worker releases it before its next step."""
@@ -87,54 +101,80 @@ class StepLoop:
             wrapped = BackendFailure("speech synthesis failed for this segment")
             wrapped.__cause__ = exc
             exc = wrapped
-        post(handle, exc)
+        self.outbox.append((handle, exc))
 
     async def run(self) -> None:
+        """The loop, on the engine's own thread and event loop (engine/loop_thread.py)."""
         loop = asyncio.get_running_loop()
         running: Running = {}
         requests = self.requests
+        lock = requests.lock
         try:
             while True:
-                now = time.monotonic()
-                fresh = self._take_incoming(now)
+                with lock:
+                    fresh = self._take_incoming(time.monotonic())
                 if fresh:
                     prepared = await loop.run_in_executor(self.worker, self._prepare_all, fresh)
-                    for handle, outcome in zip(fresh, prepared):
-                        self._admit_prepared(handle, outcome)
-                now = time.monotonic()
-                clock.set_dues(self.scheduler.items(), requests.handles, now)
-                while len(running) < self.num_lanes:
-                    due_by = now + self.lane_slack_s if running else None
-                    batch = self.scheduler.schedule(now, requests.is_runnable, self._is_ahead,
-                                                    due_by)
-                    if not batch:
-                        break
-                    requests.in_flight.update(item.request_id for item in batch)
-                    releases = requests.take_releases()
-                    is_step_busy = self.plan(batch, running)
-                    future = loop.run_in_executor(self.lanes, self._work, releases, batch)
-                    running[future] = _Step(batch, time.monotonic(), is_step_busy)
+                    with lock:
+                        for handle, outcome in zip(fresh, prepared, strict=True):
+                            self._admit_prepared(handle, outcome)
+                    self.send_outbox()
+                timeout, has_incoming = None, False
+                with lock:
+                    self._start_steps(loop, running)
+                    releases = [] if running else requests.take_releases()
+                    if not running and not releases:
+                        # Cleared on this loop before it looks: a wake posted from the gateway's
+                        # loop runs here later, after this, so none is lost.
+                        self.wake.clear()
+                        timeout = self._next_wake_s(time.monotonic())
+                        has_incoming = bool(requests.incoming)
                 if not running:
-                    if requests.to_release:  # shielded: a stop cancelling the loop keeps it
+                    if releases:  # shielded: a stop cancelling the loop keeps it
                         await asyncio.shield(loop.run_in_executor(
-                            self.worker, self.release_all, requests.take_releases()))
+                            self.worker, self.release_all, releases))
                         continue
-                    self.wake.clear()
-                    if not requests.incoming:  # else: prepare the next few first
-                        await self._sleep(self._next_wake_s(time.monotonic()))
-                    requests.waiting.clear()  # what the backend could not run is tried again
+                    if not has_incoming:  # else: prepare the next few first
+                        await self._sleep(timeout)
+                    with lock:
+                        requests.waiting.clear()  # what the backend could not run is tried again
                     continue
                 for future in await self._wait_steps(running):
                     step = running.pop(future)
                     results = await self._results(future, step.batch)
-                    requests.in_flight.difference_update(item.request_id for item in step.batch)
-                    self._route(step.batch, results, time.monotonic() - step.started)
+                    with lock:
+                        requests.in_flight.difference_update(item.request_id for item in step.batch)
+                        self._route(step.batch, results, time.monotonic() - step.started)
+                    self.send_outbox()
         finally:
             # A step handed to a thread runs to its end, and the releases it makes first with it
             # (cancelled before its thread took it, they would be lost): the engine's stop waits
             # for the threads, and nobody reads the results.
             for future in running:
                 future.add_done_callback(_ignore)
+
+    def _start_steps(self, loop: asyncio.AbstractEventLoop, running: Running) -> None:
+        """Under the lock: set each request's due time, then start a step in each free lane
+        while there is work to run."""
+        requests = self.requests
+        now = time.monotonic()
+        clock.set_dues(self.scheduler.items(), requests.handles, now)
+        while len(running) < self.num_lanes:
+            due_by = now + self.lane_slack_s if running else None
+            batch = self.scheduler.schedule(now, requests.is_runnable, self._is_ahead, due_by)
+            if not batch:
+                break
+            requests.in_flight.update(item.request_id for item in batch)
+            releases = requests.take_releases()
+            is_step_busy = self.plan(batch, running)
+            future = loop.run_in_executor(self.lanes, self._work, releases, batch)
+            running[future] = _Step(batch, time.monotonic(), is_step_busy)
+
+    def send_outbox(self) -> None:
+        """Hand what was routed since the last call to the consumers, as one batch."""
+        if self.outbox:
+            batch, self.outbox = self.outbox, []
+            self.send(batch)
 
     def plan(self, batch: list[BackendRequest], running: Running) -> bool:
         """Give each item of a step about to start its `StepPlan`; whether the step is busy.
@@ -159,15 +199,16 @@ class StepLoop:
         if self.num_lanes == 1:  # the worker is busy: nothing else could run
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             return done
-        self.wake.clear()
+        with self.requests.lock:
+            self.wake.clear()
+            now = time.monotonic()
+            timeout = self._next_wake_s(now)
+            if len(running) < self.num_lanes:  # back when held work falls due
+                held = self._held_s(now)
+                if held is not None:
+                    timeout = held if timeout is None else min(timeout, held)
         woken: asyncio.Future[Any] = asyncio.ensure_future(self.wake.wait())
         waiting: list[asyncio.Future[Any]] = [*running, woken]
-        now = time.monotonic()
-        timeout = self._next_wake_s(now)
-        if len(running) < self.num_lanes:  # back when held work falls due
-            held = self._held_s(now)
-            if held is not None:
-                timeout = held if timeout is None else min(timeout, held)
         try:
             done, _ = await asyncio.wait(waiting, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -288,7 +329,7 @@ class StepLoop:
         has_moved = False
         requests = self.requests
         rate = self.backend.sample_rate
-        for item, result in zip(batch, results):
+        for item, result in zip(batch, results, strict=True):
             audio_s += len(result.pcm) / rate
             handle = requests.handles.get(item.request_id)
             if handle is None or handle.is_cancelled:
@@ -312,7 +353,8 @@ class StepLoop:
                 requests.end(handle)
                 self.stats.num_finished += 1
             if len(chunk.pcm) or chunk.is_last:
-                handle.queue.put_nowait(chunk)
+                handle.num_unread += 1
+                self.outbox.append((handle, chunk))
                 has_moved = True
         if has_moved and requests.waiting:
             requests.waiting.clear()  # audio was made: what waited may run now
@@ -331,8 +373,28 @@ def _ignore(future: asyncio.Future[Any]) -> None:
 
 
 def post(handle: RequestHandle, item: BaseException | None) -> None:
-    """Put a terminal item, displacing the oldest chunk if the queue is full."""
+    """Put a terminal item, displacing the oldest chunk if the queue is full (the consumers'
+    event loop only); nothing is put after it."""
+    if handle.is_closed:
+        return
+    handle.is_closed = True
     if handle.queue.full():
         handle.queue.get_nowait()
     handle.queue.put_nowait(item)
+
+
+def deliver(batch: Deliveries) -> None:
+    """On the consumers' event loop: each routed item into its request's queue, in order.
+
+    A chunk never finds its queue full: the loop steps a request only while fewer than
+    `QUEUE_DEPTH` of its chunks are unread (engine/requests.py). A request ended meanwhile
+    (cancelled: its queue is closed) gets nothing more.
+    """
+    for handle, item in batch:
+        if handle.is_closed:
+            continue
+        if isinstance(item, AudioChunk):
+            handle.queue.put_nowait(item)
+        else:
+            post(handle, item)
 

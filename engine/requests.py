@@ -4,8 +4,11 @@ Plain bookkeeping with the time passed in, no loop and no thread of its own:
 each request's handle (engine/clock.py: its output queue and playback clock),
 the new ones not yet prepared, each context's playback record, what waits
 for its release on the worker thread, what is in a running step, and what a
-backend said it could not run yet. The loop (engine/loop.py) and the
-engine's face (engine/engine.py) read and change it on the event loop.
+backend said it could not run yet. Two threads read and change it: the
+engine's loop thread (engine/loop.py) and the engine's face on the gateway's
+event loop (engine/engine.py: submit, cancel, admission, a consumer taking a
+chunk); each holds `lock` while it does, never across a wait, and the
+scheduler's requests and admitted contexts are kept under the same lock.
 
 A context's playback record lives while the context is admitted (until
 `release_context`), so its next segment is due when the audio before it runs
@@ -16,10 +19,11 @@ request.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from engine.backend import BackendRequest
-from engine.clock import PlaybackRecord, RequestHandle
+from engine.clock import QUEUE_DEPTH, PlaybackRecord, RequestHandle
 from engine.errors import EngineBusyError, EngineError
 from engine.types import RequestId, SynthesisRequest
 
@@ -32,6 +36,8 @@ class RequestTable:
         holds that context now (its record is then kept until `release_context`)."""
         self.max_pending = max_pending
         self.is_admitted = is_admitted
+        #: held by whoever reads or changes the table or the scheduler (module doc)
+        self.lock = threading.Lock()
         self.handles: dict[RequestId, RequestHandle] = {}
         self.incoming: list[RequestHandle] = []  # submitted, not yet prepared
         self.records: dict[str, PlaybackRecord] = {}
@@ -78,9 +84,10 @@ class RequestTable:
         return releases
 
     def is_runnable(self, item: BackendRequest) -> bool:
-        """Not in a running step, not waiting on the backend, and its reader has room."""
+        """Not in a running step, not waiting on the backend, and its reader has room (fewer
+        than `QUEUE_DEPTH` chunks routed and unread: a step adds at most one)."""
         request_id = item.request_id
         if request_id in self.in_flight or request_id in self.waiting:
             return False
         handle = self.handles.get(request_id)
-        return handle is not None and not handle.queue.full()
+        return handle is not None and handle.num_unread < QUEUE_DEPTH

@@ -154,6 +154,7 @@ def create_app(config: GatewayConfig | None = None, engine: EngineClient | None 
             state.is_shutting_down = True
             await voice_service.stop()
             await engine.stop()
+            state.encoding.close()
 
     routes: list[Any] = [
         Route("/healthz", healthz),

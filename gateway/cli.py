@@ -257,6 +257,7 @@ def _run_server(app: Any, config: Any, args: argparse.Namespace,
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         ws_max_size=max(4 * config.limits.max_message_bytes, 1 << 20),
         ws_ping_interval=config.ws_ping_interval_s, ws_ping_timeout=config.ws_ping_interval_s,
+        ws_per_message_deflate=config.ws_per_message_deflate,
         timeout_graceful_shutdown=5,
         # connections: a head must arrive within header_timeout_s; past max_connections, 503
         **uvicorn_limits(header_timeout_s=config.header_timeout_s,

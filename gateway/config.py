@@ -59,6 +59,13 @@ class GatewayConfig:
     web_dir: Path | None = None
     voice_assets: Path | None = None
     ws_ping_interval_s: float = 20.0
+    #: permessage-deflate on the sockets, for clients that offer it; off: audio is Opus, which
+    #: it cannot shrink (about 9% of 5-frame messages) for CPU on the event loop that serves
+    #: every socket (docs/benchmarks.md, "The process around a GPU, on the CPU")
+    ws_per_message_deflate: bool = False
+    #: the native socket's audio is encoded on a worker thread, beside the event loop (PyAV
+    #: lets go of the GIL while it encodes: gateway/stream/encoding.py); off: on the loop
+    encode_on_thread: bool = True
     shutdown_grace_s: float = 10.0
     #: the part of the engine's talking contexts one key (auth off: one client address) may hold;
     #: 0 is "auto" (`engine_share`): 0.5 where clients are tenants, 1.0 in loopback mode

@@ -18,6 +18,7 @@ from gateway.access.tokens import SessionTokens
 from gateway.audio.encoders import EncoderFactory
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
+from gateway.stream.encoding import EncodeWorker
 from gateway.text.routing import Languages
 from gateway.voices.catalog import VoiceCatalog
 
@@ -44,6 +45,8 @@ class AppState:
     keyless: KeylessPool = field(init=False)  # sockets waiting for a first-message key (access/keyless.py)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     encoders: EncoderFactory = field(default_factory=EncoderFactory)  # every output's encoder
+    #: the thread the native socket's encodes run on (gateway/stream/encoding.py)
+    encoding: EncodeWorker = field(default_factory=EncodeWorker)
     is_shutting_down: bool = False
     fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
 

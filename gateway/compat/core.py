@@ -52,6 +52,7 @@ from gateway.stream.actions import (
     SendFrame,
     Submit,
 )
+from gateway.stream.encoding import EncodeJob
 from gateway.stream.events import AudioEvent, ContextDone, Event, TextSkipped, encode_json
 from gateway.stream.messages import (
     CancelMessage,
@@ -177,6 +178,9 @@ class VendorSession(Generic[C, M]):
     def receive_engine_error(self, request_id: RequestId, exc: BaseException,
                              now: float) -> list[Action]:
         return self._translate(self.session.receive_engine_error(request_id, exc, now))
+
+    def receive_encoded(self, context_id: str, job: EncodeJob, now: float) -> list[Action]:
+        return self._translate(self.session.receive_encoded(context_id, job, now))
 
     def tick(self, now: float) -> list[Action]:
         deadline = self.auth_deadline

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.types import RequestId, SynthesisRequest, WordTiming
+from gateway.stream.encoding import EncodeJob
 from gateway.stream.events import AudioEvent, Event
 
 
@@ -92,5 +93,14 @@ class SegmentFramed:
     words: tuple[WordTiming, ...] | None
 
 
+@dataclass(slots=True, frozen=True)
+class Encode:
+    """Run `job` off the event loop (gateway/stream/encoding.py), then hand it back to the
+    session (`receive_encoded`) with the context it belongs to."""
+
+    context_id: str
+    job: EncodeJob
+
+
 Action = (Send | SendFrame | Submit | Cancel | Close | Observe | SegmentStarted
-          | SegmentFramed)
+          | SegmentFramed | Encode)

@@ -3,7 +3,9 @@
 Three kinds of task per socket, all on the event loop: the reader (client
 frames -> session), one consumer per engine request (chunks -> session), and
 the writer (a byte-bounded send queue -> socket). A timer wakes the session
-for time-based text release and realtime pacing. Every action the session
+for time-based text release and realtime pacing. Encodes the session defers
+(`Encode`) go to the app's worker thread (gateway/stream/encoding.py) and come
+back to the session when done. Every action the session
 returns is carried out in `_execute`, the only place that touches the socket
 or the engine. Before any of it, `stream_endpoint` admits the socket through
 the one door every socket shares (gateway/access/admission.py). The loop runs
@@ -36,7 +38,17 @@ from gateway.errors import (
     ProtocolError,
     error_message,
 )
-from gateway.stream.actions import Action, Cancel, Close, Observe, Send, SendFrame, Submit
+from gateway.stream.actions import (
+    Action,
+    Cancel,
+    Close,
+    Encode,
+    Observe,
+    Send,
+    SendFrame,
+    Submit,
+)
+from gateway.stream.encoding import MAX_ENCODING_MS, EncodeJob
 from gateway.stream.events import encode_json
 from gateway.stream.options import Limits, SessionOptions, options_from_query
 from gateway.stream.session import Session
@@ -73,6 +85,8 @@ class SocketSession(Protocol):
     def receive_engine_error(self, request_id: RequestId, exc: BaseException,
                              now: float) -> list[Action]: ...
 
+    def receive_encoded(self, context_id: str, job: EncodeJob, now: float) -> list[Action]: ...
+
     def tick(self, now: float) -> list[Action]: ...
 
     def next_wakeup(self) -> float | None: ...
@@ -105,9 +119,11 @@ class Connection:
         self._outbox_bytes = 0
         self._room = asyncio.Event()       # set while the outbox is under its soft limit
         self._room.set()
+        self._encoding_ms = 0.0            # PCM handed to the encode worker, not yet back
         self._last_progress = time.monotonic()
         self._wake_writer = asyncio.Event()
         self._wake_timer = asyncio.Event()
+        self._timer_at: float | None = None  # when the timer next ticks (None: only when woken)
         self._closing: Close | None = None
         self._done = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
@@ -221,7 +237,8 @@ class Connection:
         "The backpressure story").
         """
         timeout = self.session.limits.slow_consumer_timeout_s
-        while self._outbox_bytes > self._soft_limit and self._closing is None:
+        while self._closing is None and (self._outbox_bytes > self._soft_limit
+                                         or self._encoding_ms > MAX_ENCODING_MS):
             self._room.clear()
             try:
                 await asyncio.wait_for(self._room.wait(), timeout)
@@ -244,11 +261,27 @@ class Connection:
                 task = self._consumers.pop(action.request_id, None)
                 if task is not None:
                     task.cancel()
+            elif isinstance(action, Encode):
+                self._encode(action)
             elif isinstance(action, Observe):
                 self.metrics.observe(action.name, action.value)
             elif isinstance(action, Close):
                 self._close(action)
-        self._wake_timer.set()
+        # The timer is woken only for a wakeup sooner than the one it waits for: not once per
+        # chunk and message (a wakeup that moved later costs one early tick, which looks again).
+        wakeup = self.session.next_wakeup()
+        if wakeup is not None and (self._timer_at is None or wakeup < self._timer_at):
+            self._wake_timer.set()
+
+    def _encode(self, action: Encode) -> None:
+        self._encoding_ms += action.job.pcm_ms
+
+        def encoded(job: EncodeJob) -> None:  # on the event loop, once the worker is done
+            self._encoding_ms -= job.pcm_ms
+            self._room.set()  # a consumer waiting on the encodes looks again
+            self._execute(self.session.receive_encoded(action.context_id, job, time.monotonic()))
+
+        self.state.encoding.submit(action.job, encoded)
 
     def _send(self, action: Send) -> None:
         if self._closing is None:
@@ -314,6 +347,7 @@ class Connection:
     async def _timer_loop(self) -> None:
         while True:
             wakeup = self.session.next_wakeup()
+            self._timer_at = wakeup
             self._wake_timer.clear()
             delay = None if wakeup is None else max(0.0, wakeup - time.monotonic())
             try:
@@ -364,7 +398,7 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         session = Session(uuid.uuid4().hex[:16], catalog=voices, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits, admit=admission.admit_context,
                           release=admission.release_context, languages=state.languages,
-                          encoders=state.encoders)
+                          encoders=state.encoders, defer_encode=config.encode_on_thread)
         await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
 
 

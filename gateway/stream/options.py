@@ -32,6 +32,10 @@ from gateway.voices.catalog import VoiceChoices, unknown_voice_message
 ENCODINGS = ("json", "msgpack")
 AUDIO_AS = ("binary", "base64")
 PACINGS = ("asap", "realtime")
+#: whole codec frames an `audio` message carries at most (`frames_per_message`): 5 by default
+#: (100 ms of 20 ms Opus), up to a second of them for a client that reads fewer, larger messages
+DEFAULT_FRAMES_PER_MESSAGE = 5
+MAX_FRAMES_PER_MESSAGE = 50
 
 
 @dataclass(slots=True)
@@ -110,6 +114,7 @@ class SessionOptions:
     sample_rate: int = 48000
     bitrate: int | None = None
     frame_ms: int = 20
+    frames_per_message: int = DEFAULT_FRAMES_PER_MESSAGE
     encoding: str = "json"
     audio_as: str = "binary"
     pacing: str = "asap"
@@ -198,6 +203,12 @@ def check_option(key: Any, value: Any) -> Any:
         return value
     if key == "voice_for":
         return _voice_for(value)
+    if key == "frames_per_message":
+        _expect(value, int, "frames_per_message")
+        if not 1 <= value <= MAX_FRAMES_PER_MESSAGE:
+            raise ProtocolError("unsupported_option", "frames_per_message must be within "
+                                f"1-{MAX_FRAMES_PER_MESSAGE}, got {str(value)[:40]}")
+        return value
     if key == "max_buffer_delay_ms":
         _expect(value, int, "max_buffer_delay_ms")
         if not 0 <= value <= 60000:
@@ -243,9 +254,10 @@ def apply_update(options: SessionOptions, changes: Mapping[str, Any],
     return updated
 
 
-_INT_OPTIONS = ("sample_rate", "bitrate", "frame_ms", "max_buffer_delay_ms")
-_QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms", "encoding",
-                  "audio_as", "pacing", "speed", "max_buffer_delay_ms")
+_INT_OPTIONS = ("sample_rate", "bitrate", "frame_ms", "frames_per_message", "max_buffer_delay_ms")
+_QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms",
+                  "frames_per_message", "encoding", "audio_as", "pacing", "speed",
+                  "max_buffer_delay_ms")
 
 
 def options_from_query(query: Mapping[str, str], base: SessionOptions,

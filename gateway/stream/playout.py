@@ -4,11 +4,16 @@
 protocol half (which segment speaks next, what was heard). It hands PCM to
 the context's encoder (gateway/audio/encoders.py: one encode per chunk, in
 the context's output format), packs what comes out into `audio` messages of
-up to `FRAMES_PER_MESSAGE` frames with gapless `seq` and `pts_ms`
+up to `frames_per_message` frames (the session's option, `FRAMES_PER_MESSAGE` by
+default) with gapless `seq` and `pts_ms`
 (docs/protocol.md, "Rules the server keeps"), and holds them in an outbox
 until pacing lets them go. Encoding is one self-contained call (`push` is
-`encode`, then `pack`), so the two halves could run apart. Like the session it
-reads no clock: `release` takes `now`.
+`encode`, then `pack`), so the two halves may run apart: a deferred playout
+(`is_deferred`, the native socket's) only counts what it is handed and gives
+it out as an `EncodeJob` (`take_job`) for a worker thread
+(gateway/stream/encoding.py), and packs the job's frames when it is back
+(`complete`), in the order the jobs were taken. Like the session it reads no
+clock: `release` takes `now`.
 
 Pacing. `asap` releases every message at once. `realtime` keeps the client at
 most `REALTIME_LEAD_MS` of audio ahead of its playback clock, which starts
@@ -29,9 +34,12 @@ import numpy as np
 
 from gateway.audio.codecs import EncodedFrame
 from gateway.audio.encoders import AudioEncoder
+from gateway.stream.encoding import EncodeJob
 from gateway.stream.events import AudioEvent
+from gateway.stream.options import DEFAULT_FRAMES_PER_MESSAGE
 
-FRAMES_PER_MESSAGE = 5
+#: the default of the session's `frames_per_message` (gateway/stream/options.py)
+FRAMES_PER_MESSAGE = DEFAULT_FRAMES_PER_MESSAGE
 REALTIME_LEAD_MS = 1500.0
 
 
@@ -45,37 +53,77 @@ class Playout:
     caller's monotonic clock; None before the first release).
     """
 
-    def __init__(self, context_id: str, encoder: AudioEncoder, *, is_realtime: bool) -> None:
+    def __init__(self, context_id: str, encoder: AudioEncoder, *, is_realtime: bool,
+                 frames_per_message: int = FRAMES_PER_MESSAGE, is_deferred: bool = False) -> None:
+        if frames_per_message < 1:
+            raise ValueError(f"expected frames_per_message >= 1, got {frames_per_message}")
         self.context_id = context_id
         self.encoder = encoder
         self.is_realtime = is_realtime
+        self.frames_per_message = frames_per_message
         self.seq = 0
         self.pcm_ms_framed = 0.0
         self.audio_ms_queued = 0.0
         self.audio_ms_sent = 0.0
         self.play_started_at: float | None = None
         self.is_finished = False
+        self.is_deferred = is_deferred
         self._outbox: deque[AudioEvent] = deque()
+        self._pieces: list[np.ndarray | None] = []  # deferred: PCM (None: flush) not yet taken
+        self._pieces_ms = 0.0
+        self._num_jobs = 0  # deferred: jobs taken and not yet complete
+        self._generation = 0  # moves on at `clear`: a job taken before is dropped
 
     @property
     def is_empty(self) -> bool:
-        """Nothing waits for release (what was pushed so far is out)."""
-        return not self._outbox
+        """Nothing waits for release (what was pushed so far is out, encoded)."""
+        return not self._outbox and not self._pieces and not self._num_jobs
 
     def push(self, pcm: np.ndarray) -> None:
-        """Encode mono PCM at the encoder's input rate; its whole frames join the outbox."""
-        self.pcm_ms_framed += 1000.0 * len(pcm) / self.encoder.sample_rate_in
-        self.pack(self.encoder.encode(pcm))
+        """Encode mono PCM at the encoder's input rate; its whole frames join the outbox
+        (deferred: once its job is back)."""
+        ms = 1000.0 * len(pcm) / self.encoder.sample_rate_in
+        self.pcm_ms_framed += ms
+        if self.is_deferred:
+            self._pieces.append(pcm)
+            self._pieces_ms += ms
+        else:
+            self.pack(self.encoder.encode(pcm))
 
     def finish(self) -> None:
         """No more PCM: the encoder's padded tail joins the outbox (once)."""
         if not self.is_finished:
             self.is_finished = True
-            self.pack(self.encoder.flush())
+            if self.is_deferred:
+                self._pieces.append(None)
+            else:
+                self.pack(self.encoder.flush())
+
+    def take_job(self) -> EncodeJob | None:
+        """Deferred: what was pushed since the last job, to encode off the loop (None: nothing)."""
+        if not self._pieces:
+            return None
+        job = EncodeJob(self.encoder, self._pieces, self._generation, self._pieces_ms)
+        self._pieces, self._pieces_ms = [], 0.0
+        self._num_jobs += 1
+        return job
+
+    def complete(self, job: EncodeJob) -> None:
+        """A job is back (in the order taken): its frames join the outbox. Raises the job's
+        error; a job of a cleared playout is dropped."""
+        if job.generation != self._generation:
+            return
+        self._num_jobs -= 1
+        if job.error is not None:
+            raise job.error
+        for frames in job.frames:  # piece by piece: the messages an inline playout sends
+            self.pack(frames)
 
     def clear(self) -> None:
         """Drop what waits (cancel): no audio of this context leaves after this."""
         self._outbox.clear()
+        self._pieces, self._pieces_ms, self._num_jobs = [], 0.0, 0
+        self._generation += 1
 
     def release(self, now: float, playback_end: float) -> list[AudioEvent]:
         """The messages pacing lets go at `now`, in order.
@@ -109,9 +157,10 @@ class Playout:
         return start + (pts_ms - REALTIME_LEAD_MS) / 1000.0
 
     def pack(self, frames: list[EncodedFrame]) -> None:
-        """Encoded frames join the outbox, `FRAMES_PER_MESSAGE` to a message, in order."""
-        for start in range(0, len(frames), FRAMES_PER_MESSAGE):
-            group = frames[start:start + FRAMES_PER_MESSAGE]
+        """Encoded frames join the outbox, up to `frames_per_message` to a message, in order."""
+        size = self.frames_per_message
+        for start in range(0, len(frames), size):
+            group = frames[start:start + size]
             duration = sum(f.duration_ms for f in group)
             self._outbox.append(AudioEvent(self.context_id, self.seq, self.audio_ms_queued, duration,
                                            self.encoder.codec, tuple(f.data for f in group)))

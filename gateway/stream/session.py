@@ -41,8 +41,9 @@ from engine.types import AudioChunk, RequestId
 from gateway.audio.encoders import AudioEncoder, EncoderFactory
 from gateway.audio.formats import MULAW_SAMPLE_RATE, AudioFormat
 from gateway.errors import CLOSE_IDLE_TIMEOUT, ProtocolError, error_message
-from gateway.stream.actions import Action, Cancel, Close, Observe, Send, Submit
+from gateway.stream.actions import Action, Cancel, Close, Encode, Observe, Send, Submit
 from gateway.stream.context import Context, ContextState
+from gateway.stream.encoding import EncodeJob
 from gateway.stream.events import (
     AudioEvent,
     Cancelled,
@@ -89,11 +90,12 @@ class Session:
                  admit: Callable[[str], None] = lambda key: None,
                  release: Callable[[str], None] = lambda key: None,
                  languages: Languages | None = None, encoders: EncoderFactory | None = None,
-                 open_encoder: OpenEncoder | None = None) -> None:
+                 open_encoder: OpenEncoder | None = None, defer_encode: bool = False) -> None:
         """Holds its voices in `catalog` until `disconnect` (the caller validated them);
         `languages` routes segments by language (None: every one to the context's voice);
         `open_encoder` makes each context's encoder (None: the native codec of the options,
-        opened by `encoders`, the app's factory)."""
+        opened by `encoders`, the app's factory); `defer_encode`: encodes go out as `Encode`
+        actions, and come back through `receive_encoded` (gateway/stream/encoding.py)."""
         self.session_id = session_id
         self.catalog = catalog
         self.engine_sample_rate = sample_rate
@@ -104,6 +106,7 @@ class Session:
         self._synthesis = Synthesis(session_id, admit=admit, release=release, languages=languages)
         self.encoders = encoders or EncoderFactory()
         self._open_encoder = open_encoder or self._open_native_encoder
+        self.defer_encode = defer_encode
         self.contexts: dict[str, Context] = {}     # open, in creation order
         self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
         self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
@@ -181,7 +184,23 @@ class Session:
     def receive_engine_error(self, request_id: RequestId, exc: BaseException,
                              now: float) -> list[Action]:
         """An engine failure ends that context only (docs/protocol.md, "Errors": `internal`)."""
-        context = self._synthesis.pop_request(request_id)
+        return self._fail(self._synthesis.pop_request(request_id), exc, now)
+
+    def receive_encoded(self, context_id: str, job: EncodeJob, now: float) -> list[Action]:
+        """An `Encode` is done: its frames join the context's playout, paced out as before; an
+        encoder's fault ends that context only."""
+        context = self.contexts.get(context_id)  # ids are used once: a later one is not it
+        if context is None:
+            return []
+        try:
+            context.playout.complete(job)
+        except Exception as exc:  # noqa: BLE001 - reported to its context as `internal`
+            log.error("session %s: encoding context %s failed: %r", self.session_id,
+                      context_id, exc)
+            return self._fail(context, exc, now)
+        return self._pump(now)
+
+    def _fail(self, context: Context | None, exc: BaseException, now: float) -> list[Action]:
         if context is None or context.is_closed:
             return []
         actions = self._refused(exc, context.context_id)
@@ -372,7 +391,9 @@ class Session:
         options = self.options
         config = SegmenterConfig(max_buffer_delay_ms=options.max_buffer_delay_ms)
         playout = Playout(context_id, self._open_encoder(context_id, options),
-                          is_realtime=options.pacing == "realtime")
+                          is_realtime=options.pacing == "realtime",
+                          frames_per_message=options.frames_per_message,
+                          is_deferred=self.defer_encode)
         context = Context(context_id, key, Segmenter(config), playout, options, now,
                           last_text_at=now,
                           voice_for=merge_voice_for(self._synthesis.voice_for, options.voice_for))
@@ -442,6 +463,8 @@ class Session:
         actions: list[Action] = []
         while (context := self._active_context()) is not None:
             frame_ready_audio(context, now, actions)
+            if (job := context.playout.take_job()) is not None:
+                actions.append(Encode(context.context_id, job))
             actions += self._submit_ready(now)
             if context.is_closed:
                 continue  # refused admission: it ended, the next context is active

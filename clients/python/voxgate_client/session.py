@@ -69,7 +69,8 @@ log = logging.getLogger("voxgate.client")
 
 #: options the handshake's query string carries (the others go in a `session.update`)
 QUERY_OPTIONS = ("voice", "language", "codec", "sample_rate", "bitrate", "frame_ms",
-                 "encoding", "audio_as", "pacing", "speed", "max_buffer_delay_ms")
+                 "frames_per_message", "encoding", "audio_as", "pacing", "speed",
+                 "max_buffer_delay_ms")
 CLOSE_IDLE_TIMEOUT = 4000
 MAX_RECENT_TURNS = 8  # ended turns still routed: late answers (a cancel after done, errors)
 

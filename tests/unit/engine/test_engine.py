@@ -35,7 +35,9 @@ async def started(backend: ScriptedBackend, **config) -> Engine:  # type: ignore
 
 def test_requests_from_many_callers_are_batched_and_routed_to_their_owner() -> None:
     async def scenario() -> tuple[dict, ScriptedBackend]:
-        backend = ScriptedBackend(max_batch_size=4, chunks_per_request=3)
+        # The loop runs on its own thread: the first request may start alone; its step's
+        # 10 ms is time enough for the other callers to arrive and share the next ones.
+        backend = ScriptedBackend(max_batch_size=4, chunks_per_request=3, step_delay_s=0.01)
         engine = await started(backend, max_batch_size=4)
 
         async def collect(name: str) -> int:

@@ -19,6 +19,11 @@ def test_variables_fill_the_config_with_their_fields_types_and_overrides_win() -
     assert (config.limits.max_open_contexts, config.limits.idle_timeout_s) == (3, 60.0)
 
 
+def test_deflate_is_off_unless_the_operator_turns_it_on() -> None:
+    assert load_config({}, {}).ws_per_message_deflate is False
+    assert load_config({}, {"VOXGATE_WS_PER_MESSAGE_DEFLATE": "true"}).ws_per_message_deflate
+
+
 def test_an_optional_path_given_as_none_or_empty_is_none() -> None:
     assert load_config(None, {"VOXGATE_WEB_DIR": "none"}).web_dir is None
     assert load_config(None, {"VOXGATE_VOICE_ASSETS": ""}).voice_assets is None

@@ -22,6 +22,7 @@ from gateway.audio.codecs import decode_pcm16
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
 from gateway.state import AppState
+from gateway.stream.encoding import MAX_ENCODING_MS, EncodeJob, EncodeWorker, OnDone
 from gateway.stream.endpoint import Connection
 from gateway.stream.options import Limits, SessionOptions
 from gateway.stream.session import Session
@@ -74,15 +75,21 @@ Scenario = Callable[[FakeWebSocket, Connection, AppState], Awaitable[None]]
 
 
 def run(scenario: Scenario, *, limits: Limits | None = None, is_reading: bool = True,
-        backend: ScriptedBackend | None = None, tmp_path: Path | None = None) -> AppState:
+        backend: ScriptedBackend | None = None, tmp_path: Path | None = None,
+        encoding: EncodeWorker | None = None, look_ahead_s: float = 1.5) -> AppState:
+    """`encoding`: the app's encode worker, and the session defers its encodes to it."""
     async def main() -> AppState:
-        engine = Engine(backend or ScriptedBackend(), EngineConfig(warmup_text=""))
+        engine = Engine(backend or ScriptedBackend(),
+                        EngineConfig(warmup_text="", look_ahead_s=look_ahead_s))
         await engine.start()
         state = AppState(GatewayConfig(voice="v", data_dir=tmp_path or Path(".")), engine,
                          Metrics(engine))
+        if encoding is not None:
+            state.encoding = encoding
         state.catalog.set_listed({"v"})
         session = Session("s", catalog=state.catalog, sample_rate=engine.sample_rate, options=PCM16,
-                          limits=limits, admit=engine.admit, release=engine.release_context)
+                          limits=limits, admit=engine.admit, release=engine.release_context,
+                          defer_encode=encoding is not None)
         ws = FakeWebSocket(is_reading=is_reading)
         connection = Connection(ws, session, engine, state)  # type: ignore[arg-type]
         state.connections.add(connection)
@@ -90,6 +97,7 @@ def run(scenario: Scenario, *, limits: Limits | None = None, is_reading: bool = 
             await scenario(ws, connection, state)
         finally:
             await engine.stop()
+            state.encoding.close()
         return state
 
     return asyncio.run(main())
@@ -190,3 +198,48 @@ def test_close_finishes_the_open_context_then_closes_normally(tmp_path: Path) ->
         assert ws.closed == (1000, "session closed by client")
 
     run(scenario, tmp_path=tmp_path)
+
+
+class HeldWorker(EncodeWorker):
+    """An encode worker that has fallen behind: it holds every job until `release`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held: list[tuple[EncodeJob, OnDone]] = []
+
+    @property
+    def held_ms(self) -> float:
+        return sum(job.pcm_ms for job, _ in self.held)
+
+    def submit(self, job: EncodeJob, on_done: OnDone) -> None:
+        self.held.append((job, on_done))
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for job, on_done in held:
+            super().submit(job, on_done)
+
+
+def test_a_socket_takes_no_engine_audio_while_its_encodes_wait_past_the_bound(
+        tmp_path: Path) -> None:
+    worker = HeldWorker()
+
+    async def scenario(ws: FakeWebSocket, connection: Connection, state: AppState) -> None:
+        running = asyncio.create_task(connection.run())
+        ws.say({"type": "text", "context_id": "c", "text": "A long answer. ", "flush": True})
+        await async_wait_until(lambda: worker.held_ms > MAX_ENCODING_MS, timeout=20.0,
+                               message="the encodes never passed the bound")
+        await asyncio.sleep(0.3)  # the engine could make all 10 s in this time: it is not taken
+        assert MAX_ENCODING_MS < worker.held_ms <= MAX_ENCODING_MS + 100.0  # one chunk past
+        assert ws.audio() == []  # nothing encoded, nothing sent
+        while not any(e["type"] == "context.done" for e in ws.events()):
+            worker.release()  # the worker catches up: the rest is taken and encoded
+            await asyncio.sleep(0.02)
+        ws.leave()
+        await asyncio.wait_for(running, 10)
+        audio = ws.audio()
+        assert [a["seq"] for a in audio] == list(range(len(audio)))
+        assert len(decode_pcm16(b"".join(a["data"] for a in audio))) == 10.0 * 16000
+
+    run(scenario, backend=ScriptedBackend(chunks_per_request=100, chunk_s=0.1),
+        tmp_path=tmp_path, encoding=worker, look_ahead_s=60.0)

@@ -47,6 +47,8 @@ def test_an_update_may_only_choose_a_listed_voice() -> None:
     ({"sample_rate": 44100}, "sample_rate must be one of 48000, 24000, 16000, 8000"),
     ({"frame_ms": 25}, "frame_ms must be one of 20, 40, 60"),
     ({"max_buffer_delay_ms": 70000}, "within 0-60000"),
+    ({"frames_per_message": 0}, "frames_per_message must be within 1-50, got 0"),
+    ({"frames_per_message": 51}, "frames_per_message must be within 1-50, got 51"),
     ({"volume": 3}, "unknown option 'volume'; expected one of voice, language"),
 ])
 def test_an_update_out_of_range_is_unsupported_and_says_the_range(fields: dict, words: str) -> None:

@@ -71,6 +71,29 @@ def test_opus_messages_carry_a_list_of_packets_that_decode_back() -> None:
     assert len(decoded) >= 0.5 * 48000
 
 
+def test_packed_opus_messages_carry_up_to_frames_per_message_packets_that_decode_back() -> None:
+    pcm = tone(1.0)
+    decoded = {}
+    for size in (FRAMES_PER_MESSAGE, 25):
+        encoder = make_encoder("opus", 48000, 20, None, RATE)
+        playout = Playout("c", encoder, is_realtime=False, frames_per_message=size)
+        playout.push(pcm[:8000])
+        playout.push(pcm[8000:])  # 0.5 s a chunk: 25 frames, one message of 25
+        playout.finish()
+        messages = playout.release(0.0, 0.0)
+        assert max(len(m.payloads) for m in messages) == size
+        assert [m.seq for m in messages] == list(range(len(messages)))
+        for before, after in itertools.pairwise(messages):
+            assert after.pts_ms == pytest.approx(before.pts_ms + before.duration_ms)
+        if size == 25:
+            assert len(messages) == 3  # 25 + 25 + the tail's padding frame
+        packets = [p for m in messages for p in m.payloads]
+        decoded[size] = decode_opus_packets(packets, 48000, pre_skip=encoder.pre_skip)[:48000]
+    # the same encoder state packed two ways: the same audio
+    np.testing.assert_allclose(decoded[25], decoded[FRAMES_PER_MESSAGE], atol=1e-6)
+    assert float(np.sqrt(np.mean(decoded[25] ** 2))) > 0.1  # the tone, not silence
+
+
 def test_finish_flushes_the_padded_tail_once() -> None:
     playout = pcm16_playout()
     playout.push(tone(0.01))  # half a frame: nothing whole yet

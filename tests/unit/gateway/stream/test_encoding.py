@@ -1,0 +1,167 @@
+"""Encoding off the event loop: a deferred playout and session give their PCM out as jobs and pack
+the frames when they come back, exactly as they would have inline; the worker runs a loop turn's
+jobs as one call on its own thread, in order."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.types import AudioChunk
+from gateway.audio.codecs import decode_opus_packets, make_encoder
+from gateway.stream.actions import Encode, Send, Submit
+from gateway.stream.encoding import THREAD_PREFIX, EncodeJob, EncodeWorker
+from gateway.stream.events import AudioEvent, ContextDone
+from gateway.stream.options import SessionOptions
+from gateway.stream.playout import Playout
+from gateway.stream.session import Session
+from gateway.voices.catalog import VoiceCatalog
+
+RATE = 24000
+
+
+def speech(seconds: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(round(seconds * RATE)) / RATE
+    tone = 0.2 * np.sin(2 * np.pi * 180 * t) + 0.02 * rng.standard_normal(len(t))
+    return tone.astype(np.float32)
+
+
+def messages_of(playout: Playout) -> list[tuple[int, float, float, tuple[bytes, ...]]]:
+    return [(m.seq, m.pts_ms, m.duration_ms, m.payloads) for m in playout.release(0.0, 0.0)]
+
+
+def test_a_deferred_playout_sends_what_an_inline_one_does_once_its_jobs_are_back() -> None:
+    pieces = [speech(0.37, 1), speech(0.5, 2), speech(0.11, 3)]
+    inline = Playout("c", make_encoder("opus", 48000, 20, None, RATE), is_realtime=False)
+    deferred = Playout("c", make_encoder("opus", 48000, 20, None, RATE), is_realtime=False,
+                       is_deferred=True)
+    for pcm in pieces:
+        inline.push(pcm)
+        deferred.push(pcm)
+    inline.finish()
+    deferred.push(pieces[0][:0])  # nothing: still one job with the rest
+    deferred.finish()
+    assert deferred.pcm_ms_framed == pytest.approx(inline.pcm_ms_framed)  # counted at once
+    assert deferred.release(0.0, 0.0) == [] and not deferred.is_empty  # nothing encoded yet
+    job = deferred.take_job()
+    assert job is not None and deferred.take_job() is None
+    assert job.pcm_ms == pytest.approx(980.0)
+    thread = threading.Thread(target=job.run)  # as the worker runs it
+    thread.start()
+    thread.join()
+    assert not deferred.is_empty  # the job is not back until `complete`
+    deferred.complete(job)
+    expected = messages_of(inline)
+    assert messages_of(deferred) == expected and deferred.is_empty
+    packets = [p for _, _, _, payloads in expected for p in payloads]
+    assert len(decode_opus_packets(packets, 48000)) >= 0.98 * 48000
+
+
+def test_a_job_of_a_cleared_playout_is_dropped() -> None:
+    playout = Playout("c", make_encoder("pcm16", 24000, 20, None, RATE), is_realtime=False,
+                      is_deferred=True)
+    playout.push(speech(0.2))
+    job = playout.take_job()
+    assert job is not None
+    job.run()
+    playout.clear()  # cancelled while the worker held the job
+    playout.complete(job)
+    assert playout.release(0.0, 0.0) == [] and playout.is_empty
+
+
+def session_with_text(context_id: str = "c") -> tuple[Session, list[Any]]:
+    session = Session("s1", catalog=VoiceCatalog({"joe"}), sample_rate=RATE,
+                      options=SessionOptions(codec="opus"), defer_encode=True)
+    session.start(0.0)
+    actions = session.receive_frame(
+        '{"type": "text", "context_id": "%s", "text": "Hello there.", "flush": true}' % context_id,
+        0.0)
+    return session, [a.request for a in actions if isinstance(a, Submit)]
+
+
+def test_a_deferred_session_sends_audio_and_done_only_after_its_encodes_are_back() -> None:
+    session, (request,) = session_with_text()
+    actions = session.receive_audio(AudioChunk(request.request_id, speech(0.5), RATE, True), 0.1)
+    encodes = [a for a in actions if isinstance(a, Encode)]
+    assert len(encodes) == 1 and encodes[0].context_id == "c"
+    events = [a.message for a in actions if isinstance(a, Send)]
+    assert [e.type for e in events] == ["segment"]  # no audio, no done: the encode is out
+    encodes[0].job.run()
+    back = [a.message for a in session.receive_encoded("c", encodes[0].job, 0.2)
+            if isinstance(a, Send)]
+    audio = [e for e in back if isinstance(e, AudioEvent)]
+    done = [e for e in back if isinstance(e, ContextDone)]
+    assert audio and [m.seq for m in audio] == list(range(len(audio)))
+    assert done and done[0].audio_ms == pytest.approx(sum(m.duration_ms for m in audio))
+    assert back.index(done[0]) > back.index(audio[-1])
+
+
+def test_an_encoder_fault_ends_its_context_with_internal_and_nothing_else() -> None:
+    session, (request,) = session_with_text()
+    actions = session.receive_audio(AudioChunk(request.request_id, speech(0.2), RATE, True), 0.1)
+    (encode,) = [a for a in actions if isinstance(a, Encode)]
+    encode.job.error = RuntimeError("the codec broke")
+    back = [a.message.to_wire() for a in session.receive_encoded("c", encode.job, 0.2)
+            if isinstance(a, Send)]
+    assert [(e["type"], e.get("code")) for e in back] == [("error", "internal")]
+    assert "codec broke" not in str(back)  # logged, never sent
+    assert not session.has_context("c")
+    assert session.receive_encoded("c", encode.job, 0.3) == []  # late: its context is gone
+
+
+def test_the_worker_runs_a_loop_turns_jobs_as_one_call_on_its_thread_in_order() -> None:
+    before = set(threading.enumerate())
+
+    async def scenario() -> tuple[list[str], list[str], EncodeWorker]:
+        worker = EncodeWorker()
+        loop_thread = threading.current_thread().name
+        ran_on: list[str] = []
+        done: list[str] = []
+        finished = asyncio.Event()
+
+        class Recorded(EncodeJob):
+            def run(self) -> None:
+                ran_on.append(threading.current_thread().name)
+                EncodeJob.run(self)
+
+        encoder = make_encoder("pcm16", 24000, 20, None, RATE)
+        for n in range(3):  # one turn of the loop: one batch
+            job = Recorded(encoder, [speech(0.1, n)], 0, 100.0)
+
+            def on_done(job: EncodeJob, name: str = f"j{n}") -> None:
+                assert threading.current_thread().name == loop_thread and job.frames
+                done.append(name)
+                if len(done) == 3:
+                    finished.set()
+
+            worker.submit(job, on_done)
+        await asyncio.wait_for(finished.wait(), 5)
+        worker.close()
+        return ran_on, done, worker
+
+    ran_on, done, worker = asyncio.run(scenario())
+    assert done == ["j0", "j1", "j2"]
+    assert all(name.startswith(THREAD_PREFIX) for name in ran_on)
+    assert (worker.num_batches, worker.num_jobs) == (1, 3)
+    alive = [t.name for t in threading.enumerate()
+             if t.name.startswith(THREAD_PREFIX) and t not in before]
+    assert alive == []  # closed: its thread ended
+
+
+def test_a_job_after_close_is_encoded_on_the_loop_as_before() -> None:
+    async def scenario() -> list[EncodeJob]:
+        worker = EncodeWorker()
+        worker.close()
+        got: list[EncodeJob] = []
+        job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE), [speech(0.1)], 0, 100.0)
+        worker.submit(job, got.append)
+        await asyncio.sleep(0.01)
+        return got
+
+    (job,) = asyncio.run(scenario())
+    assert job.frames and job.error is None
