@@ -35,7 +35,8 @@ from gateway.voices.service import VoiceConfig, VoiceService
 log = logging.getLogger("voxgate.gateway")
 
 # The browser client: web/ beside the package in a source tree, gateway/web in an installed wheel.
-_WEB_DIRS = (Path(__file__).resolve().parent.parent / "web", Path(__file__).resolve().parent / "web")
+_WEB_DIRS = (Path(__file__).resolve().parent.parent / "web",
+             Path(__file__).resolve().parent / "web")
 WEB_DIR = next((d for d in _WEB_DIRS if (d / "index.html").is_file()), _WEB_DIRS[0])
 
 
@@ -75,7 +76,8 @@ class StartupErrors:
 
         async def send_plain(message: dict[str, Any]) -> None:
             exc = sys.exc_info()[1]
-            if message["type"] == "lifespan.startup.failed" and isinstance(exc, (VoxgateError, SystemExit)):
+            if message["type"] == "lifespan.startup.failed" and isinstance(
+                    exc, (VoxgateError, SystemExit)):
                 message = {**message, "message": f"voxgate cannot start: {exc}"}
             await send(message)
 
@@ -128,8 +130,10 @@ async def metrics(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def create_app(config: GatewayConfig | None = None, engine: EngineClient | None = None) -> Starlette:
-    """The voxgate app. `engine` may be given (tests inject a scripted backend; Ray Serve a remote one)."""
+def create_app(config: GatewayConfig | None = None,
+               engine: EngineClient | None = None) -> Starlette:
+    """The voxgate app. `engine` may be given (tests inject a scripted backend; Ray Serve and
+    `--workers` a remote one)."""
     config = config or load_config()
     engine = engine or build_engine(config)
     state = AppState(config, engine, Metrics(engine),
@@ -143,7 +147,8 @@ def create_app(config: GatewayConfig | None = None, engine: EngineClient | None 
         await voice_service.start()  # registered voices join the engine's list
         voices = {v.voice_id for v in engine.voices}
         if config.voice not in voices:
-            raise SystemExit(f"default voice {config.voice!r} is not loaded; have: {', '.join(sorted(voices))}")
+            raise SystemExit(f"default voice {config.voice!r} is not loaded; have: "
+                             f"{', '.join(sorted(voices))}")
         for language, voice in config.voice_for.items():
             if voice not in voices:
                 raise SystemExit(f"--voice-for {language}={voice}: no voice {voice!r} is loaded; "

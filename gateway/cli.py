@@ -29,33 +29,41 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the server")
     serve.add_argument("--host", help="bind address (default 127.0.0.1; VOXGATE_HOST)")
     serve.add_argument("--port", type=int, help="port (default 8000, or $PORT; VOXGATE_PORT)")
-    serve.add_argument("--engine", choices=["piper", "cosyvoice"], help="speech engine (default piper)")
+    serve.add_argument("--engine", choices=["piper", "cosyvoice"],
+                       help="speech engine (default piper)")
     serve.add_argument("--voice", help="default voice id (default joe)")
     serve.add_argument("--voice-for", action="append", default=[], metavar="LANGUAGE=VOICE",
-                       help="the voice for segments in a language the session's voice cannot speak, "
-                       "repeatable: --voice-for zh=NAME (VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER; "
-                       "docs/voices.md, Languages)")
+                       help="the voice for segments in a language the session's voice "
+                       "cannot speak, repeatable: --voice-for zh=NAME "
+                       "(VOXGATE_VOICE_FOR=zh=NAME,ru=OTHER; docs/voices.md, Languages)")
     serve.add_argument("--max-batch-size", type=int,
-                       help="most segments per engine step (default: the engine's; piper 8, cosyvoice 256 on a GPU)")
+                       help="most segments per engine step (default: the engine's; piper 8, "
+                       "cosyvoice 256 on a GPU)")
     serve.add_argument("--max-contexts", type=int,
                        help="admission limit on talking contexts (default 0: measured)")
     serve.add_argument("--scheduler", choices=["edf", "fifo"],
-                       help="edf: deadline-aware batching (default); fifo: one at a time (baseline)")
+                       help="edf: deadline-aware batching (default); "
+                       "fifo: one at a time (baseline)")
     serve.add_argument("--lm-backend", choices=["torch", "vllm"],
-                       help="cosyvoice: run the speech LM in torch (default) or on vLLM's async engine "
-                       "(same as --engine-option lm_backend=...)")
+                       help="cosyvoice: run the speech LM in torch (default) or on vLLM's async "
+                       "engine (same as --engine-option lm_backend=...)")
     serve.add_argument("--model-dir", help="cosyvoice: the official CosyVoice 2/3 model directory "
                        "(same as --engine-option model_dir=...; VOXGATE_COSYVOICE_MODEL_DIR)")
     serve.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
-                       help="a backend option, repeatable (cosyvoice: model_dir=PATH; docs/cosyvoice.md)")
+                       help="a backend option, repeatable (cosyvoice: model_dir=PATH; "
+                       "docs/cosyvoice.md)")
     serve.add_argument("--data-dir", help="where registered voices are stored")
     serve.add_argument("--voice-assets", help="folder of name.wav + name.txt voices registered at "
                        "start-up (default <data-dir>/assets; VOXGATE_VOICE_ASSETS)")
-    serve.add_argument("--api-keys-file", help="file of API keys, one per line (also VOXGATE_API_KEYS)")
-    serve.add_argument("--admin-keys-file", help="file of admin keys, one per line: API keys that also "
+    serve.add_argument("--api-keys-file",
+                       help="file of API keys, one per line (also VOXGATE_API_KEYS)")
+    serve.add_argument("--admin-keys-file",
+                       help="file of admin keys, one per line: API keys that also "
                        "see and delete every tenant's voices (also VOXGATE_ADMIN_KEYS)")
-    serve.add_argument("--allowed-origins", help="comma-separated browser origins allowed on the socket "
-                       "(same-origin pages and clients without Origin are always allowed; * allows all)")
+    serve.add_argument("--allowed-origins",
+                       help="comma-separated browser origins allowed on the socket "
+                       "(same-origin pages and clients without Origin are always allowed; "
+                       "* allows all)")
     serve.add_argument("--no-auth", action="store_true",
                        help="allow listening on a non-loopback address without API keys")
     serve.add_argument("--max-sessions", type=int, help="most open sockets (default 1000)")
@@ -66,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                        "threshold, ~70 MB less RSS for ~40%% less synthesis per second "
                        "(VOXGATE_MEMORY_PROFILE; docs/operations.md)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--ssl-certfile", help="serve https/wss with this PEM certificate (with --ssl-keyfile)")
+    serve.add_argument("--ssl-certfile",
+                       help="serve https/wss with this PEM certificate (with --ssl-keyfile)")
     serve.add_argument("--ssl-keyfile", help="the private key of --ssl-certfile (PEM)")
     serve.add_argument("--workers", type=int, default=1,
                        help="gateway processes feeding one engine process (default 1: one "
@@ -119,7 +128,7 @@ def _engine_options(items: list[str]) -> dict[str, str] | None:
 
 
 def _shorthand_options(args: argparse.Namespace) -> list[str]:
-    """`--engine-option` items, with `--lm-backend` and `--model-dir` as the options they stand for."""
+    """`--engine-option` items, `--lm-backend` and `--model-dir` as the options they name."""
     items = list(args.engine_option)
     if args.lm_backend:
         items.append(f"lm_backend={args.lm_backend}")
@@ -190,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run(args)
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
-        print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+        print("voxgate: bad configuration: --ssl-certfile and --ssl-keyfile go together",
+              file=sys.stderr)
         return 2
     tune_malloc(args.memory_profile or os.environ.get("VOXGATE_MEMORY_PROFILE", "fast"))
     logging.basicConfig(level=args.log_level.upper(),

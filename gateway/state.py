@@ -41,14 +41,17 @@ class AppState:
     connections: set[OpenSocket] = field(default_factory=set)
     catalog: VoiceCatalog = field(default_factory=VoiceCatalog)  # what sessions may speak with
     languages: Languages = field(init=False)  # what each voice speaks, for routing by language
-    key_counter: KeyCounter = field(default_factory=KeyCounter)  # admitted sockets (access/admission.py)
-    keyless: KeylessPool = field(init=False)  # sockets waiting for a first-message key (access/keyless.py)
+    # admitted sockets (access/admission.py)
+    key_counter: KeyCounter = field(default_factory=KeyCounter)
+    # sockets waiting for a first-message key (access/keyless.py)
+    keyless: KeylessPool = field(init=False)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     encoders: EncoderFactory = field(default_factory=EncoderFactory)  # every output's encoder
     #: the thread the native socket's encodes run on (gateway/stream/encoding.py)
     encoding: EncodeWorker = field(default_factory=EncodeWorker)
     is_shutting_down: bool = False
-    fair_share: FairShare = field(init=False)  # engine contexts per client (gateway/access/fair_share.py)
+    # engine contexts per client (gateway/access/fair_share.py)
+    fair_share: FairShare = field(init=False)
 
     def __post_init__(self) -> None:
         engine = self.engine

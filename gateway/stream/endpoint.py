@@ -147,7 +147,8 @@ class Connection:
             self._writer.cancel()
 
     async def _drain_writer(self, writer: asyncio.Task[None]) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, OSError, RuntimeError):
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, OSError,
+                                 RuntimeError):
             await asyncio.wait_for(asyncio.shield(writer), timeout=2.0)
 
     def _check_failed(self, *tasks: asyncio.Task[None]) -> None:
@@ -219,10 +220,12 @@ class Connection:
         except asyncio.CancelledError:
             raise
         except VoxgateError as exc:
-            self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
+            self._execute(self.session.receive_engine_error(request.request_id, exc,
+                                                            time.monotonic()))
         except Exception as exc:  # ends this context only
             log.exception("request %s failed", request.request_id)
-            self._execute(self.session.receive_engine_error(request.request_id, exc, time.monotonic()))
+            self._execute(self.session.receive_engine_error(request.request_id, exc,
+                                                            time.monotonic()))
         finally:
             self._consumers.pop(request.request_id, None)
 
@@ -391,15 +394,16 @@ async def stream_endpoint(websocket: WebSocket) -> None:
             options = options_from_query(query, SessionOptions(voice=config.voice), voices.listed)
         except ProtocolError as exc:
             exc.fatal = True
-            await refuse(websocket, encode_json(error_message(exc).to_wire()), CLOSE_POLICY_VIOLATION,
-                         exc.code)
+            await refuse(websocket, encode_json(error_message(exc).to_wire()),
+                         CLOSE_POLICY_VIOLATION, exc.code)
             return
         # Made before the first await, so the voice just validated is held at once.
         session = Session(uuid.uuid4().hex[:16], catalog=voices, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits, admit=admission.admit_context,
                           release=admission.release_context, languages=state.languages,
                           encoders=state.encoders, defer_encode=config.encode_on_thread)
-        await serve_session(websocket, session, Connection(websocket, session, engine, state), state)
+        await serve_session(websocket, session, Connection(websocket, session, engine, state),
+                            state)
 
 
 async def serve_session(websocket: WebSocket, session: SocketSession, connection: Connection,

@@ -162,7 +162,8 @@ class Playout:
         for start in range(0, len(frames), size):
             group = frames[start:start + size]
             duration = sum(f.duration_ms for f in group)
-            self._outbox.append(AudioEvent(self.context_id, self.seq, self.audio_ms_queued, duration,
-                                           self.encoder.codec, tuple(f.data for f in group)))
+            event = AudioEvent(self.context_id, self.seq, self.audio_ms_queued, duration,
+                               self.encoder.codec, tuple(f.data for f in group))
+            self._outbox.append(event)
             self.seq += 1
             self.audio_ms_queued += duration

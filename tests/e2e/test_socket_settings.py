@@ -11,10 +11,10 @@ from typing import Any
 import numpy as np
 import pytest
 import websockets
-from voxgate_client import AsyncVoxgate, AudioChunk, Turn
 
 from gateway.stream.playout import FRAMES_PER_MESSAGE
 from tests.support.server import ServerProcess, start_server
+from voxgate_client import AsyncVoxgate, AudioChunk, Turn
 
 TEXT = ("This is the first sentence of a longer answer, spoken in full. "
         "And here is a second sentence, so that the voice makes windows of some length.")
