@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.types import AudioChunk, RequestId, WordTiming
+from gateway.stream.events import Cancelled
 from gateway.stream.options import SessionOptions
 from gateway.stream.playout import Playout
 from gateway.text.language import Piece
@@ -115,6 +116,13 @@ class Context:
         report, and never more than the audio sent."""
         heard = self.played_ms if played_ms is None else played_ms
         return self.audio_ms_sent if heard is None else min(heard, self.audio_ms_sent)
+
+    def cancelled(self, played_ms: float | None) -> Cancelled:
+        """The answer to a cancel here: the text split at `played_ms`, else at the last
+        `playback` report, and where it was cut."""
+        spoken, unspoken = self.split_heard(self.heard_ms(played_ms))
+        heard_at = played_ms if played_ms is not None else self.played_ms
+        return Cancelled(self.context_id, self.audio_ms_sent, heard_at, spoken, unspoken)
 
     def split_heard(self, heard_ms: float) -> tuple[str, str]:
         """(spoken_text, unspoken_text) for a cut at `heard_ms` of this context's audio.

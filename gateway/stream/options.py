@@ -102,6 +102,31 @@ class TokenBucket:
         return True
 
 
+class InputRates:
+    """A session's two rate limits on what comes in: messages, and characters of text, per
+    second, each with its burst (`Limits`; docs/protocol.md, "Limits")."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._messages = TokenBucket(limits.max_messages_per_s,
+                                     limits.max_messages_per_s * limits.burst_s)
+        self._text = TokenBucket(limits.max_text_chars_per_s,
+                                 limits.max_text_chars_per_s * limits.burst_s)
+
+    def take_message(self, now: float) -> None:
+        """A message's place in the rate; raises `rate_limited` when none is left."""
+        if not self._messages.take(1, now):
+            raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
+                                "messages per second; the message was dropped")
+
+    def take_text(self, text: str, now: float, context_id: str) -> None:
+        """A delta's characters in the rate; raises `rate_limited` (the delta is dropped)."""
+        if not self._text.take(len(text), now):
+            raise ProtocolError("rate_limited",
+                                f"more than {self.limits.max_text_chars_per_s:g} characters "
+                                "of text per second; the delta was dropped", context_id=context_id)
+
+
 @dataclass(slots=True)
 class SessionOptions:
     """The effective options of a session (docs/protocol.md, "Options")."""

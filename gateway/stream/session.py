@@ -16,12 +16,10 @@ shared `VoiceCatalog`) and held there (with those mapped for other languages,
 `voice_for`): the session's and each open context's, released on change, at a
 context's end and on disconnect; a deleted voice speaks on for its holders.
 
-What is not protocol lives beside it: the engine half (segments submitted
-within the look-ahead window, admission, deadlines, audio routed back) in
-synthesis.py, the media half in playout.py, the actions in actions.py, the
-client messages in messages.py (decoded once, typed: `receive_message` takes
-them), the server events in events.py, options and limits in options.py, a
-turn's bookkeeping in context.py.
+What is not protocol lives beside it: the engine half in synthesis.py, the
+media half in playout.py, what is kept of ended contexts in ended.py, the
+typed client messages in messages.py, the server events in events.py,
+options, limits and rates in options.py, a turn's bookkeeping in context.py.
 
 Every route runs this one session: the native socket, the vendor sockets
 (gateway/compat composes it and feeds it typed messages) and the HTTP speech
@@ -33,7 +31,6 @@ encoder comes from `open_encoder`, in the route's output format
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable
 
 from engine.errors import VoxgateError
@@ -44,6 +41,7 @@ from gateway.errors import CLOSE_IDLE_TIMEOUT, ProtocolError, error_message
 from gateway.stream.actions import Action, Cancel, Close, Encode, Observe, Send, Submit
 from gateway.stream.context import Context, ContextState
 from gateway.stream.encoding import EncodeJob
+from gateway.stream.ended import EndedContexts
 from gateway.stream.events import (
     AudioEvent,
     Cancelled,
@@ -63,7 +61,13 @@ from gateway.stream.messages import (
     TextMessage,
     decode_message,
 )
-from gateway.stream.options import Limits, SessionOptions, TokenBucket, apply_update, hold_voices
+from gateway.stream.options import (
+    InputRates,
+    Limits,
+    SessionOptions,
+    apply_update,
+    hold_voices,
+)
 from gateway.stream.playout import Playout
 from gateway.stream.synthesis import Synthesis, frame_ready_audio
 from gateway.text.routing import Languages, merge_voice_for
@@ -71,9 +75,6 @@ from gateway.text.segmenter import Segmenter, SegmenterConfig
 from gateway.voices.catalog import VoiceChoices
 
 log = logging.getLogger("voxgate.gateway")
-
-MAX_REMEMBERED_CLOSED = 4096
-MAX_RECENT_DONE = 8
 
 #: opens the encoder of a new context (its id, the session's options then): the session's
 #: output stage (gateway/audio/encoders.py); the HTTP route and vendor sockets pass their own
@@ -108,16 +109,11 @@ class Session:
         self._open_encoder = open_encoder or self._open_native_encoder
         self.defer_encode = defer_encode
         self.contexts: dict[str, Context] = {}     # open, in creation order
-        self._closed: OrderedDict[str, bool] = OrderedDict()  # id -> already answered
-        self._recent_done: OrderedDict[str, Context] = OrderedDict()  # for late cancels
+        self._ended = EndedContexts()  # for the messages that come after a context's end
         self._playback_end = 0.0  # when the audio of finished contexts ends playing
         self.is_closing = False
         self.last_activity = 0.0
-        limits = self.limits
-        self._message_rate = TokenBucket(limits.max_messages_per_s,
-                                         limits.max_messages_per_s * limits.burst_s)
-        self._text_rate = TokenBucket(limits.max_text_chars_per_s,
-                                      limits.max_text_chars_per_s * limits.burst_s)
+        self._rates = InputRates(self.limits)
 
     # -- entry points -------------------------------------------------------
     def start(self, now: float) -> list[Action]:
@@ -172,9 +168,7 @@ class Session:
         """A client frame came (the socket is not idle): its place in the message rate; raises
         `rate_limited` when none is left."""
         self.last_activity = now
-        if not self._message_rate.take(1, now):
-            raise ProtocolError("rate_limited", f"more than {self.limits.max_messages_per_s:g} "
-                                "messages per second; the message was dropped")
+        self._rates.take_message(now)
 
     def receive_audio(self, chunk: AudioChunk, now: float) -> list[Action]:
         if not self._synthesis.receive_audio(chunk):
@@ -278,7 +272,7 @@ class Session:
         context_id, text = message.context_id, message.text
         context = self._open_context(context_id, now)
         if context is None:
-            return self._closed_answer(context_id)
+            return self._ended.late_text(context_id)
         if context.state is not ContextState.OPEN:
             raise ProtocolError("context_closed",
                                 f"context {context_id!r} was flushed; no more text is taken",
@@ -288,10 +282,7 @@ class Session:
                                 f"{self.limits.max_text_per_context} characters; the delta was "
                                 "dropped",
                                 context_id=context_id)
-        if not self._text_rate.take(len(text), now):
-            raise ProtocolError("rate_limited",
-                                f"more than {self.limits.max_text_chars_per_s:g} characters "
-                                "of text per second; the delta was dropped", context_id=context_id)
+        self._rates.take_text(text, now, context_id)
         context.num_text_chars += len(text)
         context.last_text_at = now
         actions = self._submit_segments(context, context.segmenter.push(text, now), now)
@@ -303,8 +294,8 @@ class Session:
         context_id = message.context_id
         context = self.contexts.get(context_id)
         if context is None:
-            if context_id in self._closed:
-                return self._closed_answer(context_id)
+            if context_id in self._ended:
+                return self._ended.late_text(context_id)
             raise ProtocolError("bad_context_id",
                                 f"no open context {context_id!r}; send text first",
                                 context_id=context_id)
@@ -316,41 +307,29 @@ class Session:
             targets = list(self.contexts.values())
         elif context_id in self.contexts:
             targets = [self.contexts[context_id]]
-        elif context_id in self._recent_done:
+        elif (done := self._ended.take_done(context_id)) is not None:
             # All audio was sent, but the listener may still be playing it (asap
             # pacing runs far ahead): split the text at what was heard.
-            done = self._recent_done.pop(context_id)
-            spoken, unspoken = done.split_heard(done.heard_ms(played_ms))
-            heard_at = played_ms if played_ms is not None else done.played_ms
-            return [Send(Cancelled(context_id, done.audio_ms_sent, heard_at, spoken, unspoken)),
-                    Observe("cancel", 1)]
-        elif context_id in self._closed:
+            return [Send(done.cancelled(played_ms)), Observe("cancel", 1)]
+        elif context_id in self._ended:
             # Already cancelled (or long finished): answer idempotently, nothing to stop.
             return [Send(Cancelled(context_id, None, played_ms, None, None))]
         else:
             raise ProtocolError("bad_context_id", f"no open context {context_id!r}",
                                 context_id=context_id)
+        # a played_ms reported with a cancel of all contexts applies to none of them alone
+        answers = [c.cancelled(played_ms if context_id else None) for c in targets]
         actions: list[Action] = []
-        spoken_all: list[str] = []
-        unspoken_all: list[str] = []
-        sent_total = 0.0
-        for context in targets:
-            # a played_ms reported with a cancel of all contexts applies to none of them alone
-            spoken, unspoken = context.split_heard(
-                context.heard_ms(played_ms if context_id else None))
-            sent_total += context.audio_ms_sent
-            spoken_all.append(spoken)
-            unspoken_all.append(unspoken)
+        for context, answer in zip(targets, answers, strict=True):
             actions += self._end_context(context, ContextState.CANCELLED)
             actions.append(Observe("cancel", 1))
             if context_id is not None:
-                actions.append(Send(Cancelled(
-                    context.context_id, context.audio_ms_sent,
-                    played_ms if played_ms is not None else context.played_ms, spoken, unspoken)))
+                actions.append(Send(answer))
         if context_id is None:
-            actions.append(Send(Cancelled(None, sent_total, played_ms,
-                                          " ".join(s for s in spoken_all if s),
-                                          " ".join(u for u in unspoken_all if u))))
+            actions.append(Send(Cancelled(
+                None, sum(a.audio_ms_sent or 0.0 for a in answers), played_ms,
+                " ".join(a.spoken_text for a in answers if a.spoken_text),
+                " ".join(a.unspoken_text for a in answers if a.unspoken_text))))
         return actions + self._pump(now)
 
     def _on_update(self, message: SessionUpdate) -> list[Action]:
@@ -362,7 +341,7 @@ class Session:
 
     def _on_playback(self, message: PlaybackMessage) -> list[Action]:
         context_id = message.context_id
-        context = self.contexts.get(context_id) or self._recent_done.get(context_id)
+        context = self.contexts.get(context_id) or self._ended.done(context_id)
         if context is not None:
             context.played_ms = message.played_ms
         return []
@@ -379,7 +358,7 @@ class Session:
     def _open_context(self, context_id: str, now: float) -> Context | None:
         if context_id in self.contexts:
             return self.contexts[context_id]
-        if context_id in self._closed:
+        if context_id in self._ended:
             return None
         if len(self.contexts) >= self.limits.max_open_contexts:
             raise ProtocolError("too_many_contexts",
@@ -405,14 +384,6 @@ class Session:
         rate = MULAW_SAMPLE_RATE if options.codec == "mulaw" else options.sample_rate
         fmt = AudioFormat(options.codec, rate, options.frame_ms, options.bitrate)
         return self.encoders.open(fmt, self.engine_sample_rate)
-
-    def _closed_answer(self, context_id: str) -> list[Action]:
-        if self._closed.get(context_id):
-            return []  # answered once already: late tokens are dropped silently
-        self._closed[context_id] = True
-        return [Send(error_message(ProtocolError(
-            "context_closed", f"context {context_id!r} is done or cancelled; its text is dropped",
-            context_id=context_id))), Observe("error:context_closed", 1)]
 
     def _flush_context(self, context: Context, now: float) -> list[Action]:
         if context.state is not ContextState.OPEN:
@@ -443,13 +414,8 @@ class Session:
             started_at = context.playout.play_started_at
             if started_at is not None:
                 self._playback_end = started_at + context.audio_ms_sent / 1000.0
-            self._recent_done[context.context_id] = context
-            while len(self._recent_done) > MAX_RECENT_DONE:
-                self._recent_done.popitem(last=False)
+        self._ended.add(context, is_done=state is ContextState.DONE)
         self.contexts.pop(context.context_id, None)
-        self._closed[context.context_id] = False
-        while len(self._closed) > MAX_REMEMBERED_CLOSED:
-            self._closed.popitem(last=False)
         self._synthesis.release(context)
         hold_voices(self.catalog, release=context.voices)
         return actions
