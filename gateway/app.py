@@ -22,10 +22,11 @@ from engine.errors import VoxgateError
 from engine.scheduler import SchedulerConfig
 from gateway.access.guard import AccessGuard
 from gateway.access.redaction import install_log_redaction
-from gateway.access.tokens import SessionTokens, create_session_token
+from gateway.access.tokens import SessionTokens
 from gateway.compat import compat_routes
 from gateway.config import GatewayConfig, load_config
 from gateway.http.speech import speech_endpoint
+from gateway.http.tokens import create_session_token
 from gateway.metrics import Metrics
 from gateway.state import AppState
 from gateway.stream.endpoint import stream_endpoint
