@@ -19,13 +19,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from engine.engine import Engine
 from engine.errors import EngineBusyError, VoxgateError
+from engine.wire import counters_to_wire, info_to_wire
 from gateway.app import build_engine
 from gateway.config import AUTH_OPTIONS, load_config
 from gateway.ray_serve import wire
@@ -108,22 +108,11 @@ class EngineReplica:
             for key in set(held or ()) - set(self._owners):
                 with contextlib.suppress(EngineBusyError):
                     self._admit(key, gateway)  # re-admitted, e.g. after a lease lapsed
-        e, s = self.engine, self.engine.scheduler
-        return {
-            "replica": self.replica, "is_ready": e.is_ready, "is_healthy": e.is_healthy,
-            "num_contexts": s.num_contexts, "max_contexts": s.max_contexts(),
-            "num_queued": s.num_queued, "scheduler": asdict(s.stats), "stats": asdict(e.stats),
-            "voices": [wire.voice_to_wire(v) for v in e.voices],
-        }
+        return {"replica": self.replica, **counters_to_wire(self.engine),
+                "voices": [wire.voice_to_wire(v) for v in self.engine.voices]}
 
     async def info(self, replica: str = "") -> dict[str, Any]:
-        e = self.engine
-        return {"replica": self.replica, "sample_rate": e.sample_rate,
-                "backend_name": e.backend_name,
-                "can_register_voices": e.can_register_voices,
-                "needs_transcript": e.needs_transcript,
-                "voice_features_version": e.voice_features_version,
-                "voices": [wire.voice_to_wire(v) for v in e.voices]}
+        return {"replica": self.replica, **info_to_wire(self.engine)}
 
     async def _sweep(self) -> None:
         while True:

@@ -42,14 +42,15 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from engine.errors import BackendFailure, EngineBusyError, EngineError, EngineStoppedError
 from engine.stats import EngineStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
+from engine.wire import RemoteFacts, SchedulerCounters
 from gateway.ray_serve import routing, wire
-from gateway.ray_serve.replicas import Replica, SchedulerTotals, roomiest, sum_reports
+from gateway.ray_serve.replicas import Replica, roomiest, sum_reports
 
 log = logging.getLogger("voxgate.gateway")
 T = TypeVar("T")
 
 
-class RemoteEngine:
+class RemoteEngine(RemoteFacts):
     """The engine tier behind one `DeploymentHandle` (see the module doc)."""
 
     def __init__(self, handle: DeploymentHandle[Any], *, deployment: str = "Engine",
@@ -68,7 +69,7 @@ class RemoteEngine:
         self._poller: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.stats = EngineStats()
-        self.scheduler = SchedulerTotals()
+        self.scheduler = SchedulerCounters()
 
     # -- calls ---------------------------------------------------------------
     def _call(self, method: str, *args: Any, replica: str = "", **kwargs: Any) -> Any:
@@ -171,31 +172,6 @@ class RemoteEngine:
         if reports:
             self._voices = [wire.voice_from_wire(v) for v in reports[0]["voices"]]
 
-    # -- what it speaks ------------------------------------------------------------
-    @property
-    def sample_rate(self) -> int:
-        return int(self._info["sample_rate"])
-
-    @property
-    def voices(self) -> list[VoiceInfo]:
-        return self._voices
-
-    @property
-    def backend_name(self) -> str:
-        return str(self._info["backend_name"])
-
-    @property
-    def can_register_voices(self) -> bool:
-        return bool(self._info["can_register_voices"])
-
-    @property
-    def needs_transcript(self) -> bool:
-        return bool(self._info["needs_transcript"])
-
-    @property
-    def voice_features_version(self) -> str:
-        return str(self._info["voice_features_version"])
-
     # -- admission -------------------------------------------------------------------
     def _roomiest(self, exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
         return roomiest(self.replicas.values(), exclude)
@@ -264,7 +240,7 @@ class RemoteEngine:
                         self._placement[request.context_key] = replica_id
                     stream = self._open(request, replica_id)
                     continue
-                chunk = wire.chunk_from_wire(request.request_id, item)
+                chunk = wire.chunk_from_wire(item, request.request_id)
                 yield chunk
                 if chunk.is_last:
                     return

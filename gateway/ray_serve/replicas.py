@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.scheduler import SchedulerStats
 from engine.stats import EngineStats
+from engine.wire import SchedulerCounters
 
 
 @dataclass(slots=True)
@@ -34,19 +34,6 @@ class Replica:
         return self.max_contexts - self.num_contexts - self.num_placed
 
 
-@dataclass(slots=True)
-class SchedulerTotals:
-    """The replicas' scheduler counters summed (what /metrics reads as `scheduler`)."""
-
-    num_queued: int = 0
-    num_contexts: int = 0
-    total_contexts: int = 0
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
-
-    def max_contexts(self) -> int:
-        return self.total_contexts
-
-
 def roomiest(replicas: Iterable[Replica],
              exclude: frozenset[str] | set[str] = frozenset()) -> Replica | None:
     """The ready replica with the most room, outside `exclude`; None when none has room."""
@@ -54,9 +41,9 @@ def roomiest(replicas: Iterable[Replica],
     return max(ready, key=lambda r: r.room, default=None)
 
 
-def sum_reports(reports: list[dict[str, Any]]) -> tuple[SchedulerTotals, EngineStats]:
+def sum_reports(reports: list[dict[str, Any]]) -> tuple[SchedulerCounters, EngineStats]:
     """The replicas' capacity reports summed (the `last_*` stats: their maximum)."""
-    totals = SchedulerTotals()
+    totals = SchedulerCounters()
     stats = EngineStats()
     for report in reports:
         totals.num_queued += report["num_queued"]

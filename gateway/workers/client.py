@@ -30,7 +30,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from engine.errors import BackendFailure, EngineError, EngineStoppedError
 from engine.scheduler import SchedulerStats
 from engine.stats import EngineStats
 from engine.types import AudioChunk, RequestId, SynthesisRequest, VoiceInfo
+from engine.wire import RemoteFacts, SchedulerCounters
 from gateway.workers import wire
 from gateway.workers.channel import FrameError, Message, pack, read_frame
 from gateway.workers.control import ControlLink
@@ -50,20 +50,7 @@ log = logging.getLogger("voxgate.gateway")
 _Item = AudioChunk | BaseException | None
 
 
-@dataclass(slots=True)
-class EngineView:
-    """The engine process's scheduler counters, as /metrics reads them."""
-
-    num_queued: int = 0
-    num_contexts: int = 0
-    total_contexts: int = 0
-    stats: SchedulerStats = field(default_factory=SchedulerStats)
-
-    def max_contexts(self) -> int:
-        return self.total_contexts
-
-
-class WorkerEngine:
+class WorkerEngine(RemoteFacts):
     """The engine process's engine (see the module doc)."""
 
     def __init__(self, path: Path, *, worker: int = 0, poll_s: float = 0.5,
@@ -75,7 +62,7 @@ class WorkerEngine:
         self.on_lost = on_lost
         self.control = ControlLink(path, worker)
         self._stats = EngineStats()
-        self._scheduler = EngineView()
+        self._scheduler = SchedulerCounters()
         self._polled_at = 0.0
         self._info: dict[str, Any] = {}
         self._voices: list[VoiceInfo] = []
@@ -225,31 +212,6 @@ class WorkerEngine:
             if not future.done():
                 future.set_exception(error)
 
-    # -- what it speaks ---------------------------------------------------------------
-    @property
-    def sample_rate(self) -> int:
-        return int(self._info["sample_rate"])
-
-    @property
-    def voices(self) -> list[VoiceInfo]:
-        return self._voices
-
-    @property
-    def backend_name(self) -> str:
-        return str(self._info["backend_name"])
-
-    @property
-    def can_register_voices(self) -> bool:
-        return bool(self._info["can_register_voices"])
-
-    @property
-    def needs_transcript(self) -> bool:
-        return bool(self._info["needs_transcript"])
-
-    @property
-    def voice_features_version(self) -> str:
-        return str(self._info["voice_features_version"])
-
     # -- admission: the engine process's, without the fair share (child.py installs it) ----
     def admit(self, context_key: str) -> None:
         self.control.call("admit_engine", key=context_key)
@@ -324,7 +286,7 @@ class WorkerEngine:
         return self._stats
 
     @property
-    def scheduler(self) -> EngineView:
+    def scheduler(self) -> SchedulerCounters:
         self._fresh()
         return self._scheduler
 

@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ import numpy as np
 from engine.engine import Engine
 from engine.errors import VoxgateError
 from engine.types import RequestId
+from engine.wire import counters_to_wire, info_to_wire
 from gateway.access.fair_share import FairShare, FairShareConfig
 from gateway.access.keys import KeyCounter
 from gateway.access.tokens import SessionTokens
@@ -114,19 +115,10 @@ class EngineHost:
             link.post({"op": "voices", "voices": voices})
 
     def stats(self) -> dict[str, Any]:
-        engine, scheduler = self.engine, self.engine.scheduler
-        return {"stats": asdict(engine.stats), "scheduler": asdict(scheduler.stats),
-                "num_queued": scheduler.num_queued, "num_contexts": scheduler.num_contexts,
-                "max_contexts": scheduler.max_contexts(), "is_ready": engine.is_ready,
-                "is_healthy": engine.is_healthy}
+        return counters_to_wire(self.engine)
 
     def info(self) -> dict[str, Any]:
-        engine = self.engine
-        return {"sample_rate": engine.sample_rate, "backend_name": engine.backend_name,
-                "can_register_voices": engine.can_register_voices,
-                "needs_transcript": engine.needs_transcript,
-                "voice_features_version": engine.voice_features_version,
-                "voices": [wire.voice_to_wire(v) for v in engine.voices], **self.stats()}
+        return {**info_to_wire(self.engine), **self.stats()}
 
 
 class WorkerLink:
