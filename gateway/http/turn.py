@@ -27,11 +27,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from engine.client import EngineClient
-from engine.errors import VoxgateError
-from engine.types import RequestId, SynthesisRequest
+from engine.types import AudioChunk, RequestId
 from gateway.errors import ErrorEvent
 from gateway.metrics import Metrics
 from gateway.stream.actions import Action, Cancel, Observe, Send, Submit
+from gateway.stream.engine_requests import EngineRequests
 from gateway.stream.events import AudioEvent, ContextDone, TextSkipped
 from gateway.stream.messages import TextMessage
 from gateway.stream.session import Session
@@ -56,7 +56,9 @@ class SpeechTurn:
         self.skipped = SkippedText()
         self.is_closed = False
         self._has_audio = False
-        self._consumers: dict[RequestId, asyncio.Task[None]] = {}
+        self._requests = EngineRequests(engine, name=f"speech {session.session_id}",
+                                        wait_for_room=self._wait_for_room,
+                                        on_audio=self._on_audio, on_error=self._on_engine_error)
         self._body: deque[bytes] = deque()
         self._body_bytes = 0
         self._is_done = False
@@ -93,8 +95,7 @@ class SpeechTurn:
         if self.is_closed:
             return
         self.is_closed = True
-        for task in self._consumers.values():
-            task.cancel()
+        self._requests.stop()
         self._execute(self.session.disconnect())
         self._wake.set()
         self._room.set()
@@ -107,12 +108,9 @@ class SpeechTurn:
             if isinstance(action, Send):
                 self._on_event(action)
             elif isinstance(action, Submit):
-                self._start(action.request)
+                self._requests.start(action.request)
             elif isinstance(action, Cancel):
-                self.engine.cancel(action.request_id)
-                task = self._consumers.pop(action.request_id, None)
-                if task is not None:
-                    task.cancel()
+                self._requests.cancel(action.request_id)
             elif isinstance(action, Observe) and action.name.startswith("skipped:"):
                 # the route's one metric; TTFA and audio sent are the sockets'
                 self.metrics.observe(action.name, action.value)
@@ -140,26 +138,16 @@ class SpeechTurn:
             self._is_done = True
             self._wake.set()
 
-    def _start(self, request: SynthesisRequest) -> None:
-        self._consumers[request.request_id] = asyncio.create_task(self._consume(request))
+    async def _wait_for_room(self) -> bool:
+        """Until the body has room (the client reads slowly: its audio waits); False once
+        the turn is closed."""
+        while self._body_bytes > self.max_buffered_bytes and not self.is_closed:
+            self._room.clear()
+            await self._room.wait()
+        return not self.is_closed
 
-    async def _consume(self, request: SynthesisRequest) -> None:
-        try:
-            async for chunk in self.engine.submit(request):
-                while self._body_bytes > self.max_buffered_bytes and not self.is_closed:
-                    self._room.clear()  # the client reads slowly: stop taking its audio
-                    await self._room.wait()
-                if self.is_closed:
-                    return
-                self._execute(self.session.receive_audio(chunk, time.monotonic()))
-        except asyncio.CancelledError:
-            raise
-        except VoxgateError as exc:
-            self._execute(self.session.receive_engine_error(request.request_id, exc,
-                                                            time.monotonic()))
-        except Exception as exc:  # ends this turn only
-            log.exception("speech %s: request %s failed", self.key, request.request_id)
-            self._execute(self.session.receive_engine_error(request.request_id, exc,
-                                                            time.monotonic()))
-        finally:
-            self._consumers.pop(request.request_id, None)
+    def _on_audio(self, chunk: AudioChunk) -> None:
+        self._execute(self.session.receive_audio(chunk, time.monotonic()))
+
+    def _on_engine_error(self, request_id: RequestId, exc: BaseException) -> None:
+        self._execute(self.session.receive_engine_error(request_id, exc, time.monotonic()))

@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.client import EngineClient
-from engine.errors import VoxgateError
-from engine.types import AudioChunk, RequestId, SynthesisRequest
+from engine.types import AudioChunk, RequestId
 from gateway.access.admission import Refused, admit
 from gateway.access.keys import presented_key
 from gateway.errors import (
@@ -49,6 +48,7 @@ from gateway.stream.actions import (
     Submit,
 )
 from gateway.stream.encoding import MAX_ENCODING_MS, EncodeJob
+from gateway.stream.engine_requests import EngineRequests
 from gateway.stream.events import encode_json
 from gateway.stream.options import Limits, SessionOptions, options_from_query
 from gateway.stream.session import Session
@@ -114,7 +114,9 @@ class Connection:
         self.engine = engine
         self.state = app_state
         self.metrics = app_state.metrics
-        self._consumers: dict[RequestId, asyncio.Task[None]] = {}
+        self._requests = EngineRequests(engine, name=f"session {session.session_id}",
+                                        wait_for_room=self._wait_for_room,
+                                        on_audio=self._on_audio, on_error=self._on_engine_error)
         self._outbox: deque[str | bytes | Close] = deque()
         self._outbox_bytes = 0
         self._room = asyncio.Event()       # set while the outbox is under its soft limit
@@ -141,8 +143,9 @@ class Connection:
             if not self._writer.done() and self._closing is not None:
                 await self._drain_writer(self._writer)
         finally:
-            for task in (timer, reader, *self._consumers.values()):
+            for task in (timer, reader):
                 task.cancel()
+            self._requests.stop()
             self._execute(self.session.disconnect())
             self._writer.cancel()
 
@@ -203,31 +206,11 @@ class Connection:
                 return
 
     # -- engine requests ---------------------------------------------------------
-    def _start_request(self, request: SynthesisRequest) -> None:
-        task = asyncio.create_task(self._consume(request))
-        self._consumers[request.request_id] = task
+    def _on_audio(self, chunk: AudioChunk) -> None:
+        self._execute(self.session.receive_audio(chunk, time.monotonic()))
 
-    async def _consume(self, request: SynthesisRequest) -> None:
-        try:
-            async for chunk in self.engine.submit(request):
-                # Backpressure (docs/architecture.md, "The backpressure story"):
-                # while the client has not read what is queued, stop taking audio;
-                # the request's playback clock in the engine stops with it (heard
-                # audio never passes taken audio), so the engine stops making it.
-                if not await self._wait_for_room():
-                    return
-                self._execute(self.session.receive_audio(chunk, time.monotonic()))
-        except asyncio.CancelledError:
-            raise
-        except VoxgateError as exc:
-            self._execute(self.session.receive_engine_error(request.request_id, exc,
-                                                            time.monotonic()))
-        except Exception as exc:  # ends this context only
-            log.exception("request %s failed", request.request_id)
-            self._execute(self.session.receive_engine_error(request.request_id, exc,
-                                                            time.monotonic()))
-        finally:
-            self._consumers.pop(request.request_id, None)
+    def _on_engine_error(self, request_id: RequestId, exc: BaseException) -> None:
+        self._execute(self.session.receive_engine_error(request_id, exc, time.monotonic()))
 
     @property
     def _soft_limit(self) -> int:
@@ -258,12 +241,9 @@ class Connection:
             elif isinstance(action, SendFrame):
                 self._send_frame(action.frame)
             elif isinstance(action, Submit):
-                self._start_request(action.request)
+                self._requests.start(action.request)
             elif isinstance(action, Cancel):
-                self.engine.cancel(action.request_id)
-                task = self._consumers.pop(action.request_id, None)
-                if task is not None:
-                    task.cancel()
+                self._requests.cancel(action.request_id)
             elif isinstance(action, Encode):
                 self._encode(action)
             elif isinstance(action, Observe):
