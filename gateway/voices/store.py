@@ -89,6 +89,8 @@ from gateway.voices.space import (
 log = logging.getLogger("voxgate.gateway")
 
 DB_NAME = "voices.sqlite3"
+#: how long opening a new store waits out other processes setting it up at the same moment
+SETUP_WAIT_S = 5.0
 T = TypeVar("T")
 
 
@@ -109,11 +111,7 @@ class VoiceStore:
             raise RegistryError(
                 f"cannot create the voice store at {str(self.path)!r}: {exc}") from exc
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA foreign_keys=ON")
-            # an answered registration survives power loss
-            self._db.execute("PRAGMA synchronous=FULL")
-            migrate(self._db, self.path)
+            self._set_up()
         except sqlite3.DatabaseError as exc:
             self._db.close()
             code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
@@ -121,6 +119,24 @@ class VoiceStore:
             raise kind(f"voice store {str(self.path)!r} is unreadable ({exc}); "
                        "move it aside to start with an empty registry") from exc
         self.reserve.ensure()
+
+    def _set_up(self) -> None:
+        """WAL, the pragmas, the schema. Processes that open a new file together (the workers
+        of `--workers`, Ray replicas) can meet SQLite's "database is locked" at the switch to
+        WAL, which its busy timeout does not wait out: the setup is tried again for a while."""
+        give_up_at = time.monotonic() + SETUP_WAIT_S
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA foreign_keys=ON")
+                # an answered registration survives power loss
+                self._db.execute("PRAGMA synchronous=FULL")
+                migrate(self._db, self.path)
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= give_up_at:
+                    raise
+                time.sleep(0.05)
 
     def close(self) -> None:
         self._db.close()

@@ -497,3 +497,33 @@ def test_sync_picks_up_what_another_service_on_the_same_store_registered_and_del
                 await engine.stop()
 
     assert asyncio.run(scenario()) == [False, True, True, True, False, True, False, False]
+
+
+def _open_together(path: Path, n: int) -> list[str]:
+    """`n` processes open a new store at one moment (each waits at a barrier); their errors."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, errors = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_open_store, args=(str(path), barrier, errors)) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    return found
+
+
+def _open_store(path: str, barrier: Any, errors: Any) -> None:
+    barrier.wait()
+    try:
+        VoiceStore(Path(path)).close()
+    except Exception as exc:  # noqa: BLE001 - sent to the test, which names it
+        errors.put(repr(exc))
+
+
+def test_processes_that_open_a_new_store_together_all_open_it(tmp_path: Path) -> None:
+    # the workers of --workers (and Ray replicas) start together on one data dir
+    for round_ in range(3):
+        assert _open_together(tmp_path / f"d{round_}" / "voices.sqlite3", 6) == []
