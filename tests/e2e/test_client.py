@@ -283,7 +283,9 @@ def test_a_player_plays_a_turn_out_and_barges_in_at_what_it_played(server: Serve
             assert heard.spoken_text and words(LONG).startswith(heard.spoken_text)
             written_ms = sum(c.duration_ms for c in sink.chunks)
             largest_ms = max(c.duration_ms for c in sink.chunks)  # a message: several frames
-            assert written_ms <= heard.played_ms + 100 + largest_ms  # no more than its lead ahead
+            # no more than its lead ahead (and a timer's few ms of slack: a write at the lead's
+            # edge and the cancel's clock reading are two reads of the loop's time)
+            assert written_ms <= heard.played_ms + 100 + largest_ms + 10
 
     run(scenario())
 
