@@ -63,9 +63,11 @@ class GatewayConfig:
     #: it cannot shrink (about 9% of 5-frame messages) for CPU on the event loop that serves
     #: every socket (docs/benchmarks.md, "The process around a GPU, on the CPU")
     ws_per_message_deflate: bool = False
-    #: the native socket's audio is encoded on a worker thread, beside the event loop (PyAV
-    #: lets go of the GIL while it encodes: gateway/stream/encoding.py); off: on the loop
-    encode_on_thread: bool = True
+    #: the native socket's audio encoded on a worker thread beside the event loop
+    #: (gateway/stream/encoding.py); off by default: the thread needs the GIL back after each
+    #: call into FFmpeg, and first audio under load was later with it (docs/benchmarks.md,
+    #: "The process around a GPU, on the CPU"); for more than a core of gateway work, --workers
+    encode_on_thread: bool = False
     shutdown_grace_s: float = 10.0
     #: the part of the engine's talking contexts one key (auth off: one client address) may hold;
     #: 0 is "auto" (`engine_share`): 0.5 where clients are tenants, 1.0 in loopback mode
