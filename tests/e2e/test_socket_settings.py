@@ -68,3 +68,17 @@ def test_packed_opus_messages_decode_to_the_whole_turn(server: ServerProcess, fr
     pcm = np.concatenate([c.pcm for c in chunks if c.pcm is not None])
     assert len(pcm) / 48 == pytest.approx(turn.done.audio_ms - PRE_SKIP_MS, abs=0.5)
     assert float(np.sqrt(np.mean(pcm**2))) > 0.01  # speech, not silence
+
+
+def test_with_the_encode_thread_on_a_turn_decodes_whole_as_on_the_loop(tmp_path: Path) -> None:
+    # off by default (docs/operations.md); the operator's switch gives the same audio
+    threaded = start_server(tmp_path, env={"VOXGATE_ENCODE_ON_THREAD": "true"})
+    try:
+        turn, chunks = run(spoken(threaded.ws_url, "float32"))
+    finally:
+        threaded.stop()
+    assert turn.done is not None
+    pcm = np.concatenate([c.pcm for c in chunks if c.pcm is not None])
+    assert len(pcm) / 48 == pytest.approx(turn.done.audio_ms - PRE_SKIP_MS, abs=0.5)
+    assert [c.pts_ms for c in chunks] == sorted(c.pts_ms for c in chunks)
+    assert float(np.sqrt(np.mean(pcm**2))) > 0.01  # speech, not silence
