@@ -26,6 +26,7 @@ from typing import Any
 from gateway.audio.formats import MAX_SPEED, MIN_SPEED
 from gateway.compat.formats import OutputFormat, cartesia_format
 from gateway.errors import ProtocolError
+from gateway.stream.messages import check_fields
 from gateway.stream.options import finite_number
 
 MAX_VENDOR_ID_CHARS = 256
@@ -192,12 +193,7 @@ def decode_deepgram(obj: Mapping[str, Any]) -> DeepgramMessage:
     if not isinstance(kind, str) or kind not in _DEEPGRAM:
         raise ProtocolError("bad_message", f"unknown message type {str(kind)[:40]!r}; expected "
                             "Speak, Flush, Clear or Close")
-    fields = _DEEPGRAM[kind]
-    for key in obj:
-        if key != "type" and key not in fields:
-            wanted = ", ".join(fields) if fields else "no field besides 'type'"
-            raise ProtocolError("bad_message", f"unknown field {str(key)[:40]!r} in {kind!r}; "
-                                f"expected {wanted}")
+    check_fields(obj, kind, _DEEPGRAM[kind])
     if kind == "Speak":
         text = obj.get("text")
         if not isinstance(text, str):

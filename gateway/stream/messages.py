@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,12 +163,7 @@ def _build(obj: dict[str, Any]) -> ClientMessage:
     if kind not in FIELDS:
         raise ProtocolError("bad_message", f"unknown message type {kind[:40]!r}; expected one of "
                             f"{', '.join(MESSAGE_TYPES)}")
-    expected = FIELDS[kind]
-    for key in obj:
-        if key != "type" and key not in expected:
-            wanted = ", ".join(expected) if expected else "no field besides 'type'"
-            raise ProtocolError("bad_message", f"unknown field {str(key)[:40]!r} in {kind!r}; "
-                                f"expected {wanted}")
+    check_fields(obj, kind, FIELDS[kind])
     if kind == "text":
         context_id = context_id_of(obj, required=True)
         assert context_id is not None
@@ -195,6 +190,16 @@ def _build(obj: dict[str, Any]) -> ClientMessage:
             raise ProtocolError("bad_message", "'playback' needs a number field 'played_ms'")
         return PlaybackMessage(context_id, played_ms)
     return CloseMessage()
+
+
+def check_fields(obj: Mapping[str, Any], kind: str, expected: Collection[str]) -> None:
+    """A strict message: every key but `type` is one of `expected`, else `bad_message`
+    naming the first that is not (the native socket's and Deepgram's rule)."""
+    for key in obj:
+        if key != "type" and key not in expected:
+            wanted = ", ".join(expected) if expected else "no field besides 'type'"
+            raise ProtocolError("bad_message", f"unknown field {str(key)[:40]!r} in {kind!r}; "
+                                f"expected {wanted}")
 
 
 def context_id_of(obj: dict[str, Any], *, required: bool) -> str | None:
