@@ -11,14 +11,17 @@ another. With `--root` the build in that checkout is served too, level by level 
 one (the same levels, interleaved, so both see the same box); the synthetic engine and the load
 tool are always this checkout's.
 
-Per level and build: TTFA p50/p95, gaps (count, turns, seconds of silence), audio seconds per
+Per level and build: TTFA p50/p95, and p95 apart for each session's first turn (the fleet
+starts within one think time, so those are a burst) and the turns after it, gaps (count, those
+whose text came too late for any server, turns, seconds of silence), audio seconds per
 wall second the clients heard, the server's CPU (its process tree: cores, and ms of CPU per
 audio second it sent, per process when there are several), the CPU of its threads over the
 middle half of the level (the event loop is each process's main thread; the engine's threads are
 named `voxgate-engine*`, the encode worker `voxgate-encode*`), the engine's steps, busy seconds
 and deadline misses (/metrics), what the synthetic GPU did (LM and flow busy shares, mean
 streams a tick), the load tool's own CPU, and whether the level holds: first audio p95 <= 300
-ms, no gap, no failed or timed-out turn. `--floor` first runs each level on the engine alone in
+ms, no gap the server could have avoided (loadtest/metrics.py, `is_text_late`), no failed or
+timed-out turn. `--floor` first runs each level on the engine alone in
 this process (no gateway: bench/gpu_shaped_floor.py), the anchor: what the engine model allows
 with a free host.
 
@@ -47,6 +50,7 @@ from bench.gpu_gateway_load import engine_metrics, free_port, stop_server, wait_
 from bench.gpu_shaped import GpuShape
 from bench.gpu_shaped_floor import format_rows
 from bench.gpu_shaped_floor import run_level as run_floor_level
+from bench.scale_report import find_key, find_summary, first_and_later_p95, format_table
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE = Path(__file__).resolve().with_name("gpu_shaped_serve.py")
@@ -146,18 +150,6 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def find_summary(report: Any) -> dict[str, Any]:
-    """The load tool's level summary wherever its JSON puts it (the first `summary` key)."""
-    if isinstance(report, dict):
-        summary = report.get("summary")
-        if isinstance(summary, dict):
-            return summary
-        for value in report.values():
-            if found := find_summary(value):
-                return found
-    return {}
-
-
 def _sleep_until(deadline: float, proc: subprocess.Popen[bytes]) -> bool:
     """Wait for `deadline`; False if `proc` ended first."""
     while time.monotonic() < deadline:
@@ -194,6 +186,7 @@ def run_level(
         "--json",
         str(out_json),
         "--quiet",
+        "--turns",
         *args.load_arg,
     ]
     started = time.monotonic()
@@ -218,7 +211,9 @@ def run_level(
             f"expected the load tool to finish, got exit code {code} "
             f"(see {workdir / f'{build.label}-{sessions}-load.log'})"
         )
-    summary = find_summary(json.loads(out_json.read_text()))
+    report = json.loads(out_json.read_text())
+    summary = find_summary(report)
+    first_p95, later_p95 = first_and_later_p95(find_key(report, "turns") or [])
     wall = tree1.at - tree0.at
     delta = {k: metrics1.get(k, 0.0) - metrics0.get(k, 0.0) for k in metrics1}
     audio_sent = delta.get("voxgate_audio_sent_seconds_total", 0.0)
@@ -236,7 +231,12 @@ def run_level(
         "ttfa_n": ttfa.get("n", 0),
         "ttfa_p50_ms": ttfa.get("p50"),
         "ttfa_p95_ms": ttfa.get("p95"),
+        "ttfa_p95_first_turns_ms": first_p95,
+        "ttfa_p95_later_turns_ms": later_p95,
         "gaps": gaps.get("count", 0),
+        # gaps whose segment's text came too late for any server (loadtest/metrics.py)
+        "text_late_gaps": gaps.get("text_late", 0),
+        "server_gaps": gaps.get("server", gaps.get("count", 0)),
         "gap_s": gaps.get("total_ms", 0.0) / 1000.0,
         "turns_with_gaps": gaps.get("turns_with_gaps", 0),
         "turns": turns,
@@ -282,45 +282,11 @@ def run_level(
         row["ttfa_n"]
         and row["ttfa_p95_ms"] is not None
         and row["ttfa_p95_ms"] <= TTFA_TARGET_MS
-        and row["gaps"] == 0
+        and row["server_gaps"] == 0
         and not turns.get("failed")
         and not turns.get("timed_out")
     )
     return row
-
-
-def _num(value: float | None, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        (
-            "| build | sessions | TTFA p50 / p95 ms | gaps (turns, silence s) | audio-s/s "
-            "| server cores | CPU ms per audio-s (per process) | loop thread | engine threads "
-            "| encode thread | steps, busy s | misses | GPU LM / flow busy | load tool cores "
-            "| holds |"
-        ),
-        "|---|---:|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|",
-    ]
-    for r in rows:
-        per_process = " + ".join(
-            _num(p["cpu_ms_per_audio_s"], ".1f") for p in r["processes"] if p["cpu_s"] > 0.05
-        )
-        eng, gpu = r["engine"], r["gpu_model"]
-        lines.append(
-            f"| {r['build']} ({r['commit']}, {r['workers']}p) | {r['sessions']} "
-            f"| {_num(r['ttfa_p50_ms'])} / {_num(r['ttfa_p95_ms'])} "
-            f"| {r['gaps']} ({r['turns_with_gaps']}, {r['gap_s']:.1f}) | {r['audio_s_per_s']:.0f} "
-            f"| {r['server_cores']:.2f} | {_num(r['cpu_ms_per_audio_s'], '.1f')}"
-            f"{f' ({per_process})' if len(r['processes']) > 1 else ''} "
-            f"| {_num(r['loop_thread_cores'], '.2f')} | {r['engine_thread_cores']:.2f} "
-            f"| {r.get('encode_thread_cores', 0.0):.2f} "
-            f"| {eng['steps']:.0f}, {eng['busy_s']:.0f} | {eng['deadline_misses']:.0f} "
-            f"| {gpu['lm_busy']:.2f} / {gpu['flow_busy']:.2f} | {r['load_tool_cores']:.2f} "
-            f"| {'yes' if r['holds'] else 'no'} |"
-        )
-    return "\n".join(lines)
 
 
 def machine() -> dict[str, Any]:

@@ -18,7 +18,7 @@ from gateway.access.tokens import SessionTokens
 from gateway.audio.encoders import EncoderFactory
 from gateway.config import GatewayConfig
 from gateway.metrics import Metrics
-from gateway.stream.encoding import EncodeWorker
+from gateway.stream.encoding import EncodeQueue, EncodeWorker
 from gateway.text.routing import Languages
 from gateway.voices.catalog import VoiceCatalog
 
@@ -47,14 +47,16 @@ class AppState:
     keyless: KeylessPool = field(init=False)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     encoders: EncoderFactory = field(default_factory=EncoderFactory)  # every output's encoder
-    #: the thread the native socket's encodes run on (gateway/stream/encoding.py)
-    encoding: EncodeWorker = field(default_factory=EncodeWorker)
+    #: what runs the native socket's encodes, most urgent first: the event loop, or with
+    #: `encode_on_thread` a worker thread (gateway/stream/encoding.py)
+    encoding: EncodeQueue | EncodeWorker = field(init=False)
     is_shutting_down: bool = False
     # engine contexts per client (gateway/access/fair_share.py)
     fair_share: FairShare = field(init=False)
 
     def __post_init__(self) -> None:
         engine = self.engine
+        self.encoding = EncodeWorker() if self.config.encode_on_thread else EncodeQueue()
         self.keyless = KeylessPool(self.config.max_keyless_sockets,
                                    self.config.max_keyless_sockets_per_address)
         self.languages = Languages.from_listing(lambda: engine.voices, self.config.voice_for)

@@ -141,12 +141,14 @@ async def _run_target(args: argparse.Namespace, name: str, config: LoadConfig,
     corpus = load_corpus(config.corpus_path)
     progress = stderr_if(not args.quiet)
     if args.mode == "run":
-        result = await run_fixed(config, corpus, args.sessions, args.duration, name, progress)
+        result = await run_fixed(config, corpus, args.sessions, args.duration, name, progress,
+                                 ttfa_target_ms=args.ttfa_target_ms)
         print(format_table(result))
         return [result], {"mode": "run", "result": result.to_dict(args.turns)}
     if args.mode == "rate":
         result = await run_open_loop(config, corpus, args.rate, args.duration,
-                                     args.max_inflight, args.turns_per_arrival, progress)
+                                     args.max_inflight, args.turns_per_arrival, progress,
+                                     ttfa_target_ms=args.ttfa_target_ms)
         result.label = name
         print(format_table(result))
         return [result], {"mode": "rate", "result": result.to_dict(args.turns)}

@@ -10,7 +10,8 @@ player's jitter buffer; 0 by default) and plays each frame for its
 `duration_ms`. When a frame arrives after the audio already received has run
 out, the listener hears silence: that is a gap, of length arrival minus
 run-out, and playback resumes from the late frame (docs/loadtest.md, "The
-numbers").
+numbers"). Every gap is counted; `is_text_late` tells apart the ones no server
+could have filled, because the text to speak came too late.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from enum import Enum
 from typing import Any
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0)
+TTFA_TARGET_MS = 300.0  # the first-audio target when none is given (--ttfa-target-ms's default)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -80,6 +82,10 @@ class TurnRecord:
     gap_ms: float = 0.0
     gaps_ms: list[float] = field(default_factory=list)
     gaps_at_ms: list[float] = field(default_factory=list)  # audio heard before each gap
+    # Beside gaps_ms: how long before the listener ran out the text of the segment whose
+    # first audio ended the gap was complete in the input (negative: after); None inside a
+    # segment or unknown.
+    gaps_text_lead_ms: list[float | None] = field(default_factory=list)
     cancel_latency_ms: float | None = None  # cancel sent -> cancelled received
     cancel_to_last_frame_ms: float | None = None  # cancel sent -> last frame (0: none after)
     played_ms_at_cancel: float | None = None
@@ -112,8 +118,28 @@ class RunStats:
         return self.client_cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
-    """The report's numbers; every count here adds up (tests check it)."""
+def is_text_late(text_lead_ms: float | None, ttfa_target_ms: float) -> bool:
+    """Whether a gap is the input's, not the server's.
+
+    A segment gets the promise a turn's first audio gets: its text complete in
+    the input at least the first-audio target before the listener runs out.
+    When the text was complete later than that, the gap comes from the LLM's
+    pace and from where the text lets the segmenter cut (a short "Sure!" plays
+    out before the next sentence is written), and it happens at one session
+    too. A gap inside a segment, or one whose segment text cannot be placed in
+    the input (`None`), is the server's.
+    """
+    return text_lead_ms is not None and text_lead_ms < ttfa_target_ms
+
+
+def summarize(turns: list[TurnRecord], stats: RunStats,
+              ttfa_target_ms: float = TTFA_TARGET_MS) -> dict[str, Any]:
+    """The report's numbers; every count here adds up (tests check it).
+
+    Gaps are counted all together and split in two: `text_late` ones, whose
+    text came too late for any server (`is_text_late`, against the first-audio
+    target `ttfa_target_ms`), and the `server`'s, the rest.
+    """
     outcomes = Counter(t.outcome.value for t in turns)
     errors = Counter(code for t in turns for code in t.error_codes)
     violations = Counter(v for t in turns for v in t.violations)
@@ -121,6 +147,9 @@ def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
     audio_ms = sum(t.audio_ms for t in turns)
     num_frames = sum(t.num_frames for t in turns)
     cpu_share = stats.client_cpu_share
+    num_gaps = sum(t.num_gaps for t in turns)
+    num_text_late = sum(1 for t in turns for lead in t.gaps_text_lead_ms
+                        if is_text_late(lead, ttfa_target_ms))
     return {
         "turns": {
             "started": len(turns),
@@ -136,7 +165,9 @@ def summarize(turns: list[TurnRecord], stats: RunStats) -> dict[str, Any]:
         "ttfa_first_token_ms": distribution(
             [t.ttfa_first_token_ms for t in turns if t.ttfa_first_token_ms is not None]),
         "gaps": {
-            "count": sum(t.num_gaps for t in turns),
+            "count": num_gaps,
+            "text_late": num_text_late,
+            "server": num_gaps - num_text_late,
             "total_ms": sum(t.gap_ms for t in turns),
             "turns_with_gaps": sum(1 for t in turns if t.num_gaps > 0),
             "gap_ms": distribution([g for t in turns for g in t.gaps_ms]),
@@ -183,15 +214,16 @@ def _text_summary(turns: list[TurnRecord]) -> dict[str, Any]:
 
 
 def passes(summary: dict[str, Any], ttfa_p95_target_ms: float) -> bool:
-    """A load level holds when TTFA p95 meets the target, no gap was heard, no
-    turn failed or timed out (a `busy` answer is a user turned away) and none
-    was still waiting for its first audio when the run's drain period ended."""
+    """A load level holds when TTFA p95 meets the target, no gap was the server's
+    (text-late ones happen at one session too: `is_text_late`), no turn failed or
+    timed out (a `busy` answer is a user turned away) and none was still waiting
+    for its first audio when the run's drain period ended."""
     ttfa = summary["ttfa_segment_ms"]
     turns = summary["turns"]
     return bool(
         ttfa["n"] > 0
         and ttfa["p95"] <= ttfa_p95_target_ms
-        and summary["gaps"]["count"] == 0
+        and summary["gaps"]["server"] == 0
         and turns["failed"] == 0
         and turns["timed_out"] == 0
         and turns["aborted_without_audio"] == 0

@@ -38,8 +38,8 @@ def format_table(result: LevelResult) -> str:
         f"turns: {t['started']} started = {t['completed']} completed + {t['cancelled']} "
         f"cancelled + {t['failed']} failed + {t['timed_out']} timed out + {t['aborted']} aborted"
         f" ({t['aborted_without_audio']} of them still silent)")
-    lines.append(f"gaps: {g['count']} ({g['total_ms']:.0f} ms in all, "
-                 f"{g['turns_with_gaps']} turns affected)")
+    lines.append(f"gaps: {g['count']} = {g['server']} server + {g['text_late']} text-late "
+                 f"({g['total_ms']:.0f} ms in all, {g['turns_with_gaps']} turns affected)")
     lines.append(f"audio: {a['seconds']:.1f} s in {a['frames']} frames "
                  f"({a['per_wall_second']:.2f} s of audio per second)")
     text = s["text"]
@@ -63,19 +63,20 @@ def format_table(result: LevelResult) -> str:
 def format_sweep(name: str, results: list[LevelResult], capacity: int,
                  ttfa_target_ms: float) -> str:
     """One line per level, then the capacity."""
-    title = (f"== capacity sweep: {name} (TTFA p95 <= {ttfa_target_ms:g} ms, no gaps, "
+    title = (f"== capacity sweep: {name} (TTFA p95 <= {ttfa_target_ms:g} ms, no server gaps, "
              "no failed or silent turns) ==")
     head = (f"{'sessions':>8} {'turns':>6} {'ttfa p50':>9} {'ttfa p95':>9} {'ttfa p99':>9} "
-            f"{'gaps':>5} {'unserved':>8} {'cpu %':>6}  holds")
+            f"{'gaps':>18} {'unserved':>8} {'cpu %':>6}  holds")
     lines = [title, head]
     for r in results:
         s = r.summary
         d = s["ttfa_segment_ms"]
-        t = s["turns"]
+        t, g = s["turns"], s["gaps"]
+        gaps = f"{g['count']} ({g['text_late']} text-late)"
         unserved = t["failed"] + t["timed_out"] + t["aborted_without_audio"]
         lines.append(
             f"{r.sessions:>8} {s['turns']['started']:>6} {_fmt(d['p50']):>9} "
-            f"{_fmt(d['p95']):>9} {_fmt(d['p99']):>9} {s['gaps']['count']:>5} "
+            f"{_fmt(d['p95']):>9} {_fmt(d['p99']):>9} {gaps:>18} "
             f"{unserved:>8} "
             f"{100 * s['run']['client_cpu_share_of_one_core']:>6.1f}  "
             f"{'yes' if s.get('passes') else 'no'}")

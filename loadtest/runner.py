@@ -22,7 +22,14 @@ from loadtest.anchor import PiperHttpSession
 from loadtest.client import SpeechRate, VoxgateSession
 from loadtest.config import MAX_DURATION_S, MAX_RATE_PER_S, MAX_SESSIONS, LoadConfig, Protocol
 from loadtest.corpus import Answer
-from loadtest.metrics import RunStats, TurnRecord, passes, percentile, summarize
+from loadtest.metrics import (
+    TTFA_TARGET_MS,
+    RunStats,
+    TurnRecord,
+    passes,
+    percentile,
+    summarize,
+)
 
 
 class _Session(TypingProtocol):
@@ -105,8 +112,13 @@ async def _bounded(tasks: list[asyncio.Task[None]], drain_until: float) -> None:
 
 
 async def run_fixed(config: LoadConfig, corpus: list[Answer], sessions: int, duration_s: float,
-                    label: str = "fixed", progress: TextIO | None = None) -> LevelResult:
-    """N sessions, each playing turns back to back (with think time) for `duration_s`."""
+                    label: str = "fixed", progress: TextIO | None = None,
+                    ttfa_target_ms: float = TTFA_TARGET_MS) -> LevelResult:
+    """N sessions, each playing turns back to back (with think time) for `duration_s`.
+
+    `ttfa_target_ms` is the first-audio target, which also tells text-late gaps
+    from the server's (metrics.is_text_late).
+    """
     if not 1 <= sessions <= MAX_SESSIONS:
         raise ValueError(f"expected sessions within 1-{MAX_SESSIONS}, got {sessions}")
     if not 0 < duration_s <= MAX_DURATION_S:
@@ -130,17 +142,19 @@ async def run_fixed(config: LoadConfig, corpus: list[Answer], sessions: int, dur
         view.close()
     stats = RunStats(time.monotonic() - wall0, _cpu_s() - cpu0, sessions,
                      sum(s.num_connect_failures for s in fleet), os.cpu_count() or 1)
-    return LevelResult(label, sessions, records, summarize(records, stats))
+    return LevelResult(label, sessions, records, summarize(records, stats, ttfa_target_ms))
 
 
 async def run_open_loop(config: LoadConfig, corpus: list[Answer], rate_per_s: float,
                         duration_s: float, max_inflight: int = 256, turns_per_arrival: int = 1,
-                        progress: TextIO | None = None) -> LevelResult:
+                        progress: TextIO | None = None,
+                        ttfa_target_ms: float = TTFA_TARGET_MS) -> LevelResult:
     """Poisson arrivals at `rate_per_s`: each opens a session for a few turns and leaves.
 
     Open loop: arrivals do not wait for the server, so overload shows as growing
     TTFA instead of a slower fleet. Arrivals beyond `max_inflight` are turned
-    away by the client and counted under errors as `client_overflow`.
+    away by the client and counted under errors as `client_overflow`. `ttfa_target_ms`
+    tells text-late gaps from the server's, as for `run_fixed`.
     """
     if not 0 < rate_per_s <= MAX_RATE_PER_S:
         raise ValueError(f"expected rate_per_s within (0, {MAX_RATE_PER_S:g}], got {rate_per_s}")
@@ -183,7 +197,7 @@ async def run_open_loop(config: LoadConfig, corpus: list[Answer], rate_per_s: fl
         view.close()
     stats = RunStats(time.monotonic() - wall0, _cpu_s() - cpu0, len(fleet),
                      sum(s.num_connect_failures for s in fleet), os.cpu_count() or 1)
-    summary = summarize(records, stats)
+    summary = summarize(records, stats, ttfa_target_ms)
     if overflow:
         summary["errors"]["client_overflow"] = overflow
     summary["run"]["arrival_rate_per_s"] = rate_per_s
@@ -208,17 +222,19 @@ async def run_sweep(config: LoadConfig, corpus: list[Answer], levels: list[int],
                     ) -> tuple[list[LevelResult], int]:
     """Climb the levels until one fails, then bisect the last step; return the capacity.
 
-    Capacity is the largest N that held (TTFA p95 <= target, no gap, no failed
-    turn; metrics.passes) with every level below it holding too; 0 when even
-    the first level failed. `stop_at_failure=False` runs every level (the
-    anchor replays the target's levels so that the two compare point by point).
+    Capacity is the largest N that held (TTFA p95 <= target, no gap the server
+    could have avoided, no failed turn; metrics.passes) with every level below
+    it holding too; 0 when even the first level failed. `stop_at_failure=False`
+    runs every level (the anchor replays the target's levels so that the two
+    compare point by point).
     """
     if not levels or sorted(set(levels)) != levels:
         raise ValueError(f"expected strictly increasing levels, got {levels}")
     results: list[LevelResult] = []
     held, broke = 0, None
     for n in levels:
-        result = await run_fixed(config, corpus, n, duration_s, "sweep", progress)
+        result = await run_fixed(config, corpus, n, duration_s, "sweep", progress,
+                                 ttfa_target_ms)
         result.summary["passes"] = passes(result.summary, ttfa_target_ms)
         results.append(result)
         if broke is not None:
@@ -233,7 +249,8 @@ async def run_sweep(config: LoadConfig, corpus: list[Answer], levels: list[int],
         if broke is None or broke - held <= 1:
             break
         n = (held + broke) // 2
-        result = await run_fixed(config, corpus, n, duration_s, "sweep", progress)
+        result = await run_fixed(config, corpus, n, duration_s, "sweep", progress,
+                                 ttfa_target_ms)
         result.summary["passes"] = passes(result.summary, ttfa_target_ms)
         results.append(result)
         if result.summary["passes"]:

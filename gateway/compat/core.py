@@ -92,8 +92,10 @@ class VendorSession(Generic[C, M]):
                  options: SessionOptions, limits: Limits, output: OutputFormat,
                  admit: Callable[[str], None], release: Callable[[str], None],
                  authorize: Authorize | None = None, languages: Languages | None = None,
-                 encoders: EncoderFactory | None = None) -> None:
-        """`output`: the socket's format (a context may name its own); `authorize`: None when
+                 encoders: EncoderFactory | None = None, defer_encode: bool = False) -> None:
+        """`output`: the socket's format (a context may name its own); `defer_encode`: encodes
+        go out as `Encode` actions, as the native session's (the endpoint runs them most urgent
+        first: gateway/stream/encoding.py); `authorize`: None when
         the key was checked at the handshake; else the session is unauthorized until its
         first message brings a key that `authorize` takes, and is closed if none came within
         `limits.auth_timeout_s` (`tick`)."""
@@ -101,7 +103,7 @@ class VendorSession(Generic[C, M]):
         self.session = Session(session_id, catalog=catalog, sample_rate=sample_rate,
                                options=options, limits=limits, admit=admit, release=release,
                                languages=languages, encoders=self.encoders,
-                               open_encoder=self._open_encoder)
+                               open_encoder=self._open_encoder, defer_encode=defer_encode)
         self.session_id = session_id
         self.limits = limits
         self.catalog = catalog

@@ -61,7 +61,8 @@ async def serve(websocket: WebSocket, make_session: SessionFactory, *, protocol:
                                    sample_rate=engine.sample_rate, limits=state.config.limits,
                                    admit=admission.admit_context, release=admission.release_context,
                                    authorize=None if admission.is_authorized else authorize,
-                                   languages=state.languages, encoders=state.encoders)
+                                   languages=state.languages, encoders=state.encoders,
+                                   defer_encode=True)
         except ProtocolError as exc:
             await refuse(websocket, error_json(exc.code, exc.message), CLOSE_POLICY_VIOLATION,
                          exc.code, subprotocol=subprotocol)

@@ -1,4 +1,19 @@
-"""Encoding off the event loop: the sockets' encodes on one worker thread, a batch per loop turn.
+"""The native socket's encodes, most urgent first: on the event loop (the default), or on one
+worker thread beside it.
+
+Deadlines. A socket's audio is encoded as it comes from the engine, and the engine
+runs ahead of every listener by up to its look-ahead (1.5 s), so under load most of
+what waits to be encoded is audio nobody needs yet, while a new turn's first chunk is
+needed now. Encoded in arrival order, that first chunk waits behind other sockets'
+look-ahead: at 128 GPU-shaped sessions whose turns started together, first audio p95
+was over 500 ms with the event loop's time mostly in Opus (docs/benchmarks.md, "The
+process around a GPU, on the CPU"). So each `EncodeJob` carries `due`, when its
+listener runs out of the audio before it (a context not yet playing: the moment its
+job was taken), and the `EncodeQueue` runs jobs earliest due first, a few
+milliseconds at a time, giving the loop back in between so the sockets' reads and the
+engine's hand-offs go on; what it has not reached waits, its PCM counted against the
+socket (below). One context's jobs come due in the order they were taken
+(`Playout.take_job`), so its encoder runs them in order.
 
 PyAV lets go of the GIL while FFmpeg and libopus run, and that is most of an
 encode (89% of an Opus encode's CPU is in the codec libraries, `python -m
@@ -7,27 +22,36 @@ event loop that serves the sockets, on another core. The native socket's
 session asks for it: in deferred mode a `Playout` (gateway/stream/playout.py)
 only counts the PCM it is handed (sample-exact `pts_ms` stay on the loop)
 and gives it out as an `EncodeJob`; the session returns the job in an
-`Encode` action, the connection hands it to the `EncodeWorker`, and the
+`Encode` action, the connection hands it to the app's encoder (`EncodeQueue` on
+the loop, or `EncodeWorker` with `VOXGATE_ENCODE_ON_THREAD=true`), and the
 job's frames come back to the session (`Session.receive_encoded`), which
 packs them (gapless `seq`, `pts_ms`) and paces them out as before.
 
-Batches. The engine hands a step's chunks to the event loop at once
+The thread is off by default: it needs the GIL back after each call into
+FFmpeg, and first audio under load came later with it than on the loop.
+
+Batches (the thread). The engine hands a step's chunks to the event loop at once
 (engine/loop.py), so the jobs they make arrive in one turn of the loop: the
 worker gathers a turn's jobs and runs them as one call on its thread, and
 their results come back as one callback.
 
-Order and bounds. One thread runs the jobs in the order they came, so a
-context's encoder is used by one thread at a time and its frames come back
-in order. A job holds the PCM of a few chunks; the connection stops taking
-engine audio while more than `MAX_ENCODING_MS` of its PCM waits for the
-worker (docs/architecture.md, "The backpressure story"), so a worker that
-falls behind slows the engine's clock for that socket, as a slow client does.
+Order and bounds. One thread runs the jobs in the order they came (the queue: in
+due order), so a context's encoder is used by one thread at a time and its frames
+come back in order. A job of a context cancelled while it waited is not run
+(`is_dropped`): its frames would be thrown away. A job holds the PCM of a few
+chunks; the connection stops taking engine audio while more than `MAX_ENCODING_MS`
+of its PCM waits to be encoded (docs/architecture.md, "The backpressure story"), so
+an encoder that falls behind slows the engine's clock for that socket, as a slow
+client does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,6 +68,9 @@ MAX_ENCODING_MS = 5000.0
 
 THREAD_PREFIX = "voxgate-encode"
 
+#: how long the queue encodes before it gives the event loop back (one job at least)
+SLICE_S = 0.002
+
 
 @dataclass(slots=True, eq=False)
 class EncodeJob:
@@ -53,12 +80,18 @@ class EncodeJob:
     pieces: list[np.ndarray | None]
     generation: int  # the playout's, when the job was taken: a cleared playout drops it
     pcm_ms: float
+    #: when the listener runs out of the audio before this job (monotonic s): its deadline
+    due: float = 0.0
+    #: its context was cancelled or failed while it waited: not run, its frames unwanted
+    is_dropped: bool = False
     #: each piece's frames, as the piece was encoded: packed piece by piece, as inline
     frames: list[list[EncodedFrame]] = field(default_factory=list)
     error: Exception | None = None
 
     def run(self) -> None:
         """Encode every piece (on the worker's thread); an error is kept for the session."""
+        if self.is_dropped:
+            return
         try:
             for piece in self.pieces:
                 self.frames.append(self.encoder.flush() if piece is None
@@ -68,6 +101,47 @@ class EncodeJob:
 
 
 OnDone = Callable[[EncodeJob], None]
+
+
+class EncodeQueue:
+    """The jobs of every socket on the event loop, earliest due first (module doc)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, EncodeJob, OnDone]] = []
+        self._order = itertools.count()  # ties (and one context's equal dues) in arrival order
+        self._is_scheduled = False
+        self.num_batches = 0  # turns of the loop that encoded
+        self.num_jobs = 0
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def submit(self, job: EncodeJob, on_done: OnDone) -> None:
+        """Queue `job` by its due time; `on_done(job)` runs on the event loop once it ran."""
+        heapq.heappush(self._heap, (job.due, next(self._order), job, on_done))
+        if not self._is_scheduled:
+            self._is_scheduled = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def _run(self) -> None:
+        """Encode the most urgent jobs for one slice, then let the loop's other callbacks run."""
+        self._is_scheduled = False
+        self.num_batches += 1
+        ends_at = time.perf_counter() + SLICE_S
+        while self._heap:
+            _, _, job, on_done = heapq.heappop(self._heap)
+            job.run()
+            self.num_jobs += 1
+            _finish([(job, on_done)])
+            if time.perf_counter() >= ends_at:
+                break
+        if self._heap and not self._is_scheduled:
+            self._is_scheduled = True
+            asyncio.get_running_loop().call_soon(self._run)
+
+    def close(self) -> None:
+        """Forget what waits: the app is stopping, and its sockets are closed."""
+        self._heap.clear()
 
 
 class EncodeWorker:

@@ -381,7 +381,7 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         session = Session(uuid.uuid4().hex[:16], catalog=voices, sample_rate=engine.sample_rate,
                           options=options, limits=config.limits, admit=admission.admit_context,
                           release=admission.release_context, languages=state.languages,
-                          encoders=state.encoders, defer_encode=config.encode_on_thread)
+                          encoders=state.encoders, defer_encode=True)
         await serve_session(websocket, session, Connection(websocket, session, engine, state),
                             state)
 

@@ -71,13 +71,14 @@ class Playout:
         self._outbox: deque[AudioEvent] = deque()
         self._pieces: list[np.ndarray | None] = []  # deferred: PCM (None: flush) not yet taken
         self._pieces_ms = 0.0
-        self._num_jobs = 0  # deferred: jobs taken and not yet complete
+        self._jobs: deque[EncodeJob] = deque()  # deferred: jobs taken and not yet complete
+        self._last_due = 0.0  # deferred: the due time of the last job taken
         self._generation = 0  # moves on at `clear`: a job taken before is dropped
 
     @property
     def is_empty(self) -> bool:
         """Nothing waits for release (what was pushed so far is out, encoded)."""
-        return not self._outbox and not self._pieces and not self._num_jobs
+        return not self._outbox and not self._pieces and not self._jobs
 
     def push(self, pcm: np.ndarray) -> None:
         """Encode mono PCM at the encoder's input rate; its whole frames join the outbox
@@ -99,13 +100,23 @@ class Playout:
             else:
                 self.pack(self.encoder.flush())
 
-    def take_job(self) -> EncodeJob | None:
-        """Deferred: what was pushed since the last job, to encode off the loop (None: nothing)."""
+    def take_job(self, now: float, playback_end: float = 0.0) -> EncodeJob | None:
+        """Deferred: what was pushed since the last job, to encode off the loop (None: nothing).
+
+        Its `due` is when the listener runs out of the audio before it: the playback clock's
+        start (not started: `now`, or when the contexts before it end) plus where the job's
+        PCM starts; never before the context's previous job, so its jobs run in order.
+        """
         if not self._pieces:
             return None
-        job = EncodeJob(self.encoder, self._pieces, self._generation, self._pieces_ms)
+        start = self.play_started_at
+        if start is None:
+            start = max(now, playback_end)
+        due = max(start + (self.pcm_ms_framed - self._pieces_ms) / 1000.0, self._last_due)
+        self._last_due = due
+        job = EncodeJob(self.encoder, self._pieces, self._generation, self._pieces_ms, due)
         self._pieces, self._pieces_ms = [], 0.0
-        self._num_jobs += 1
+        self._jobs.append(job)
         return job
 
     def complete(self, job: EncodeJob) -> None:
@@ -113,7 +124,8 @@ class Playout:
         error; a job of a cleared playout is dropped."""
         if job.generation != self._generation:
             return
-        self._num_jobs -= 1
+        if self._jobs and self._jobs[0] is job:
+            self._jobs.popleft()
         if job.error is not None:
             raise job.error
         for frames in job.frames:  # piece by piece: the messages an inline playout sends
@@ -122,7 +134,10 @@ class Playout:
     def clear(self) -> None:
         """Drop what waits (cancel): no audio of this context leaves after this."""
         self._outbox.clear()
-        self._pieces, self._pieces_ms, self._num_jobs = [], 0.0, 0
+        self._pieces, self._pieces_ms = [], 0.0
+        for job in self._jobs:  # still waiting for the encoder: not run (EncodeQueue)
+            job.is_dropped = True
+        self._jobs.clear()
         self._generation += 1
 
     def release(self, now: float, playback_end: float) -> list[AudioEvent]:

@@ -1,6 +1,7 @@
-"""Encoding off the event loop: a deferred playout and session give their PCM out as jobs and pack
-the frames when they come back, exactly as they would have inline; the worker runs a loop turn's
-jobs as one call on its own thread, in order."""
+"""Deferred encoding: a deferred playout and session give their PCM out as jobs, each due when its
+listener runs out of the audio before it, and pack the frames when they come back, exactly as they
+would have inline; the queue runs jobs on the loop earliest due first, a slice at a time; the
+worker runs a loop turn's jobs as one call on its own thread, in order."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 
 from engine.types import AudioChunk
 from gateway.audio.codecs import decode_opus_packets, make_encoder
+from gateway.stream import encoding
 from gateway.stream.actions import Encode, Send, Submit
-from gateway.stream.encoding import THREAD_PREFIX, EncodeJob, EncodeWorker
+from gateway.stream.encoding import THREAD_PREFIX, EncodeJob, EncodeQueue, EncodeWorker
 from gateway.stream.events import AudioEvent, ContextDone
 from gateway.stream.options import SessionOptions
 from gateway.stream.playout import Playout
@@ -48,8 +50,8 @@ def test_a_deferred_playout_sends_what_an_inline_one_does_once_its_jobs_are_back
     deferred.finish()
     assert deferred.pcm_ms_framed == pytest.approx(inline.pcm_ms_framed)  # counted at once
     assert deferred.release(0.0, 0.0) == [] and not deferred.is_empty  # nothing encoded yet
-    job = deferred.take_job()
-    assert job is not None and deferred.take_job() is None
+    job = deferred.take_job(0.0)
+    assert job is not None and deferred.take_job(0.0) is None
     assert job.pcm_ms == pytest.approx(980.0)
     thread = threading.Thread(target=job.run)  # as the worker runs it
     thread.start()
@@ -66,7 +68,7 @@ def test_a_job_of_a_cleared_playout_is_dropped() -> None:
     playout = Playout("c", make_encoder("pcm16", 24000, 20, None, RATE), is_realtime=False,
                       is_deferred=True)
     playout.push(speech(0.2))
-    job = playout.take_job()
+    job = playout.take_job(0.0)
     assert job is not None
     job.run()
     playout.clear()  # cancelled while the worker held the job
@@ -165,3 +167,82 @@ def test_a_job_after_close_is_encoded_on_the_loop_as_before() -> None:
 
     (job,) = asyncio.run(scenario())
     assert job.frames and job.error is None
+
+
+def test_a_jobs_due_is_when_its_listener_runs_out_of_the_audio_before_it() -> None:
+    playout = Playout("c", make_encoder("pcm16", 24000, 20, None, RATE), is_realtime=False,
+                      is_deferred=True)
+    playout.push(speech(0.6))
+    first = playout.take_job(10.0, playback_end=10.5)  # the context before it plays until 10.5
+    assert first is not None and first.due == pytest.approx(10.5)
+    playout.push(speech(0.4))
+    second = playout.take_job(10.1)  # not playing yet: its start is the earliest it could be
+    assert second is not None and second.due == pytest.approx(10.7)
+    first.run()
+    playout.complete(first)
+    playout.release(10.6, 0.0)  # its first message leaves: the playback clock starts at 10.6
+    second.run()
+    playout.complete(second)
+    playout.push(speech(1.0))
+    third = playout.take_job(10.8)
+    assert third is not None and third.due == pytest.approx(10.6 + 1.0)  # after 1 s of audio
+    playout.push(speech(0.1))
+    fourth = playout.take_job(9.0)  # a clock read early never puts a job before the last
+    assert fourth is not None and fourth.due >= third.due
+
+
+def test_the_queue_runs_the_most_urgent_job_first_on_the_loop() -> None:
+    async def scenario() -> list[str]:
+        queue = EncodeQueue()
+        loop_thread = threading.current_thread().name
+        order: list[str] = []
+        encoder = make_encoder("pcm16", 24000, 20, None, RATE)
+        for name, due in (("ahead-2", 3.0), ("ahead-1", 2.0), ("first-audio", 0.5),
+                          ("ahead-1b", 2.0)):
+            job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE) if name == "ahead-1b"
+                            else encoder, [speech(0.1)], 0, 100.0, due)
+
+            def on_done(job: EncodeJob, name: str = name) -> None:
+                assert threading.current_thread().name == loop_thread and job.frames
+                order.append(name)
+
+            queue.submit(job, on_done)
+        assert order == [] and len(queue) == 4  # nothing runs inside submit
+        await asyncio.sleep(0.05)
+        assert len(queue) == 0 and queue.num_jobs == 4
+        return order
+
+    assert asyncio.run(scenario()) == ["first-audio", "ahead-1", "ahead-1b", "ahead-2"]
+
+
+def test_the_queue_gives_the_loop_back_between_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(encoding, "SLICE_S", 0.0)  # one job a slice
+
+    async def scenario() -> list[str]:
+        queue = EncodeQueue()
+        seen: list[str] = []
+        for n in range(3):
+            job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE), [speech(0.1)], 0,
+                            100.0, float(n))
+            queue.submit(job, lambda job, n=n: seen.append(f"job{n}"))
+        asyncio.get_running_loop().call_soon(lambda: seen.append("socket read"))
+        await asyncio.sleep(0.05)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen.index("socket read") < seen.index("job2")  # other callbacks ran in between
+    assert [s for s in seen if s.startswith("job")] == ["job0", "job1", "job2"]
+
+
+def test_a_job_cancelled_while_it_waits_is_not_encoded() -> None:
+    playout = Playout("c", make_encoder("opus", 48000, 20, None, RATE), is_realtime=False,
+                      is_deferred=True)
+    playout.push(speech(0.5))
+    job = playout.take_job(0.0)
+    assert job is not None
+    playout.clear()  # the listener barged in before the queue reached it
+    assert job.is_dropped
+    job.run()
+    assert job.frames == [] and job.error is None
+    playout.complete(job)
+    assert playout.release(0.0, 0.0) == [] and playout.is_empty
