@@ -63,10 +63,11 @@ class GatewayConfig:
     #: it cannot shrink (about 9% of 5-frame messages) for CPU on the event loop that serves
     #: every socket (docs/benchmarks.md, "The process around a GPU, on the CPU")
     ws_per_message_deflate: bool = False
-    #: the native socket's audio encoded on a worker thread beside the event loop
-    #: (gateway/stream/encoding.py); off by default: the thread needs the GIL back after each
-    #: call into FFmpeg, and first audio under load was later with it (docs/benchmarks.md,
-    #: "The process around a GPU, on the CPU"); for more than a core of gateway work, --workers
+    #: the sockets' audio encoded on a worker thread beside the event loop, in arrival order
+    #: (gateway/stream/encoding.py); off by default, encoded on the loop most urgent first: the
+    #: thread needs the GIL back after each call into FFmpeg, and first audio under load was
+    #: later with it (docs/benchmarks.md, "The process around a GPU, on the CPU"); for more
+    #: than a core of gateway work, --workers
     encode_on_thread: bool = False
     shutdown_grace_s: float = 10.0
     #: the part of the engine's talking contexts one key (auth off: one client address) may hold;

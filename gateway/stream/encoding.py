@@ -1,5 +1,5 @@
-"""The native socket's encodes, most urgent first: on the event loop (the default), or on one
-worker thread beside it.
+"""The sockets' encodes (native and vendor), most urgent first: on the event loop (the default),
+or on one worker thread beside it.
 
 Deadlines. A socket's audio is encoded as it comes from the engine, and the engine
 runs ahead of every listener by up to its look-ahead (1.5 s), so under load most of
@@ -9,17 +9,24 @@ look-ahead: at 128 GPU-shaped sessions whose turns started together, first audio
 was over 500 ms with the event loop's time mostly in Opus (docs/benchmarks.md, "The
 process around a GPU, on the CPU"). So each `EncodeJob` carries `due`, when its
 listener runs out of the audio before it (a context not yet playing: the moment its
-job was taken), and the `EncodeQueue` runs jobs earliest due first, a few
-milliseconds at a time, giving the loop back in between so the sockets' reads and the
-engine's hand-offs go on; what it has not reached waits, its PCM counted against the
-socket (below). One context's jobs come due in the order they were taken
-(`Playout.take_job`), so its encoder runs them in order.
+job was taken; one that had a gap: from where its listener resumed, so a late
+context is not forever due in the past, ahead of every other), and the `EncodeQueue`
+runs jobs earliest due first, a few milliseconds at a time, giving the loop back in
+between so the sockets' reads and the engine's hand-offs go on; audio due within a
+quarter second goes first, in arrival order, for up to 20 ms at a time, so an
+overloaded loop still spends itself on what is needed now, and past its core it
+serves the turns as they came rather than letting new turns' first audio keep
+jumping ahead of the turns already playing (at 256 sessions on one process, strict
+earliest-due-first spread the same silence over five times as many gaps). What it
+has not reached waits, its PCM counted against the socket (below). One context's
+jobs come due in the order they were taken (`Playout.take_job`), so its encoder runs
+them in order.
 
 PyAV lets go of the GIL while FFmpeg and libopus run, and that is most of an
 encode (89% of an Opus encode's CPU is in the codec libraries, `python -m
 bench.bench_encode_profile`), so an encode on another thread runs beside the
-event loop that serves the sockets, on another core. The native socket's
-session asks for it: in deferred mode a `Playout` (gateway/stream/playout.py)
+event loop that serves the sockets, on another core. The sockets' sessions
+defer their encodes: in deferred mode a `Playout` (gateway/stream/playout.py)
 only counts the PCM it is handed (sample-exact `pts_ms` stay on the loop)
 and gives it out as an `EncodeJob`; the session returns the job in an
 `Encode` action, the connection hands it to the app's encoder (`EncodeQueue` on
@@ -68,8 +75,12 @@ MAX_ENCODING_MS = 5000.0
 
 THREAD_PREFIX = "voxgate-encode"
 
-#: how long the queue encodes before it gives the event loop back (one job at least)
+#: how long the queue encodes before it gives the event loop back (one job at least) ...
 SLICE_S = 0.002
+#: ... unless a job is due this soon: urgent audio (in arrival order) before anything else runs,
+URGENT_S = 0.25
+#: ... up to this long, so that reads (text, a cancel) are never held for long
+MAX_SLICE_S = 0.02
 
 
 @dataclass(slots=True, eq=False)
@@ -104,44 +115,64 @@ OnDone = Callable[[EncodeJob], None]
 
 
 class EncodeQueue:
-    """The jobs of every socket on the event loop, earliest due first (module doc)."""
+    """The jobs of every socket on the event loop: what is needed soon first (module doc)."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, EncodeJob, OnDone]] = []
-        self._order = itertools.count()  # ties (and one context's equal dues) in arrival order
+        #: due within `URGENT_S`, in arrival order; and the rest, earliest due first
+        self._urgent: list[tuple[int, EncodeJob, OnDone]] = []
+        self._later: list[tuple[float, int, EncodeJob, OnDone]] = []
+        self._order = itertools.count()
         self._is_scheduled = False
         self.num_batches = 0  # turns of the loop that encoded
         self.num_jobs = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._urgent) + len(self._later)
 
     def submit(self, job: EncodeJob, on_done: OnDone) -> None:
         """Queue `job` by its due time; `on_done(job)` runs on the event loop once it ran."""
-        heapq.heappush(self._heap, (job.due, next(self._order), job, on_done))
+        heapq.heappush(self._later, (job.due, next(self._order), job, on_done))
         if not self._is_scheduled:
             self._is_scheduled = True
             asyncio.get_running_loop().call_soon(self._run)
 
     def _run(self) -> None:
-        """Encode the most urgent jobs for one slice, then let the loop's other callbacks run."""
+        """Encode the most urgent jobs for one slice, then let the loop's other callbacks run:
+        after `SLICE_S`, or, while urgent jobs wait, `MAX_SLICE_S`."""
         self._is_scheduled = False
         self.num_batches += 1
-        ends_at = time.perf_counter() + SLICE_S
-        while self._heap:
-            _, _, job, on_done = heapq.heappop(self._heap)
+        started = time.perf_counter()
+        while self._take_urgent() or self._later:
+            _, job, on_done = (heapq.heappop(self._urgent) if self._urgent
+                               else heapq.heappop(self._later)[1:])
             job.run()
             self.num_jobs += 1
             _finish([(job, on_done)])
-            if time.perf_counter() >= ends_at:
+            spent = time.perf_counter() - started
+            if spent >= MAX_SLICE_S or (spent >= SLICE_S and not self._take_urgent()):
                 break
-        if self._heap and not self._is_scheduled:
+        if len(self) and not self._is_scheduled:
             self._is_scheduled = True
             asyncio.get_running_loop().call_soon(self._run)
 
+    def _take_urgent(self) -> bool:
+        """Move the jobs now due within `URGENT_S` to the urgent ones; whether any waits.
+
+        Among urgent jobs, arrival order: when more is due than the loop can encode in time
+        (past its core), first audio does not keep jumping ahead of the turns already
+        playing, whose listeners would each hear a short gap; they are served as they came.
+        """
+        horizon = time.monotonic() + URGENT_S
+        later = self._later
+        while later and later[0][0] <= horizon:
+            _, order, job, on_done = heapq.heappop(later)
+            heapq.heappush(self._urgent, (order, job, on_done))
+        return bool(self._urgent)
+
     def close(self) -> None:
         """Forget what waits: the app is stopping, and its sockets are closed."""
-        self._heap.clear()
+        self._urgent.clear()
+        self._later.clear()
 
 
 class EncodeWorker:

@@ -66,6 +66,7 @@ class Playout:
         self.audio_ms_queued = 0.0
         self.audio_ms_sent = 0.0
         self.play_started_at: float | None = None
+        self.run_out_at = 0.0  # when the listener has played all that was sent, gaps resumed
         self.is_finished = False
         self.is_deferred = is_deferred
         self._outbox: deque[AudioEvent] = deque()
@@ -103,16 +104,17 @@ class Playout:
     def take_job(self, now: float, playback_end: float = 0.0) -> EncodeJob | None:
         """Deferred: what was pushed since the last job, to encode off the loop (None: nothing).
 
-        Its `due` is when the listener runs out of the audio before it: the playback clock's
-        start (not started: `now`, or when the contexts before it end) plus where the job's
-        PCM starts; never before the context's previous job, so its jobs run in order.
+        Its `due` is when the listener runs out of the audio before it: of what was sent, as
+        the listener plays it (`run_out_at`: after a gap it resumes when audio comes, so a
+        late context is not due forever in the past), then of what waits before the job; a
+        context not playing yet starts now, or when the contexts before it end. Never before
+        the context's previous job, so its jobs run in order.
         """
         if not self._pieces:
             return None
-        start = self.play_started_at
-        if start is None:
-            start = max(now, playback_end)
-        due = max(start + (self.pcm_ms_framed - self._pieces_ms) / 1000.0, self._last_due)
+        waiting_ms = self.pcm_ms_framed - self._pieces_ms - self.audio_ms_sent
+        start = max(now, playback_end if self.play_started_at is None else self.run_out_at)
+        due = max(start + waiting_ms / 1000.0, self._last_due)
         self._last_due = due
         job = EncodeJob(self.encoder, self._pieces, self._generation, self._pieces_ms, due)
         self._pieces, self._pieces_ms = [], 0.0
@@ -156,6 +158,8 @@ class Playout:
                 # Contexts play one after another: this one starts when the last ends.
                 self.play_started_at = max(now, playback_end)
             self.audio_ms_sent += message.duration_ms
+            self.run_out_at = (max(self.run_out_at, self.play_started_at, now)
+                               + message.duration_ms / 1000.0)
             out.append(message)
         return out
 

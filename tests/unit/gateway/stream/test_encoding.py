@@ -186,52 +186,79 @@ def test_a_jobs_due_is_when_its_listener_runs_out_of_the_audio_before_it() -> No
     playout.push(speech(1.0))
     third = playout.take_job(10.8)
     assert third is not None and third.due == pytest.approx(10.6 + 1.0)  # after 1 s of audio
+    third.run()
+    playout.complete(third)
     playout.push(speech(0.1))
-    fourth = playout.take_job(9.0)  # a clock read early never puts a job before the last
-    assert fourth is not None and fourth.due >= third.due
+    early = playout.take_job(9.0)  # a clock read early never puts a job before the last
+    assert early is not None and early.due >= third.due
+    early.run()
+    playout.complete(early)
+    playout.release(13.0, 0.0)  # the listener ran dry at 11.2 and resumes with these at 13.0
+    playout.push(speech(0.1))
+    late = playout.take_job(13.0)
+    assert late is not None  # due when the resumed listener runs out, not at 10.6 + 2.1 s
+    assert late.due == pytest.approx(13.0 + 1.5, abs=0.021)  # one frame: the encoder holds it
 
 
-def test_the_queue_runs_the_most_urgent_job_first_on_the_loop() -> None:
+def run_queue(dues: list[tuple[str, float]]) -> list[str]:
+    """The order an `EncodeQueue` runs jobs due `dues` (s from now) in, submitted in order."""
     async def scenario() -> list[str]:
         queue = EncodeQueue()
         loop_thread = threading.current_thread().name
+        now = asyncio.get_running_loop().time()  # the monotonic clock, as the session's
         order: list[str] = []
-        encoder = make_encoder("pcm16", 24000, 20, None, RATE)
-        for name, due in (("ahead-2", 3.0), ("ahead-1", 2.0), ("first-audio", 0.5),
-                          ("ahead-1b", 2.0)):
-            job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE) if name == "ahead-1b"
-                            else encoder, [speech(0.1)], 0, 100.0, due)
+        for name, due_in_s in dues:
+            job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE), [speech(0.1)], 0,
+                            100.0, now + due_in_s)
 
             def on_done(job: EncodeJob, name: str = name) -> None:
                 assert threading.current_thread().name == loop_thread and job.frames
                 order.append(name)
 
             queue.submit(job, on_done)
-        assert order == [] and len(queue) == 4  # nothing runs inside submit
+        assert order == [] and len(queue) == len(dues)  # nothing runs inside submit
         await asyncio.sleep(0.05)
-        assert len(queue) == 0 and queue.num_jobs == 4
+        assert len(queue) == 0 and queue.num_jobs == len(dues)
         return order
 
-    assert asyncio.run(scenario()) == ["first-audio", "ahead-1", "ahead-1b", "ahead-2"]
+    return asyncio.run(scenario())
 
 
-def test_the_queue_gives_the_loop_back_between_slices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(encoding, "SLICE_S", 0.0)  # one job a slice
+def test_the_queue_runs_audio_needed_now_before_audio_needed_later() -> None:
+    order = run_queue([("ahead-2", 3.0), ("ahead-1", 2.0), ("first-audio", 0.0),
+                       ("ahead-1b", 2.0)])
+    assert order == ["first-audio", "ahead-1", "ahead-1b", "ahead-2"]
 
-    async def scenario() -> list[str]:
+
+def test_audio_all_due_now_runs_in_arrival_order() -> None:
+    # past its core, the loop serves the turns already playing as they came: a new turn's
+    # first audio does not jump ahead of a playing turn's next chunk
+    order = run_queue([("playing-next", 0.1), ("first-audio", -0.5), ("playing-late", -1.0),
+                       ("ahead", 2.0)])
+    assert order == ["playing-next", "first-audio", "playing-late", "ahead"]
+
+
+def test_the_queue_gives_the_loop_back_between_slices_of_audio_not_needed_yet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(encoding, "SLICE_S", 0.0)  # one job a slice, unless it is urgent
+
+    async def scenario(due_in_s: float) -> list[str]:
         queue = EncodeQueue()
         seen: list[str] = []
+        now = asyncio.get_running_loop().time()  # the monotonic clock, as the session's
         for n in range(3):
             job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE), [speech(0.1)], 0,
-                            100.0, float(n))
+                            100.0, now + due_in_s + 0.1 * n)
             queue.submit(job, lambda job, n=n: seen.append(f"job{n}"))
         asyncio.get_running_loop().call_soon(lambda: seen.append("socket read"))
         await asyncio.sleep(0.05)
         return seen
 
-    seen = asyncio.run(scenario())
-    assert seen.index("socket read") < seen.index("job2")  # other callbacks ran in between
-    assert [s for s in seen if s.startswith("job")] == ["job0", "job1", "job2"]
+    later = asyncio.run(scenario(due_in_s=5.0))
+    assert later.index("socket read") < later.index("job2")  # other callbacks ran in between
+    assert [s for s in later if s.startswith("job")] == ["job0", "job1", "job2"]
+    urgent = asyncio.run(scenario(due_in_s=-1.0))  # overdue: encoded before anything else
+    assert urgent == ["job0", "job1", "job2", "socket read"]
 
 
 def test_a_job_cancelled_while_it_waits_is_not_encoded() -> None:
