@@ -16,7 +16,6 @@ frame than a client written for it, and drives 128-256 sessions.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import random
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from gateway.text.language import runs_of
 from loadtest.config import LoadConfig
 from loadtest.corpus import Answer, first_segment_token, tokenize
 from loadtest.metrics import Outcome, TurnRecord
+from loadtest.text_lead import TextLead
 from voxgate_client import (
     AsyncVoxgate,
     Audio,
@@ -98,12 +98,8 @@ class TurnState(TurnListener):
     stamped with the loop's time at arrival (`received_at`).
 
     It also remembers when the input text reached each point and where each
-    segment ends in it, so that a gap before a segment says how long before the
-    listener ran out that segment's text was complete (`text_lead_ms`). Text is
-    placed by its alphanumeric characters: the server's cleanup changes
-    whitespace, punctuation and markup, rarely letters or digits. When it drops
-    some (a link's URL, text no voice speaks), the input seems to reach a
-    segment's end early, which blames the server for the gap, not the text.
+    segment ends in it (`text`, loadtest/text_lead.py), so that a gap before a
+    segment says how long before the listener ran out its text was complete.
     """
 
     __slots__ = (
@@ -117,13 +113,10 @@ class TurnState(TurnListener):
         "frame_arrived",
         "last_frame_at",
         "next_seq",
-        "num_segment_alnum",
         "on_lost",
         "record",
         "segment_complete_at",
-        "segment_ends",
-        "sent_alnum",
-        "sent_at",
+        "text",
     )
 
     def __init__(self, record: TurnRecord, playout_delay_ms: float,
@@ -141,12 +134,7 @@ class TurnState(TurnListener):
         self.cancelled_at: float | None = None
         self.next_seq = 0
         self.on_lost = on_lost  # the connection went: the session decides what it means
-        # After each delta: the alphanumeric characters of the input sent so far, and when.
-        self.sent_alnum: list[int] = []
-        self.sent_at: list[float] = []
-        self.num_segment_alnum = 0
-        # Per segment: where its audio starts (ms) and the input's alphanumerics through it.
-        self.segment_ends: list[tuple[float, int]] = []
+        self.text = TextLead()
 
     def end(self, outcome: Outcome) -> None:
         if not self.ended.is_set():
@@ -174,41 +162,14 @@ class TurnState(TurnListener):
             clock.on_frame(now, duration_ms)
             if clock.num_gaps > num_gaps:  # one entry per gap counted: parallel to gaps_ms
                 record.gaps_text_lead_ms.append(
-                    self.text_lead_ms(heard_ms, duration_ms, run_out_at))
+                    self.text.lead_ms(heard_ms, duration_ms, run_out_at))
         self.frame_arrived.set()
-
-    def on_text_sent(self, delta: str, now: float) -> None:
-        """The input reached the end of `delta` at `now`."""
-        total = self.sent_alnum[-1] if self.sent_alnum else 0
-        self.sent_alnum.append(total + sum(map(str.isalnum, delta)))
-        self.sent_at.append(now)
-
-    def text_lead_ms(self, heard_ms: float, late_ms: float, run_out_at: float) -> float | None:
-        """How long before `run_out_at` the text of the segment whose first audio ended the
-        gap was complete in the input; negative when it came after. None when the late
-        audio (`late_ms` of it, after `heard_ms` of the turn's) starts no segment (the gap
-        fell inside one) or when the input never reached the segment's end.
-
-        The segment starts within the late audio, not at `heard_ms` exactly: its `pts_ms`
-        counts PCM to the sample, while audio comes in whole frames (20 ms by default), so
-        the last part-frame of the segment before waits for the next segment's audio.
-        Resolved at the gap, not at the `segment` event, so that a delta whose send was
-        noted after the server had already answered it still counts.
-        """
-        for pts_ms, num_alnum in self.segment_ends:
-            if heard_ms - 1.0 <= pts_ms < heard_ms + late_ms:  # 1 ms: pts_ms is rounded
-                i = bisect.bisect_left(self.sent_alnum, num_alnum)
-                if i == len(self.sent_at):
-                    return None
-                return (run_out_at - self.sent_at[i]) * 1000.0
-        return None
 
     def on_segment(self, event: Segment) -> None:
         letters = self.record.spoken_letters
         for run in runs_of(event.text):
             letters[run.script] = letters.get(run.script, 0) + run.end - run.start
-        self.num_segment_alnum += sum(map(str.isalnum, event.text))
-        self.segment_ends.append((event.pts_ms, self.num_segment_alnum))
+        self.text.segment(event.text, event.pts_ms)
 
     def on_skipped(self, event: TextSkipped) -> None:
         skipped = self.record.skipped_chars
@@ -385,7 +346,7 @@ class VoxgateSession:
                     return  # an interrupted LLM stops generating
                 await turn.push(token)
                 now = loop.time()
-                state.on_text_sent(token, now)
+                state.text.sent(token, now)
                 if i == 0:
                     state.first_token_at = now
                 if i == plan.first_segment_index:

@@ -28,7 +28,7 @@ class _Turn:
         self.pts_ms = 0.0
 
     def send(self, text: str, at: float) -> None:
-        self.state.on_text_sent(text, at)
+        self.state.text.sent(text, at)
 
     def segment(self, text: str, at: float, pts_ms: float | None = None) -> None:
         """A segment starting at `pts_ms`: by default where the audio sent so far ends."""
@@ -150,9 +150,9 @@ def test_the_session_notes_the_inputs_alphanumerics_after_each_delta() -> None:
     session = VoxgateSession(0, LoadConfig(url="http://127.0.0.1:9"), [], [], SpeechRate(), [1])
     state = TurnState(TurnRecord(0, "c", len(tokens), len(plan.answer.text)), 0.0)
     asyncio.run(session._stream_text(state, plan, cast(Turn, FakeTurn())))
-    assert state.sent_alnum == [4, 4, 8, 10, 12, 12]
-    assert len(state.sent_at) == len(tokens)
-    assert state.sent_at == sorted(state.sent_at)
+    assert state.text.sent_alnum == [4, 4, 8, 10, 12, 12]
+    assert len(state.text.sent_at) == len(tokens)
+    assert state.text.sent_at == sorted(state.text.sent_at)
 
 
 def _gapped(leads: list[float | None]) -> TurnRecord:

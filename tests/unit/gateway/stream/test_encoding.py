@@ -64,12 +64,17 @@ def test_a_deferred_playout_sends_what_an_inline_one_does_once_its_jobs_are_back
     assert len(decode_opus_packets(packets, 48000)) >= 0.98 * 48000
 
 
-def test_a_job_of_a_cleared_playout_is_dropped() -> None:
-    playout = Playout("c", make_encoder("pcm16", 24000, 20, None, RATE), is_realtime=False,
-                      is_deferred=True)
-    playout.push(speech(0.2))
+def one_job(codec: str, seconds: float) -> tuple[Playout, EncodeJob]:
+    playout = Playout("c", make_encoder(codec, 48000 if codec == "opus" else RATE, 20, None, RATE),
+                      is_realtime=False, is_deferred=True)
+    playout.push(speech(seconds))
     job = playout.take_job(0.0)
     assert job is not None
+    return playout, job
+
+
+def test_a_job_of_a_cleared_playout_is_dropped() -> None:
+    playout, job = one_job("pcm16", 0.2)
     job.run()
     playout.clear()  # cancelled while the worker held the job
     playout.complete(job)
@@ -262,11 +267,7 @@ def test_the_queue_gives_the_loop_back_between_slices_of_audio_not_needed_yet(
 
 
 def test_a_job_cancelled_while_it_waits_is_not_encoded() -> None:
-    playout = Playout("c", make_encoder("opus", 48000, 20, None, RATE), is_realtime=False,
-                      is_deferred=True)
-    playout.push(speech(0.5))
-    job = playout.take_job(0.0)
-    assert job is not None
+    playout, job = one_job("opus", 0.5)
     playout.clear()  # the listener barged in before the queue reached it
     assert job.is_dropped
     job.run()
