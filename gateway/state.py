@@ -47,8 +47,8 @@ class AppState:
     keyless: KeylessPool = field(init=False)
     session_tokens: SessionTokens = field(default_factory=SessionTokens)
     encoders: EncoderFactory = field(default_factory=EncoderFactory)  # every output's encoder
-    #: what runs the native socket's encodes, most urgent first: the event loop, or with
-    #: `encode_on_thread` a worker thread (gateway/stream/encoding.py)
+    #: what runs the sockets' encodes: the event loop, most urgent first, or with
+    #: `encode_on_thread` a worker thread, in arrival order (gateway/stream/encoding.py)
     encoding: EncodeQueue | EncodeWorker = field(init=False)
     is_shutting_down: bool = False
     # engine contexts per client (gateway/access/fair_share.py)
