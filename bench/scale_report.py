@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from loadtest.metrics import percentile
+
 
 def find_summary(report: Any) -> dict[str, Any]:
     """The load tool's level summary wherever its JSON puts it (the first `summary` key)."""
@@ -30,7 +32,7 @@ def find_key(report: Any, key: str) -> Any:
 
 def first_and_later_p95(turns: list[dict[str, Any]]) -> tuple[float | None, float | None]:
     """TTFA p95 of each session's first turn (the fleet starts within one think time: a burst
-    of first turns) and of the turns after it (the steady state)."""
+    of first turns) and of the turns after it (the steady state), as the load tool's own."""
     seen: set[int] = set()
     first: list[float] = []
     later: list[float] = []
@@ -40,14 +42,8 @@ def first_and_later_p95(turns: list[dict[str, Any]]) -> tuple[float | None, floa
         seen.add(turn["session"])
         if ttfa is not None:
             (first if is_first else later).append(ttfa)
-    return _p95(first), _p95(later)
-
-
-def _p95(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return (percentile(first, 95) if first else None,
+            percentile(later, 95) if later else None)
 
 
 def num(value: float | None, spec: str = ".0f") -> str:
