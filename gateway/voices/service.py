@@ -238,6 +238,7 @@ class VoiceService(ReplicaSync):
         base_voice = self._base_voice(upload.base_voice)
         # The body first: a 409 for an id costs a whole, valid reference, not one byte.
         reference = await asyncio.to_thread(decode_reference, upload.audio, self.config.limits)
+        await self.sync_before_write()  # another replica may have freed or taken the id
         await self._check_free(voice_id, owner, replace_existing)
         features = await self._features(reference, upload.transcript)
         record = VoiceRecord(
@@ -342,6 +343,7 @@ class VoiceService(ReplicaSync):
 
     async def delete(self, voice_id: str, principal: Principal = OPERATOR) -> None:
         """Forget a registered voice; whoever holds it keeps it until they let go."""
+        await self.sync_before_write()  # one registered on another replica a moment ago
         async with self._lock:
             if voice_id in self.installed:
                 raise VoiceUploadError(409, "builtin_voice", f"{voice_id!r} is an installed voice; "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 from typing import Any
 
 from gateway.voices.catalog import VoiceCatalog
@@ -65,7 +66,6 @@ class ReplicaSync:
         version = await self.registry.data_version()
         if version == self._data_version:
             return False
-        self._data_version = version
         changed = False
         async with self._lock:
             stored = await self.registry.checksums()
@@ -81,7 +81,19 @@ class ReplicaSync:
                     await self._forget(voice_id)  # replaced elsewhere: load the new record
                 self._checksums[voice_id] = checksum
                 changed |= await self._load_from_store(voice_id)
+        # seen only once picked up: a sync that fails halfway is tried again, not skipped
+        self._data_version = version
         return changed
+
+    async def sync_before_write(self) -> None:
+        """Catch up before checking an id, so a replica never refuses its owner an id that
+        another replica has just freed, nor misses one just taken (one PRAGMA when nothing
+        changed). A store that cannot be read now leaves the check to the insert's own."""
+        try:
+            await self.sync()
+        except (sqlite3.Error, OSError):
+            log.warning("voice registry sync before a write failed; checking against this "
+                        "replica's last view", exc_info=True)
 
     async def _load_from_store(self, voice_id: str) -> bool:
         try:
