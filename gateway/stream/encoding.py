@@ -81,13 +81,6 @@ SLICE_S = 0.002
 URGENT_S = 0.25
 #: ... up to this long, so that reads (text, a cancel) are never held for long
 MAX_SLICE_S = 0.02
-#: a job due within this (a new turn's first audio, a listener about to run dry) is cut: its
-#: first `HEAD_S` of audio is one job, the rest (over `MIN_TAIL_MS`) the next, which queues
-#: behind the urgent jobs there are when it comes due, so every listener's next audio is
-#: encoded before anyone's look-ahead
-CUT_DUE_S = 0.1
-HEAD_S = URGENT_S
-MIN_TAIL_MS = 100.0
 
 
 @dataclass(slots=True, eq=False)
@@ -102,8 +95,6 @@ class EncodeJob:
     due: float = 0.0
     #: its context was cancelled or failed while it waited: not run, its frames unwanted
     is_dropped: bool = False
-    #: the rest of a job whose head went first: urgent in the order it came due, not taken
-    is_tail: bool = False
     #: each piece's frames, as the piece was encoded: packed piece by piece, as inline
     frames: list[list[EncodedFrame]] = field(default_factory=list)
     error: Exception | None = None
@@ -121,23 +112,6 @@ class EncodeJob:
 
 
 OnDone = Callable[[EncodeJob], None]
-
-
-def cut_pieces(pieces: list[np.ndarray | None],
-               num_samples: int) -> tuple[list[np.ndarray | None], list[np.ndarray | None]]:
-    """The first `num_samples` of `pieces` and the rest (a flush, `None`, stays with the rest);
-    an encoder fed both in turn makes the frames it makes from the whole."""
-    head: list[np.ndarray | None] = []
-    rest = list(pieces)
-    while rest and num_samples > 0 and (piece := rest[0]) is not None:
-        take = piece[:num_samples]
-        head.append(take)
-        num_samples -= len(take)
-        if len(take) == len(piece):
-            rest.pop(0)
-        else:
-            rest[0] = piece[len(take):]
-    return head, rest
 
 
 class EncodeQueue:
@@ -192,8 +166,6 @@ class EncodeQueue:
         later = self._later
         while later and later[0][0] <= horizon:
             _, order, job, on_done = heapq.heappop(later)
-            if job.is_tail:  # behind the heads already waiting: they are needed sooner
-                order = next(self._order)
             heapq.heappush(self._urgent, (order, job, on_done))
         return bool(self._urgent)
 

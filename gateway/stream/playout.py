@@ -34,7 +34,7 @@ import numpy as np
 
 from gateway.audio.codecs import EncodedFrame
 from gateway.audio.encoders import AudioEncoder
-from gateway.stream.encoding import CUT_DUE_S, HEAD_S, MIN_TAIL_MS, EncodeJob, cut_pieces
+from gateway.stream.encoding import EncodeJob
 from gateway.stream.events import AudioEvent
 from gateway.stream.options import DEFAULT_FRAMES_PER_MESSAGE
 
@@ -74,7 +74,6 @@ class Playout:
         self._pieces_ms = 0.0
         self._jobs: deque[EncodeJob] = deque()  # deferred: jobs taken and not yet complete
         self._last_due = 0.0  # deferred: the due time of the last job taken
-        self._is_cut = False  # deferred: `_pieces` is the rest of a job whose head was taken
         self._generation = 0  # moves on at `clear`: a job taken before is dropped
 
     @property
@@ -117,17 +116,8 @@ class Playout:
         start = max(now, playback_end if self.play_started_at is None else self.run_out_at)
         due = max(start + waiting_ms / 1000.0, self._last_due)
         self._last_due = due
-        pieces, pcm_ms, is_tail = self._pieces, self._pieces_ms, self._is_cut
-        self._pieces, self._pieces_ms, self._is_cut = [], 0.0, False
-        if due <= now + CUT_DUE_S and pcm_ms > HEAD_S * 1000.0 + MIN_TAIL_MS:
-            # needed now: its head goes out first, the rest is the next job (due after it)
-            rate = self.encoder.sample_rate_in
-            head_samples = round(HEAD_S * rate)
-            pieces, self._pieces = cut_pieces(pieces, head_samples)
-            head_ms = 1000.0 * head_samples / rate
-            self._pieces_ms, self._is_cut = pcm_ms - head_ms, True
-            pcm_ms = head_ms
-        job = EncodeJob(self.encoder, pieces, self._generation, pcm_ms, due, is_tail=is_tail)
+        job = EncodeJob(self.encoder, self._pieces, self._generation, self._pieces_ms, due)
+        self._pieces, self._pieces_ms = [], 0.0
         self._jobs.append(job)
         return job
 
@@ -146,7 +136,7 @@ class Playout:
     def clear(self) -> None:
         """Drop what waits (cancel): no audio of this context leaves after this."""
         self._outbox.clear()
-        self._pieces, self._pieces_ms, self._is_cut = [], 0.0, False
+        self._pieces, self._pieces_ms = [], 0.0
         for job in self._jobs:  # still waiting for the encoder: not run (EncodeQueue)
             job.is_dropped = True
         self._jobs.clear()

@@ -429,7 +429,7 @@ class Session:
         actions: list[Action] = []
         while (context := self._active_context()) is not None:
             frame_ready_audio(context, now, actions)
-            while (job := context.playout.take_job(now, self._playback_end)) is not None:
+            if (job := context.playout.take_job(now, self._playback_end)) is not None:
                 actions.append(Encode(context.context_id, job))
             actions += self._submit_ready(now)
             if context.is_closed:

@@ -50,30 +50,18 @@ def test_a_deferred_playout_sends_what_an_inline_one_does_once_its_jobs_are_back
     deferred.finish()
     assert deferred.pcm_ms_framed == pytest.approx(inline.pcm_ms_framed)  # counted at once
     assert deferred.release(0.0, 0.0) == [] and not deferred.is_empty  # nothing encoded yet
-    jobs = []
-    while (job := deferred.take_job(10.0)) is not None:  # due now: its head is cut off
-        jobs.append(job)
-    assert [(j.pcm_ms, j.due, j.is_tail) for j in jobs] == [
-        (pytest.approx(250.0), 10.0, False), (pytest.approx(730.0), 10.25, True)]
-    for job in jobs:
-        thread = threading.Thread(target=job.run)  # as the worker runs it
-        thread.start()
-        thread.join()
-    assert not deferred.is_empty  # the jobs are not back until `complete`
-    for job in jobs:
-        deferred.complete(job)
-    expected, got = messages_of(inline), messages_of(deferred)
-    assert deferred.is_empty
-
-    def stream(messages: list[tuple[int, float, float, tuple[bytes, ...]]]) -> list[Any]:
-        return [p for _, _, _, payloads in messages for p in payloads]
-
-    # the same packets, gapless: the cut only moves where a message ends
-    assert stream(got) == stream(expected)
-    assert [seq for seq, *_ in got] == list(range(len(got)))
-    assert all(a[1] + a[2] == pytest.approx(b[1]) for a, b in zip(got, got[1:], strict=False))
-    assert sum(m[2] for m in got) == pytest.approx(sum(m[2] for m in expected))
-    assert len(decode_opus_packets(stream(expected), 48000)) >= 0.98 * 48000
+    job = deferred.take_job(0.0)
+    assert job is not None and deferred.take_job(0.0) is None
+    assert job.pcm_ms == pytest.approx(980.0)
+    thread = threading.Thread(target=job.run)  # as the worker runs it
+    thread.start()
+    thread.join()
+    assert not deferred.is_empty  # the job is not back until `complete`
+    deferred.complete(job)
+    expected = messages_of(inline)
+    assert messages_of(deferred) == expected and deferred.is_empty
+    packets = [p for _, _, _, payloads in expected for p in payloads]
+    assert len(decode_opus_packets(packets, 48000)) >= 0.98 * 48000
 
 
 def one_job(codec: str, seconds: float) -> tuple[Playout, EncodeJob]:
@@ -107,18 +95,12 @@ def test_a_deferred_session_sends_audio_and_done_only_after_its_encodes_are_back
     session, (request,) = session_with_text()
     actions = session.receive_audio(AudioChunk(request.request_id, speech(0.5), RATE, True), 0.1)
     encodes = [a for a in actions if isinstance(a, Encode)]
-    # first audio: its head (250 ms) is a job of its own, the rest another, due after it
-    assert [(e.context_id, e.job.pcm_ms, e.job.is_tail) for e in encodes] == [
-        ("c", pytest.approx(250.0), False), ("c", pytest.approx(250.0), True)]
+    assert len(encodes) == 1 and encodes[0].context_id == "c"
     events = [a.message for a in actions if isinstance(a, Send)]
-    assert [e.type for e in events] == ["segment"]  # no audio, no done: the encodes are out
-    head, tail = (e.job for e in encodes)
-    head.run()
-    first = [a.message for a in session.receive_encoded("c", head, 0.15) if isinstance(a, Send)]
-    assert [e.type for e in first] and {e.type for e in first} == {"audio"}  # no done yet
-    tail.run()
-    back = first + [a.message for a in session.receive_encoded("c", tail, 0.2)
-                    if isinstance(a, Send)]
+    assert [e.type for e in events] == ["segment"]  # no audio, no done: the encode is out
+    encodes[0].job.run()
+    back = [a.message for a in session.receive_encoded("c", encodes[0].job, 0.2)
+            if isinstance(a, Send)]
     audio = [e for e in back if isinstance(e, AudioEvent)]
     done = [e for e in back if isinstance(e, ContextDone)]
     assert audio and [m.seq for m in audio] == list(range(len(audio)))
@@ -128,8 +110,8 @@ def test_a_deferred_session_sends_audio_and_done_only_after_its_encodes_are_back
 
 def test_an_encoder_fault_ends_its_context_with_internal_and_nothing_else() -> None:
     session, (request,) = session_with_text()
-    actions = session.receive_audio(AudioChunk(request.request_id, speech(0.3), RATE, True), 0.1)
-    (encode,) = [a for a in actions if isinstance(a, Encode)]  # under a head and a tail: whole
+    actions = session.receive_audio(AudioChunk(request.request_id, speech(0.2), RATE, True), 0.1)
+    (encode,) = [a for a in actions if isinstance(a, Encode)]
     encode.job.error = RuntimeError("the codec broke")
     back = [a.message.to_wire() for a in session.receive_encoded("c", encode.job, 0.2)
             if isinstance(a, Send)]
@@ -292,35 +274,3 @@ def test_a_job_cancelled_while_it_waits_is_not_encoded() -> None:
     assert job.frames == [] and job.error is None
     playout.complete(job)
     assert playout.release(0.0, 0.0) == [] and playout.is_empty
-
-
-def test_only_audio_needed_now_is_cut_and_its_head_comes_first() -> None:
-    def jobs(seconds: float, now: float, playback_end: float = 0.0) -> list[tuple[float, float]]:
-        playout = Playout("c", make_encoder("pcm16", RATE, 20, None, RATE), is_realtime=False,
-                          is_deferred=True)
-        playout.push(speech(seconds))
-        taken = []
-        while (job := playout.take_job(now, playback_end)) is not None:
-            taken.append((round(job.pcm_ms, 3), round(job.due - now, 3)))
-        return taken
-
-    assert jobs(1.0, now=5.0) == [(250.0, 0.0), (750.0, 0.25)]  # a turn's first audio
-    assert jobs(0.34, now=5.0) == [(340.0, 0.0)]  # too little left over to be worth a job
-    assert jobs(1.0, now=5.0, playback_end=6.0) == [(1000.0, 1.0)]  # needed in a second: whole
-
-
-def test_heads_of_audio_needed_now_run_before_the_tails_cut_from_them() -> None:
-    async def scenario() -> list[str]:
-        queue = EncodeQueue()
-        now = asyncio.get_running_loop().time()  # the monotonic clock, as the session's
-        order: list[str] = []
-        for name in ("a", "b", "c"):
-            for part, due, is_tail in (("head", now, False), ("tail", now + 0.25, True)):
-                job = EncodeJob(make_encoder("pcm16", 24000, 20, None, RATE), [speech(0.1)], 0,
-                                100.0, due, is_tail=is_tail)
-                queue.submit(job, lambda job, n=f"{name}-{part}": order.append(n))
-        await asyncio.sleep(0.05)
-        return order
-
-    assert asyncio.run(scenario()) == ["a-head", "b-head", "c-head", "a-tail", "b-tail",
-                                       "c-tail"]
