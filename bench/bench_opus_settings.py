@@ -17,6 +17,9 @@ frames within 50 dB of the loudest:
   the spectral envelope, which a perceptual codec keeps, not the waveform, which it does not.
 - SNR, dB: waveform signal-to-noise ratio. A perceptual codec scores low on it by design; it
   only catches gross errors (a shift, a dropout).
+- PESQ, wideband (ITU-T P.862.2, MOS-LQO 1-4.64), where the `pesq` package is installed (it is
+  no dependency of the project: `pip install pesq`, a tool of the person measuring): both sides
+  resampled to 16 kHz, so it hears 0-8 kHz; a perceptual score where LSD is a spectral one.
 A change of the default (complexity 5, 48 kHz) should hold LSD within a few tenths of a dB of
 the default's on this utterance (and on a CosyVoice sample where a GPU run can write one), with
 a listening check of the same clip; PESQ or ViSQOL, where installed, would be the standard
@@ -99,13 +102,26 @@ def fidelity(reference: np.ndarray, decoded: np.ndarray, rate: int) -> tuple[flo
     return float(np.mean(np.sqrt(np.mean(diff**2, axis=1)))), float(snr)
 
 
+def pesq_wb(reference: np.ndarray, decoded: np.ndarray, rate: int) -> float | None:
+    """Wideband PESQ of `decoded` against `reference` (both at `rate`); None without `pesq`."""
+    try:
+        from pesq import pesq  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError:
+        return None
+    n = min(len(reference), len(decoded))
+    ref, dec = resample(reference[:n], rate, 16000), resample(decoded[:n], rate, 16000)
+    n = min(len(ref), len(dec))
+    return float(pesq(16000, ref[:n], dec[:n], "wb"))
+
+
 def measure(rate_out: int, rate_in: int, complexity: int, repeats: int) -> dict[str, Any]:
     pcm = joe_utterance(rate_in)
     runs = [encode(pcm, rate_out, rate_in, complexity) for _ in range(repeats)]
     packets, pre_skip, _ = runs[0]
     cpu = min(r[2] for r in runs)
     decoded = decode_opus_packets(packets, rate_out, pre_skip=pre_skip)
-    lsd, snr = fidelity(resample(pcm, rate_in, rate_out), decoded, rate_out)
+    reference = resample(pcm, rate_in, rate_out)
+    lsd, snr = fidelity(reference, decoded, rate_out)
     audio_s = len(pcm) / rate_in
     return {
         "rate_out": rate_out,
@@ -115,6 +131,7 @@ def measure(rate_out: int, rate_in: int, complexity: int, repeats: int) -> dict[
         "kbit_s": 8 * sum(map(len, packets)) / audio_s / 1000,
         "lsd_db": lsd,
         "snr_db": snr,
+        "pesq_wb": pesq_wb(reference, decoded, rate_out),
     }
 
 
@@ -129,8 +146,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         f"joe: {len(joe_utterance()) / 22050:.1f} s"
     )
     print(
-        "| out Hz | in Hz | complexity | CPU ms per audio-s | kbit/s | LSD dB | SNR dB |\n"
-        "|---:|---:|---:|---:|---:|---:|---:|"
+        "| out Hz | in Hz | complexity | CPU ms per audio-s | kbit/s | LSD dB | SNR dB "
+        "| PESQ WB |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = []
     for rate_out, rate_in, complexities in ROWS:
@@ -139,7 +157,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             rows.append(row)
             print(
                 f"| {rate_out} | {rate_in} | {complexity} | {row['cpu_ms_per_audio_s']:.2f} "
-                f"| {row['kbit_s']:.1f} | {row['lsd_db']:.2f} | {row['snr_db']:.1f} |",
+                f"| {row['kbit_s']:.1f} | {row['lsd_db']:.2f} | {row['snr_db']:.1f} "
+                f"| {'-' if row['pesq_wb'] is None else format(row['pesq_wb'], '.2f')} |",
                 flush=True,
             )
     return rows
