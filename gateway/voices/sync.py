@@ -60,8 +60,9 @@ class ReplicaSync:
 
     async def sync(self) -> bool:
         """Pick up voices other processes sharing the store registered or deleted since the
-        last call; True when anything changed. Cheap when nothing did (one PRAGMA)."""
-        if self.registry._store is None:
+        last call; True when anything changed. Cheap when nothing did (one PRAGMA). Before
+        `start` has taken the store's state as seen (it loads the store itself), nothing."""
+        if self.registry._store is None or self._data_version is None:
             return False
         version = await self.registry.data_version()
         if version == self._data_version:

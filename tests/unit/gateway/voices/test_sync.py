@@ -7,15 +7,19 @@ off (`sync_interval_s=0`), so nothing but the calls under test brings them in st
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.engine import Engine, EngineConfig
 from gateway.voices.service import VoiceConfig, VoiceService
 from gateway.voices.upload import VoiceUploadError
+from tests.e2e.test_voices import make_wav
 from tests.unit.gateway.voices.test_store import CloningBackend, upload
 
 ALICE, BOB = "a" * 32, "b" * 32
@@ -108,3 +112,36 @@ def test_a_write_goes_on_when_the_sync_before_it_cannot_read_the_store(tmp_path:
                     await outcome(lambda: there.register(upload("bea"), owner=BOB))]
 
     assert asyncio.run(scenario()) == ["voice_exists", "ok"]
+
+
+def test_registering_the_assets_at_start_reloads_nothing_the_store_held(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "teller.wav").write_bytes(make_wav(2.0, rate=16000))
+    (assets / "teller.txt").write_text("A story.", encoding="utf-8")
+
+    async def run(body: Callable[[VoiceService], Awaitable[Any]]) -> Any:
+        engine = Engine(CloningBackend(), EngineConfig(warmup_text=""))
+        service = VoiceService(VoiceConfig(data_dir=tmp_path, default_voice="v", sync_interval_s=0,
+                                           assets_dir=assets), engine)
+        await engine.start()
+        await service.start()
+        try:
+            return await body(service)
+        finally:
+            await service.stop()
+            await engine.stop()
+
+    async def upload_ada(service: VoiceService) -> None:
+        await service.register(upload("ada"), owner=ALICE)
+
+    async def voices(service: VoiceService) -> list[str]:
+        return sorted(service.registered)
+
+    asyncio.run(run(upload_ada))
+    (assets / "teller.txt").write_text("A changed story.", encoding="utf-8")  # registered again
+    with caplog.at_level(logging.INFO, logger="voxgate.gateway"):
+        assert asyncio.run(run(voices)) == ["ada", "teller"]
+    # the restart loaded each stored voice once: the asset's registration synced nothing
+    assert not [r for r in caplog.records if "another replica" in r.getMessage()]
