@@ -50,11 +50,18 @@ from bench.gpu_gateway_load import engine_metrics, free_port, stop_server, wait_
 from bench.gpu_shaped import GpuShape
 from bench.gpu_shaped_floor import format_rows
 from bench.gpu_shaped_floor import run_level as run_floor_level
-from bench.scale_report import find_key, find_summary, first_and_later_p95, format_table
+from bench.scale_report import (
+    find_key,
+    find_summary,
+    first_and_later_p95,
+    format_table,
+    histogram_quantile_ms,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE = Path(__file__).resolve().with_name("gpu_shaped_serve.py")
 TTFA_TARGET_MS = 300.0
+FIRST_AUDIO = "voxgate_engine_first_audio_seconds"
 WINDOW = (0.25, 0.75)  # the share of a level over which threads are read: its middle half
 
 
@@ -268,6 +275,10 @@ def run_level(
             "busy_s": delta.get("voxgate_engine_busy_seconds_total", 0.0),
             "deadline_misses": delta.get("voxgate_engine_deadline_misses_total", 0.0),
             "refused": delta.get("voxgate_engine_contexts_refused_total", 0.0),
+            # a context's first audio, from when it was needed to the step that made it (None:
+            # a build without the histogram); TTFA less this is what the gateway added
+            "first_audio_p50_ms": histogram_quantile_ms(delta, FIRST_AUDIO, 0.5),
+            "first_audio_p95_ms": histogram_quantile_ms(delta, FIRST_AUDIO, 0.95),
         },
         "gpu_model": {
             "lm_busy": gpu.get("lm_busy_s", 0.0) / wall,

@@ -137,13 +137,15 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 
 
 def engine_metrics(url: str) -> dict[str, float]:
-    """The server's voxgate_engine_* and voxgate_*_total samples (no labels) from /metrics."""
+    """The server's voxgate_* samples without labels, and its histograms' buckets (keyed
+    `name{le="bound"}`, as /metrics writes them), from /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
         text = response.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if line.startswith("voxgate_") and "{" not in name and value:
+        is_bucket = name.endswith("\"}") and "_bucket{le=" in name
+        if line.startswith("voxgate_") and ("{" not in name or is_bucket) and value:
             try:
                 out[name] = float(value.split()[0])
             except ValueError:

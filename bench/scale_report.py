@@ -46,6 +46,32 @@ def first_and_later_p95(turns: list[dict[str, Any]]) -> tuple[float | None, floa
             percentile(later, 95) if later else None)
 
 
+def histogram_quantile(samples: dict[str, float], name: str, q: float) -> float | None:
+    """The `q` quantile (0-1) of histogram `name` from its cumulative buckets in `samples`
+    (`name_bucket{le="bound"}` keys, as bench.gpu_gateway_load's `engine_metrics` reads them),
+    linear within a bucket as Prometheus's histogram_quantile; None with no observation."""
+    prefix = name + '_bucket{le="'
+    buckets = sorted((float(key[len(prefix):-2]), count) for key, count in samples.items()
+                     if key.startswith(prefix))
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower  # past the last bound: its bound, as Prometheus answers
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def histogram_quantile_ms(samples: dict[str, float], name: str, q: float) -> float | None:
+    """`histogram_quantile` of a histogram in seconds, in milliseconds."""
+    value = histogram_quantile(samples, name, q)
+    return None if value is None else 1000.0 * value
+
+
 def num(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -54,12 +80,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         (
             "| build | sessions | TTFA p50 / p95 ms | p95 first / later turns "
-            "| gaps (text-late; turns, silence s) | audio-s/s "
+            "| engine's first audio p50 / p95 | gaps (text-late; turns, silence s) | audio-s/s "
             "| server cores | CPU ms per audio-s (per process) | loop thread | engine threads "
             "| encode thread | steps, busy s | misses | GPU LM / flow busy | load tool cores "
             "| holds |"
         ),
-        "|---|---:|---|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|",
+        "|---|---:|---|---|---|---|---:|---:|---|---:|---:|---:|---|---:|---|---:|---|",
     ]
     for r in rows:
         per_process = " + ".join(
@@ -70,6 +96,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {r['build']} ({r['commit']}, {r['workers']}p) | {r['sessions']} "
             f"| {num(r['ttfa_p50_ms'])} / {num(r['ttfa_p95_ms'])} "
             f"| {num(r.get('ttfa_p95_first_turns_ms'))} / {num(r.get('ttfa_p95_later_turns_ms'))} "
+            f"| {num(eng.get('first_audio_p50_ms'))} / {num(eng.get('first_audio_p95_ms'))} "
             f"| {r['gaps']} ({r.get('text_late_gaps', 0)}; {r['turns_with_gaps']}, "
             f"{r['gap_s']:.1f}) | {r['audio_s_per_s']:.0f} "
             f"| {r['server_cores']:.2f} | {num(r['cpu_ms_per_audio_s'], '.1f')}"

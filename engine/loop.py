@@ -329,6 +329,7 @@ class StepLoop:
         has_moved = False
         requests = self.requests
         rate = self.backend.sample_rate
+        now = time.monotonic()
         for item, result in zip(batch, results, strict=True):
             audio_s += len(result.pcm) / rate
             handle = requests.handles.get(item.request_id)
@@ -345,6 +346,9 @@ class StepLoop:
             chunk = AudioChunk(item.request_id, np.asarray(result.pcm, dtype=np.float32),
                                rate, result.is_finished, result.words,
                                step_ms=1000.0 * elapsed)
+            if handle.made_s == 0.0 and handle.prev is None and len(chunk.pcm):
+                # a context's first audio: how long after it was needed (engine/stats.py)
+                self.stats.observe_first_audio(max(0.0, now - handle.start()))
             handle.made_s += chunk.duration_ms / 1000.0
             handle.est_s = item.est_audio_s  # a backend may know the length better once it ran
             if result.is_finished:

@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from engine.client import EngineClient
-from engine.stats import STEP_BUCKETS
+from engine.stats import FIRST_AUDIO_BUCKETS, STEP_BUCKETS
 
 TTFA_BUCKETS = (0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0)
 # Late audio: how long after its playback time a message left (the server's view of a gap).
@@ -72,16 +72,21 @@ class _EngineCollector(Collector):
         for reason, count in sorted(e.waits.items()):
             waits.add_metric([reason], float(count))
         yield waits
-        yield _step_histogram(e.step_bucket_counts, e.busy_seconds)
+        yield _histogram("voxgate_engine_step_duration_seconds", "backend step durations",
+                         STEP_BUCKETS, e.step_bucket_counts, e.busy_seconds)
+        yield _histogram("voxgate_engine_first_audio_seconds",
+                         "a context's first audio: from when it was needed to the step that "
+                         "made it (the engine's share of TTFA)",
+                         FIRST_AUDIO_BUCKETS, e.first_audio_bucket_counts, e.first_audio_seconds)
 
 
-def _step_histogram(counts: list[int], total_s: float) -> HistogramMetricFamily:
-    """Engine step durations (summed over replicas when the engine is remote)."""
-    family = HistogramMetricFamily("voxgate_engine_step_duration_seconds",
-                                   "backend step durations")
+def _histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int],
+               total_s: float) -> HistogramMetricFamily:
+    """An engine histogram from its bucket counts (summed over replicas when it is remote)."""
+    family = HistogramMetricFamily(name, doc)
     cumulative, buckets = 0, []
     # a replica of another build may count other buckets: the shorter of the two
-    for bound, count in zip((*STEP_BUCKETS, float("inf")), counts, strict=False):
+    for bound, count in zip((*bounds, float("inf")), counts, strict=False):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
     family.add_metric([], buckets, sum_value=total_s)

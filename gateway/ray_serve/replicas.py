@@ -52,10 +52,10 @@ def sum_reports(reports: list[dict[str, Any]]) -> tuple[SchedulerCounters, Engin
         for name, value in report["scheduler"].items():
             setattr(totals.stats, name, getattr(totals.stats, name) + value)
         for name, value in report["stats"].items():
-            if name == "step_bucket_counts":
+            if name.endswith("_bucket_counts"):
                 # a replica of another version may count other buckets: the common ones add up
-                pairs = zip(stats.step_bucket_counts, value, strict=False)
-                stats.step_bucket_counts = [a + b for a, b in pairs]
+                pairs = zip(getattr(stats, name), value, strict=False)
+                setattr(stats, name, [a + b for a, b in pairs])
             elif name == "waits":
                 for reason, count in value.items():
                     stats.waits[reason] = stats.waits.get(reason, 0) + count

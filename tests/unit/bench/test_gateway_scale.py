@@ -14,6 +14,7 @@ from pathlib import Path
 from bench import gateway_scale, proc_cpu
 from bench.gpu_shaped import GpuShape
 from bench.gpu_shaped_floor import run_level
+from bench.scale_report import histogram_quantile
 
 
 def test_a_tiny_level_reports_ttfa_cpu_threads_and_engine_counters(tmp_path: Path) -> None:
@@ -43,6 +44,8 @@ def test_a_tiny_level_reports_ttfa_cpu_threads_and_engine_counters(tmp_path: Pat
     assert process["main_thread_cores"] is not None and row["loop_thread_cores"] is not None
     assert any(t["tid"] == t["pid"] for t in row["threads"])  # the event loop's thread was read
     assert row["engine"]["steps"] > 0 and row["engine"]["busy_s"] > 0
+    # the engine's share of first audio, read from the server's /metrics histogram
+    assert 0 < row["engine"]["first_audio_p50_ms"] <= row["engine"]["first_audio_p95_ms"]
     assert isinstance(row["holds"], bool)
     assert "| this (" in gateway_scale.format_table(report["levels"])
 
@@ -76,3 +79,15 @@ def test_stat_lines_parse_with_any_name_and_threads_are_read_by_name() -> None:
     assert "probe-thread" in names
     main = next(cores for t, cores in threads if t.is_main)
     assert main > names["probe-thread"]
+
+
+def test_a_quantile_is_read_from_cumulative_buckets_as_prometheus_reads_it() -> None:
+    name = "voxgate_engine_first_audio_seconds"
+    buckets = {"0.1": 0.0, "0.2": 2.0, "0.3": 4.0, "+Inf": 4.0}
+    samples = {f'{name}_bucket{{le="{le}"}}': count for le, count in buckets.items()}
+    samples["voxgate_engine_steps_total"] = 9.0  # other samples are not its buckets
+    assert histogram_quantile(samples, name, 0.5) == 0.2
+    assert abs(histogram_quantile(samples, name, 0.95) - 0.29) < 1e-9
+    samples[f'{name}_bucket{{le="+Inf"}}'] = 5.0  # one past the last bound: that bound
+    assert histogram_quantile(samples, name, 0.99) == 0.3
+    assert histogram_quantile({}, name, 0.5) is None  # a build without it

@@ -512,3 +512,26 @@ def test_what_the_backend_cannot_run_is_counted_and_tried_again_now_and_then_nev
     assert got and got[-1].is_last
     assert engine.stats.waits["room"] >= 2  # counted every time it waited
     assert backend.num_all_waited <= 12, "a step of nothing but waits came back at once, again"
+
+
+def test_a_contexts_first_audio_is_timed_and_its_later_segments_are_not() -> None:
+    async def scenario() -> Engine:
+        backend = ScriptedBackend(chunks_per_request=2, step_delay_s=0.03)
+        engine = await started(backend)
+        engine.admit("c")
+        streams = [engine.submit(request(name, context="c")) for name in ("c-0", "c-1")]
+        streams.append(engine.submit(request("solo")))  # a request on its own: its first audio
+
+        async def drain(stream) -> None:  # type: ignore[no-untyped-def]
+            async for _ in stream:
+                pass
+
+        await asyncio.gather(*(drain(s) for s in streams))
+        engine.release_context("c")
+        await engine.stop()
+        return engine
+
+    stats = run(scenario()).stats
+    assert sum(stats.first_audio_bucket_counts) == 2  # "c-0" and "solo", not "c-1"
+    # each was needed at its submission and made by a step of at least 30 ms
+    assert stats.first_audio_seconds >= 2 * 0.03

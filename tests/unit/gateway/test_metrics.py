@@ -62,3 +62,16 @@ def test_what_the_backend_could_not_run_yet_is_exported_by_reason(tmp_path: Path
     text = metrics.render().decode()
     assert 'voxgate_engine_waits_total{reason="flow_cache"} 2.0' in text
     assert 'voxgate_engine_waits_total{reason="lm_slot"} 1.0' in text
+
+
+def test_the_engines_first_audio_is_exported_as_a_histogram(tmp_path: Path) -> None:
+    engine = Engine(ScriptedBackend(), EngineConfig(warmup_text=""))
+    metrics = Metrics(engine)
+    for seconds in (0.12, 0.18, 0.9):
+        engine.stats.observe_first_audio(seconds)
+    text = metrics.render().decode()
+    assert 'voxgate_engine_first_audio_seconds_bucket{le="0.1"} 0.0' in text
+    assert 'voxgate_engine_first_audio_seconds_bucket{le="0.2"} 2.0' in text
+    assert 'voxgate_engine_first_audio_seconds_bucket{le="+Inf"} 3.0' in text
+    assert "voxgate_engine_first_audio_seconds_count 3.0" in text
+    assert "voxgate_engine_first_audio_seconds_sum 1.2" in text

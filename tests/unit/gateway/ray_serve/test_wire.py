@@ -52,3 +52,22 @@ def test_the_replicas_waits_are_summed_by_reason() -> None:
 
     _, stats = sum_reports([report({"flow_cache": 2}), report({"flow_cache": 1, "lm_slot": 4})])
     assert stats.waits == {"flow_cache": 3, "lm_slot": 4}
+
+
+def test_the_replicas_histograms_are_summed_bucket_by_bucket() -> None:
+    def report(first_audio_s: list[float]) -> dict[str, Any]:
+        stats = EngineStats()
+        for seconds in first_audio_s:
+            stats.observe_first_audio(seconds)
+            stats.observe_step(seconds / 10)
+        return {"num_queued": 0, "num_contexts": 0, "max_contexts": 1, "scheduler": {},
+                "stats": asdict(stats)}
+
+    one, two = report([0.12, 0.9]), report([0.14])
+    del two["stats"]["first_audio_bucket_counts"]  # a replica of the build before: none
+    _, stats = sum_reports([one, report([0.3]), two])
+    expected = EngineStats()
+    for seconds in (0.12, 0.9, 0.3):
+        expected.observe_first_audio(seconds)
+    assert stats.first_audio_bucket_counts == expected.first_audio_bucket_counts
+    assert sum(stats.step_bucket_counts) == 4
