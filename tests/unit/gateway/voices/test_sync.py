@@ -20,7 +20,7 @@ from engine.engine import Engine, EngineConfig
 from gateway.voices.service import VoiceConfig, VoiceService
 from gateway.voices.upload import VoiceUploadError
 from tests.e2e.test_voices import make_wav
-from tests.unit.gateway.voices.test_store import CloningBackend, upload
+from tests.unit.gateway.voices.test_store import CloningBackend, upload, with_service
 
 ALICE, BOB = "a" * 32, "b" * 32
 
@@ -121,17 +121,9 @@ def test_registering_the_assets_at_start_reloads_nothing_the_store_held(
     (assets / "teller.wav").write_bytes(make_wav(2.0, rate=16000))
     (assets / "teller.txt").write_text("A story.", encoding="utf-8")
 
-    async def run(body: Callable[[VoiceService], Awaitable[Any]]) -> Any:
-        engine = Engine(CloningBackend(), EngineConfig(warmup_text=""))
-        service = VoiceService(VoiceConfig(data_dir=tmp_path, default_voice="v", sync_interval_s=0,
-                                           assets_dir=assets), engine)
-        await engine.start()
-        await service.start()
-        try:
-            return await body(service)
-        finally:
-            await service.stop()
-            await engine.stop()
+    def run(body: Callable[[VoiceService], Awaitable[Any]]) -> Any:
+        return asyncio.run(with_service(tmp_path, CloningBackend(), body, sync_interval_s=0,
+                                        assets_dir=assets))
 
     async def upload_ada(service: VoiceService) -> None:
         await service.register(upload("ada"), owner=ALICE)
@@ -139,9 +131,9 @@ def test_registering_the_assets_at_start_reloads_nothing_the_store_held(
     async def voices(service: VoiceService) -> list[str]:
         return sorted(service.registered)
 
-    asyncio.run(run(upload_ada))
+    run(upload_ada)
     (assets / "teller.txt").write_text("A changed story.", encoding="utf-8")  # registered again
     with caplog.at_level(logging.INFO, logger="voxgate.gateway"):
-        assert asyncio.run(run(voices)) == ["ada", "teller"]
+        assert run(voices) == ["ada", "teller"]
     # the restart loaded each stored voice once: the asset's registration synced nothing
     assert not [r for r in caplog.records if "another replica" in r.getMessage()]
