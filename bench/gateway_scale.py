@@ -244,6 +244,9 @@ def run_level(
         # gaps whose segment's text came too late for any server (loadtest/metrics.py)
         "text_late_gaps": gaps.get("text_late", 0),
         "server_gaps": gaps.get("server", gaps.get("count", 0)),
+        # the server's gaps that fell inside a segment (streaming fell behind), not at a
+        # segment's first audio (a first-audio miss); None from a load tool without the split
+        "inside_segment_gaps": gaps.get("server_inside_segment"),
         "gap_s": gaps.get("total_ms", 0.0) / 1000.0,
         "turns_with_gaps": gaps.get("turns_with_gaps", 0),
         "turns": turns,

@@ -12,8 +12,9 @@ What one step does, as `CosyVoiceBackend.step` does on a GPU (its flow on its ow
    decodes gets one speech token from one batched LM decode step;
 2. the flow "thread": the chunks of the tick in flight are collected once its time has passed
    (waited for when no stream of the batch decoded, as the real backend waits), then the next
-   tick starts over the batch's ready streams, earliest due first, at most `max_flow_streams`;
-   it runs beside the next LM steps, as the flow thread does;
+   tick starts over the batch's ready streams, earliest due first, at most `max_flow_streams`,
+   and those due beyond `flow_horizon_s` only while it has fewer than `flow_min_rows` rows
+   (the backend's `plan_flow`); it runs beside the next LM steps, as the flow thread does;
 3. each item gets its chunk when one is ready, else empty PCM.
 The step's wall time is its prefill plus its decode step (the LM's time); a tick's is its flow
 passes plus HiFT, and overlaps the LM's steps.
@@ -152,6 +153,10 @@ class GpuShape:
     sample_rate: int = 24000
     chars_per_second: float = 14.0
     host_ms_per_step: float = 0.0
+    #: the cosyvoice backend's flow rows by horizon (its config, scheduler.plan_flow): rows due
+    #: later than this join a tick only while it has fewer than `flow_min_rows`; 0: every row
+    flow_horizon_s: float = 0.5
+    flow_min_rows: int = 16
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -164,6 +169,7 @@ class GpuShape:
             "parallelism",
             "first_hop_tokens",
             "hop_tokens",
+            "flow_min_rows",
             "samples_per_token",
             "sample_rate",
         ):
@@ -426,6 +432,10 @@ class GpuShapedBackend(Backend):
             if isinstance(state, _Stream) and (end := state.next_chunk(self.shape)) is not None:
                 ready.append((due_of(item), i, state, end))
         ready.sort(key=lambda r: (r[0], r[1]))
+        if self.shape.flow_horizon_s:  # the dues are the engine's, on the monotonic clock
+            horizon = time.monotonic() + self.shape.flow_horizon_s
+            num_soon = sum(1 for r in ready if r[0] <= horizon)
+            ready = ready[: max(num_soon, self.shape.flow_min_rows)]
         ready = ready[: self.shape.max_flow_streams]
         if not ready:
             return

@@ -80,7 +80,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         (
             "| build | sessions | TTFA p50 / p95 ms | p95 first / later turns "
-            "| engine's first audio p50 / p95 | gaps (text-late; turns, silence s) | audio-s/s "
+            "| engine's first audio p50 / p95 "
+            "| gaps (text-late, inside a segment; turns, silence s) | audio-s/s "
             "| server cores | CPU ms per audio-s (per process) | loop thread | engine threads "
             "| encode thread | steps, busy s | misses | GPU LM / flow busy | load tool cores "
             "| holds |"
@@ -97,7 +98,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {num(r['ttfa_p50_ms'])} / {num(r['ttfa_p95_ms'])} "
             f"| {num(r.get('ttfa_p95_first_turns_ms'))} / {num(r.get('ttfa_p95_later_turns_ms'))} "
             f"| {num(eng.get('first_audio_p50_ms'))} / {num(eng.get('first_audio_p95_ms'))} "
-            f"| {r['gaps']} ({r.get('text_late_gaps', 0)}; {r['turns_with_gaps']}, "
+            f"| {r['gaps']} ({r.get('text_late_gaps', 0)}, {num(r.get('inside_segment_gaps'))}; "
+            f"{r['turns_with_gaps']}, "
             f"{r['gap_s']:.1f}) | {r['audio_s_per_s']:.0f} "
             f"| {r['server_cores']:.2f} | {num(r['cpu_ms_per_audio_s'], '.1f')}"
             f"{f' ({per_process})' if len(r['processes']) > 1 else ''} "

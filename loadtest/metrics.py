@@ -138,7 +138,11 @@ def summarize(turns: list[TurnRecord], stats: RunStats,
 
     Gaps are counted all together and split in two: `text_late` ones, whose
     text came too late for any server (`is_text_late`, against the first-audio
-    target `ttfa_target_ms`), and the `server`'s, the rest.
+    target `ttfa_target_ms`), and the `server`'s, the rest. The server's are
+    split again: `server_at_segment_start`, where a segment's first audio came
+    later than the target after its text (a first-audio miss inside a turn),
+    and `server_inside_segment`, the rest (audio that stopped mid-segment, or
+    a segment whose text the tool cannot place in the input).
     """
     outcomes = Counter(t.outcome.value for t in turns)
     errors = Counter(code for t in turns for code in t.error_codes)
@@ -150,6 +154,8 @@ def summarize(turns: list[TurnRecord], stats: RunStats,
     num_gaps = sum(t.num_gaps for t in turns)
     num_text_late = sum(1 for t in turns for lead in t.gaps_text_lead_ms
                         if is_text_late(lead, ttfa_target_ms))
+    num_server_at_start = sum(1 for t in turns for lead in t.gaps_text_lead_ms
+                              if lead is not None and not is_text_late(lead, ttfa_target_ms))
     return {
         "turns": {
             "started": len(turns),
@@ -168,6 +174,8 @@ def summarize(turns: list[TurnRecord], stats: RunStats,
             "count": num_gaps,
             "text_late": num_text_late,
             "server": num_gaps - num_text_late,
+            "server_at_segment_start": num_server_at_start,
+            "server_inside_segment": num_gaps - num_text_late - num_server_at_start,
             "total_ms": sum(t.gap_ms for t in turns),
             "turns_with_gaps": sum(1 for t in turns if t.num_gaps > 0),
             "gap_ms": distribution([g for t in turns for g in t.gaps_ms]),

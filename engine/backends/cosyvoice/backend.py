@@ -35,6 +35,7 @@ Registered voices compute the x-vector, prompt tokens and prompt mel once
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -160,8 +161,7 @@ class CosyVoiceBackend(Backend):
         self.num_preemptions += len(plan.preempt)
         is_greedy = self.config.sampling == "greedy"
         errors.update(run_lm(plan, self.table, lm, model.t2w, is_greedy))  # 2. LM run
-        run_flow(self.table, model.t2w, self.flow_worker,  # 3. token to wave
-                 lambda ready: plan_flow(self.table, ready, self.resolved.flow_streams),
+        run_flow(self.table, model.t2w, self.flow_worker, self._plan_flow,  # 3. token to wave
                  wait=not plan.decode)
         for item, seq in seqs:  # 4. results
             if seq.key in errors:  # a bad prompt, a refused stream: fails only its own request
@@ -173,6 +173,13 @@ class CosyVoiceBackend(Backend):
                 results[id(item)] = StepResult(pcm=seq.take_audio(),
                                                is_finished=seq.state is SeqState.DONE)
         return [results[id(item)] for item in batch]
+
+    def _plan_flow(self, ready: list[str]) -> list[str]:
+        """The rows of the tick starting now (the dues are the engine's monotonic clock)."""
+        config = self.config
+        horizon = time.monotonic() + config.flow_horizon_s if config.flow_horizon_s else None
+        return plan_flow(self.table, ready, self.resolved.flow_streams, horizon=horizon,
+                         min_rows=config.flow_min_rows)
 
     def release(self, item: BackendRequest) -> None:
         seq = item.state

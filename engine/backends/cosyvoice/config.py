@@ -53,6 +53,10 @@ class CosyVoiceBackendConfig:
     # streams per flow call, the most starved (earliest due) first; 0: GPU_FLOW_STREAMS on a GPU
     # (128: 256 CFG rows, the estimator's largest graph), every ready stream on the CPU
     max_flow_streams: int = 0
+    # a flow tick takes rows due within this many seconds, and rows due later only while it has
+    # fewer than flow_min_rows (scheduler.plan_flow); 0: every ready row
+    flow_horizon_s: float = 0.5
+    flow_min_rows: int = 16
     # CFG rows x frames of the largest flow call replayed as a CUDA graph (captured at load);
     # larger calls are compute-bound and run eagerly on their exact shapes. 0: every bucket
     # (flow_runtime/estimator_graphs.py; docs/benchmarks.md, "Flow estimator pass").
@@ -108,6 +112,10 @@ class CosyVoiceBackendConfig:
         for name in ("max_len", "first_hop_tokens", "cpu_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.flow_horizon_s < 0:
+            raise ValueError(f"flow_horizon_s must be >= 0 (0: off), got {self.flow_horizon_s}")
+        if self.flow_min_rows < 1:  # a tick with nothing due soon still computes look-ahead
+            raise ValueError(f"flow_min_rows must be >= 1, got {self.flow_min_rows}")
         for name in ("max_batch_size", "max_flow_streams"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: the device's default), got "

@@ -15,7 +15,15 @@ batch needs from the backend's two memories:
   resumes from them); what still finds no slot waits (`Wait.LM_SLOT`).
 - `plan_flow`: the flow's rows of the tick. Every sequence with a chunk ready,
   in the batch or not (a flushing stream's last chunks give its cache blocks
-  back), the earliest due first, at most `max_rows`.
+  back), the earliest due first, at most `max_rows`; and, with a horizon, a
+  row due beyond it only while the tick has room under `min_rows`. A tick
+  costs a fixed part and a part per row, and a row in it delays every other
+  row of it. Without the horizon, in the model of an H200 (bench/gpu_shaped.py),
+  a burst of new turns (first chunks due now, beside look-ahead chunks due up
+  to 1.5 s on) ran ticks of 30-46 rows that took 75-120 ms, and a first chunk
+  waited for one such tick and rode in the next. A quiet tick still carries
+  look-ahead, up to `min_rows` (docs/cosyvoice-design.md, "What keeps a GPU
+  busy").
 
 A sequence of the batch that waits is never held silently: the backend
 returns it as waiting, with its reason, and the engine counts it (engine/stats.py).
@@ -87,9 +95,18 @@ def plan_lm(table: SequenceTable, batch: list[Sequence], num_free_slots: int,
     return plan
 
 
-def plan_flow(table: SequenceTable, ready: Iterable[str], max_rows: int) -> list[str]:
+def plan_flow(table: SequenceTable, ready: Iterable[str], max_rows: int, *,
+              horizon: float | None = None, min_rows: int = 1) -> list[str]:
     """The flow rows of a tick: the sequences of `ready` (a chunk can be computed now) that are
-    in the table, the earliest due first (a tie keeps `ready`'s order), at most `max_rows`."""
+    in the table, the earliest due first (a tie keeps `ready`'s order), at most `max_rows`.
+
+    `horizon` (a time on the dues' clock: now plus the backend's `flow_horizon_s`): a row due
+    after it is left for a later tick once the tick has `min_rows` rows (module doc); so a tick
+    with nothing due soon still computes look-ahead, up to `min_rows`.
+    """
     rows = [seq for key in ready if (seq := table.get(key)) is not None and seq.holds_flow]
     rows.sort(key=lambda s: s.due)
+    if horizon is not None:
+        num_soon = sum(1 for s in rows if s.due <= horizon)
+        rows = rows[:max(num_soon, min_rows)]
     return [s.key for s in rows[:max_rows]]

@@ -47,6 +47,8 @@ def test_a_tiny_level_reports_ttfa_cpu_threads_and_engine_counters(tmp_path: Pat
     # the engine's share of first audio, read from the server's /metrics histogram
     assert 0 < row["engine"]["first_audio_p50_ms"] <= row["engine"]["first_audio_p95_ms"]
     assert isinstance(row["holds"], bool)
+    # the server's gaps, split by where they fell (loadtest/metrics.py)
+    assert 0 <= row["inside_segment_gaps"] <= row["server_gaps"] <= row["gaps"]
     assert "| this (" in gateway_scale.format_table(report["levels"])
 
 

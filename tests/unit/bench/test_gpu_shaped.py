@@ -6,6 +6,8 @@ the model's arithmetic, never a wall time.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -152,3 +154,20 @@ def test_backend_facts_the_engine_reads() -> None:
     assert [v.voice_id for v in backend.voices()] == ["joe"] and backend.sample_rate == 24000
     with pytest.raises(UnknownVoiceError, match="expected one of: joe"):
         backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody"))
+
+
+@pytest.mark.parametrize(("horizon_s", "first_tick"), [(0.5, 2), (0.0, 3)])
+def test_a_tick_leaves_streams_needed_beyond_its_horizon_for_later(
+    horizon_s: float, first_tick: int
+) -> None:
+    """The cosyvoice backend's `plan_flow` rule (its dues are the engine's, monotonic)."""
+    shape = GpuShape(flow_horizon_s=horizon_s, flow_min_rows=1)
+    backend, _ = make_backend(shape)
+    items = [prepare(backend, "x" * 42, f"r{i}") for i in range(3)]
+    now = time.monotonic()
+    items[0].due, items[1].due, items[2].due = now, now + 0.1, now + 10.0
+    while not backend.snapshot()["ticks"]:
+        backend.step(items)
+    assert backend.snapshot()["tick_streams"] == first_tick
+    results = run_to_end(backend, items)  # the one left out comes in a later tick
+    assert all(sum(len(r.pcm) for r in results[f"r{i}"]) == 3 * 24000 for i in range(3))

@@ -15,6 +15,8 @@ from loadtest.client import SpeechRate, TurnPlan, TurnState, VoxgateSession
 from loadtest.config import LoadConfig
 from loadtest.corpus import Answer
 from loadtest.metrics import Outcome, RunStats, TurnRecord, is_text_late, passes, summarize
+from loadtest.report import format_table
+from loadtest.runner import LevelResult
 from voxgate_client import Audio, Segment, Turn
 
 
@@ -171,6 +173,19 @@ def test_text_late_and_server_gaps_add_up_to_the_count() -> None:
     assert gaps["text_late"] + gaps["server"] == gaps["count"]
     stricter = summarize(turns, RunStats(10.0, 0.5, 3), ttfa_target_ms=200.0)["gaps"]
     assert (stricter["text_late"], stricter["server"]) == (1, 3)  # 250 ms was lead enough
+
+
+def test_the_servers_gaps_split_into_late_segment_starts_and_gaps_inside_a_segment() -> None:
+    turns = [_gapped([-140.0, 250.0]), _gapped([1000.0, None]), _gapped([None])]
+    gaps = summarize(turns, RunStats(10.0, 0.5, 3))["gaps"]
+    # 1000 ms of lead and still late: a segment's first audio missed the target
+    assert (gaps["server"], gaps["server_at_segment_start"], gaps["server_inside_segment"]) \
+        == (3, 1, 2)
+    stricter = summarize(turns, RunStats(10.0, 0.5, 3), ttfa_target_ms=200.0)["gaps"]
+    assert (stricter["server_at_segment_start"], stricter["server_inside_segment"]) == (2, 2)
+    summary = summarize(turns, RunStats(10.0, 0.5, 3))
+    report = format_table(LevelResult("voxgate", 3, turns, summary))
+    assert "3 server (1 at a segment's start, 2 inside one)" in report
 
 
 def test_a_level_holds_with_text_late_gaps_but_not_with_a_server_gap() -> None:

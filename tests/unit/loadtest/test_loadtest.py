@@ -165,8 +165,9 @@ def test_summary_counts_add_up_and_a_level_holds_only_without_gaps_or_failures()
     assert t["started"] == 4 == sum(t[o.value] for o in Outcome)
     assert s["ttfa_segment_ms"]["n"] == 3
     # made by hand, without text leads: both gaps are the server's
-    assert s["gaps"] == {"count": 2, "text_late": 0, "server": 2, "total_ms": 100.0,
-                         "turns_with_gaps": 1, "gap_ms": s["gaps"]["gap_ms"]}
+    assert s["gaps"] == {"count": 2, "text_late": 0, "server": 2, "server_at_segment_start": 0,
+                         "server_inside_segment": 2, "total_ms": 100.0, "turns_with_gaps": 1,
+                         "gap_ms": s["gaps"]["gap_ms"]}
     assert s["errors"] == {"busy": 1}
     assert s["audio"]["seconds"] == 4.0 and s["audio"]["frames"] == 200
     assert s["run"]["client_cpu_share_of_machine"] == pytest.approx(0.025)

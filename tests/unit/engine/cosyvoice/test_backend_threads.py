@@ -1,10 +1,11 @@
 """The cosyvoice backend's threads: flow + vocoder on their own thread (t2w/worker.py) speak what
-the serial path speaks, flow calls are capped earliest-due first, and the text frontend runs on the
-backend's CPU executor."""
+the serial path speaks, flow calls are capped earliest-due first and leave rows due beyond their
+horizon to later calls, and the text frontend runs on the backend's CPU executor."""
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,26 @@ def test_flow_rows_per_step_are_capped_the_earliest_due_stream_first(
     assert batches and all(len(b) == 1 for b in batches)
     assert batches[0] == [str(early.request_id)]  # both ready at once: the more starved goes first
     assert len(got[late.request_id][1]) == len(got[early.request_id][1])
+
+
+@pytest.mark.parametrize(("horizon_s", "first_tick"), [(0.3, ["now"]), (0.0, ["now", "ahead"])])
+def test_a_row_due_beyond_the_flow_horizon_waits_while_the_tick_has_enough(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+        horizon_s: float, first_tick: list[str]) -> None:
+    backend = make_backend(tmp_path_factory.getbasetemp(), flow_thread="off",
+                           flow_horizon_s=horizon_s, flow_min_rows=1)
+    assert backend.model is not None
+    t2w = backend.model.t2w
+    batches: list[list[str]] = []
+    t2w_run = t2w.run
+    monkeypatch.setattr(t2w, "run", lambda ids: batches.append(list(ids)) or t2w_run(ids))
+    now = time.monotonic()  # the engine's dues are on this clock
+    ahead = prepare(backend, "Hello world.", due=now + 10.0)
+    urgent = prepare(backend, "Hello world.", due=now)
+    names = {str(ahead.request_id): "ahead", str(urgent.request_id): "now"}
+    got = run(backend, [ahead, urgent])
+    assert [names[key] for key in batches[0]] == first_tick
+    assert len(got[ahead.request_id][1]) == len(got[urgent.request_id][1]) > 0  # both spoke
 
 
 def test_prepare_hands_the_text_frontend_to_the_backends_cpu_executor(

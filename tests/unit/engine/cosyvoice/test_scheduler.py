@@ -90,6 +90,34 @@ def test_the_flow_rows_of_a_tick(rows: list[tuple[str, SeqState, float]], ready:
     assert plan_flow(table_of(*rows), ready, cap) == want
 
 
+BURST = [("new1", D, 10.0), ("new2", D, 10.05), ("ahead1", D, 11.2), ("ahead2", D, 10.9),
+         ("ending", F, 12.0)]
+
+
+@pytest.mark.parametrize(("horizon", "min_rows", "cap", "want"), [
+    # no horizon: every ready row
+    (None, 0, 8, ["new1", "new2", "ahead2", "ahead1", "ending"]),
+    # rows due after the horizon wait for a later tick ...
+    (10.3, 1, 8, ["new1", "new2"]),
+    # ... unless the tick has room under min_rows: the earliest of them fill it
+    (10.3, 3, 8, ["new1", "new2", "ahead2"]),
+    (10.3, 9, 8, ["new1", "new2", "ahead2", "ahead1", "ending"]),
+    # a horizon everything is within changes nothing, and the cap still holds
+    (20.0, 0, 8, ["new1", "new2", "ahead2", "ahead1", "ending"]),
+    (20.0, 0, 3, ["new1", "new2", "ahead2"]),
+    # nothing due within the horizon: an idle flow still computes look-ahead, up to min_rows
+    (9.0, 1, 8, ["new1"]),
+    (9.0, 2, 8, ["new1", "new2"]),
+])
+def test_a_tick_takes_rows_due_beyond_its_horizon_only_to_fill_it(
+        horizon: float | None, min_rows: int, cap: int, want: list[str]) -> None:
+    """A burst of new turns (due now) beside look-ahead (due a second on): the look-ahead would
+    make the tick that carries the new turns' first chunks longer (scheduler.py's module doc)."""
+    table = table_of(*BURST)
+    ready = [key for key, _, _ in BURST]
+    assert plan_flow(table, ready, cap, horizon=horizon, min_rows=min_rows) == want
+
+
 @pytest.mark.parametrize("path", [
     [],  # waiting
     [PF],  # prefilling (vLLM: the prompt is computed, no token yet)
