@@ -245,8 +245,8 @@ def run_level(
         "text_late_gaps": gaps.get("text_late", 0),
         "server_gaps": gaps.get("server", gaps.get("count", 0)),
         # the server's gaps that fell inside a segment (streaming fell behind), not at a
-        # segment's first audio (a first-audio miss); None from a load tool without the split
-        "inside_segment_gaps": gaps.get("server_inside_segment"),
+        # segment's first audio (a first-audio miss)
+        "inside_segment_gaps": gaps.get("server_inside_segment", 0),
         "gap_s": gaps.get("total_ms", 0.0) / 1000.0,
         "turns_with_gaps": gaps.get("turns_with_gaps", 0),
         "turns": turns,

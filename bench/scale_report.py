@@ -98,7 +98,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"| {num(r['ttfa_p50_ms'])} / {num(r['ttfa_p95_ms'])} "
             f"| {num(r.get('ttfa_p95_first_turns_ms'))} / {num(r.get('ttfa_p95_later_turns_ms'))} "
             f"| {num(eng.get('first_audio_p50_ms'))} / {num(eng.get('first_audio_p95_ms'))} "
-            f"| {r['gaps']} ({r.get('text_late_gaps', 0)}, {num(r.get('inside_segment_gaps'))}; "
+            f"| {r['gaps']} ({r.get('text_late_gaps', 0)}, {r.get('inside_segment_gaps', 0)}; "
             f"{r['turns_with_gaps']}, "
             f"{r['gap_s']:.1f}) | {r['audio_s_per_s']:.0f} "
             f"| {r['server_cores']:.2f} | {num(r['cpu_ms_per_audio_s'], '.1f')}"

@@ -38,11 +38,9 @@ def format_table(result: LevelResult) -> str:
         f"turns: {t['started']} started = {t['completed']} completed + {t['cancelled']} "
         f"cancelled + {t['failed']} failed + {t['timed_out']} timed out + {t['aborted']} aborted"
         f" ({t['aborted_without_audio']} of them still silent)")
-    split = ""
-    if "server_at_segment_start" in g:  # a summary written before the split has no such keys
-        split = (f" ({g['server_at_segment_start']} at a segment's start, "
-                 f"{g['server_inside_segment']} inside one)")
-    lines.append(f"gaps: {g['count']} = {g['server']} server{split} + {g['text_late']} text-late "
+    lines.append(f"gaps: {g['count']} = {g['server']} server ({g['server_at_segment_start']} at "
+                 f"a segment's start, {g['server_inside_segment']} inside one) + "
+                 f"{g['text_late']} text-late "
                  f"({g['total_ms']:.0f} ms in all, {g['turns_with_gaps']} turns affected)")
     lines.append(f"audio: {a['seconds']:.1f} s in {a['frames']} frames "
                  f"({a['per_wall_second']:.2f} s of audio per second)")
