@@ -86,7 +86,7 @@ def clean_for_speech(text: str, code_block_text: str = "") -> str:
     """The speakable form of a whole text, blocks joined by single spaces."""
     cleaner = SpeechCleaner(code_block_text)
     out = cleaner.feed(text) + cleaner.finish()
-    return strip_marks(out)
+    return strip_marks(out).rstrip(BREAK)
 
 
 def strip_marks(text: str) -> str:
@@ -121,7 +121,7 @@ class SpeechCleaner(BlockReader):
         self._prev_raw = " "  # the raw character before the unread text
         self._prev_out = ""  # the last visible character written
         self._pending_space = 0  # 0 none, 1 gap left by a symbol, 2 real space
-        self._is_break_pending = False
+        self._is_break_out = False  # the last thing written is a BREAK
         self._is_newline_pending = False
         self._out: list[str] = []
         # What the held text waits for: a delta all of this pattern, keeping the held text
@@ -169,13 +169,11 @@ class SpeechCleaner(BlockReader):
     def _emit(self, word: str) -> None:
         """Write visible text (no whitespace), first settling the gap before it."""
         first = word.lstrip(CODE_OPEN + CODE_CLOSE)[:1] or word[0]
-        if self._prev_out:
-            if self._is_break_pending:
-                self._out.append(BREAK)
-            elif (self._pending_space and not (is_cjk(self._prev_out) and is_cjk(first))
-                  and (self._pending_space == 2 or first not in _CLOSING)):
-                self._out.append(" ")
-        self._is_break_pending = False
+        if (self._prev_out and not self._is_break_out and self._pending_space
+                and not (is_cjk(self._prev_out) and is_cjk(first))
+                and (self._pending_space == 2 or first not in _CLOSING)):
+            self._out.append(" ")
+        self._is_break_out = False
         self._pending_space = 0
         self._out.append(word)
         last = word.rstrip(CODE_OPEN + CODE_CLOSE)[-1:]
@@ -205,7 +203,12 @@ class SpeechCleaner(BlockReader):
         self._pending_space = max(self._pending_space, strength)
 
     def _block_break(self) -> None:
-        self._is_break_pending = True
+        # Written where the block ends, not before the next block's first word: the
+        # segmenter cuts at a blank line at once, while the next line's syntax ("1." or
+        # "- " then its text) is still held (docs/segmenter.md, "Boundaries").
+        if self._prev_out and not self._is_break_out:
+            self._out.append(BREAK)
+            self._is_break_out = True
 
     # -- the reading loop -----------------------------------------------------
 

@@ -214,7 +214,7 @@ class Segmenter:
                 rest = CODE_OPEN + rest  # a cap cut inside code: the rest stays code
             self._buffer = rest
             self._reset_scan()
-            text = strip_marks(head).strip(" ")
+            text = strip_marks(head).strip(" " + BREAK)
             if text:
                 segments.append(text)
                 self.num_emitted += 1

@@ -152,6 +152,16 @@ def test_blank_line_releases_a_paragraph_without_punctuation() -> None:
     assert segmenter.push("First paragraph\n\nS", 0.0) == ["First paragraph"]
 
 
+@pytest.mark.parametrize("after", ["", "1", "1.", "1. ", "- ", "**", "#", "```", "|"])
+def test_a_blank_line_releases_at_once_while_the_next_lines_syntax_waits(after: str) -> None:
+    # "Sure! Here's how:" then a list: the sentence goes to the engine at the blank line, not
+    # when the first item's text arrives, because its audio is due when "Sure!" ends.
+    segmenter = Segmenter()
+    assert segmenter.push("Sure! Here's how to do it:", 0.0) == ["Sure!"]
+    assert segmenter.push("\n\n" + after, 0.0) == ["Here's how to do it:"]
+    assert segmenter.push("x", 0.0) == []
+
+
 def test_long_segment_is_cut_at_a_word_boundary_under_the_cap() -> None:
     config = SegmenterConfig(max_segment_chars=20, first_segment_max_chars=20)
     segments = segment("aaaa bbbb cccc dddd eeee ffff gggg", config)
