@@ -178,15 +178,17 @@ def take_incoming(incoming: list[RequestHandle], now: float, horizon: float,
 def set_dues(items: Iterable[BackendRequest], handles: Mapping[RequestId, RequestHandle],
              now: float) -> None:
     """Each request's next piece is due when its listener would run out of audio."""
+    get = handles.get  # once a step for every request held: kept lean
     for item in items:
-        handle = handles.get(item.request_id)
+        handle = get(item.request.request_id)
         if handle is not None:
             item.due = now + handle.lead(now)  # in the past for a listener already waiting
 
 
-def is_ahead(handle: RequestHandle | None, now: float, horizon: float) -> bool:
-    """Whether a request's lead reached the look-ahead (it then runs only in idle time)."""
-    return handle is not None and handle.lead(now) >= horizon
+def is_ahead(item: BackendRequest, now: float, horizon: float) -> bool:
+    """Whether a request's lead reached the look-ahead (it then runs only in idle time), read
+    from the due `set_dues` gave it at `now` (no lead is computed twice in a step)."""
+    return item.due - now >= horizon
 
 
 def next_wake_s(items: Iterable[BackendRequest], handles: Mapping[RequestId, RequestHandle],

@@ -159,9 +159,14 @@ class StepLoop:
         requests = self.requests
         now = time.monotonic()
         clock.set_dues(self.scheduler.items(), requests.handles, now)
+        horizon = self.look_ahead_s
+
+        def is_ahead(item: BackendRequest) -> bool:
+            return clock.is_ahead(item, now, horizon)
+
         while len(running) < self.num_lanes:
             due_by = now + self.lane_slack_s if running else None
-            batch = self.scheduler.schedule(now, requests.is_runnable, self._is_ahead, due_by)
+            batch = self.scheduler.schedule(now, requests.is_runnable, is_ahead, due_by)
             if not batch:
                 break
             requests.in_flight.update(item.request_id for item in batch)
@@ -282,10 +287,6 @@ class StepLoop:
             handle.est_s = outcome.est_audio_s
         else:
             self.fail(handle, outcome)
-
-    def _is_ahead(self, item: BackendRequest) -> bool:
-        handle = self.requests.handles.get(item.request_id)
-        return clock.is_ahead(handle, time.monotonic(), self.look_ahead_s)
 
     def _next_wake_s(self, now: float) -> float | None:
         """Seconds until some request's lead falls under the look-ahead (None: only events wake).

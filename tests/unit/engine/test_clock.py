@@ -136,7 +136,9 @@ def test_a_listener_about_to_run_dry_goes_before_a_later_segment_that_plays_in_s
     clock.set_dues(scheduler.items(), handles, now)
     (picked,) = scheduler.schedule(now)
     assert str(picked.request_id) == "dry soon"
-    assert clock.is_ahead(later, now, horizon=2.0)  # ten seconds ahead: idle-time work
+    (later_item,) = (i for i in scheduler.items() if i.request_id == later.request.request_id)
+    assert clock.is_ahead(later_item, now, horizon=2.0)  # ten seconds ahead: idle-time work
+    assert not clock.is_ahead(picked, now, horizon=0.5)  # 0.1 s left: due now
 
 
 def test_a_context_plays_after_the_one_before_it_never_before_its_own_submission() -> None:
@@ -153,3 +155,4 @@ def test_a_context_plays_after_the_one_before_it_never_before_its_own_submission
     late = PlaybackRecord(after=before).next_handle(
         SynthesisRequest(RequestId("c0"), "text", "v"), 9.0)
     assert late.start() == pytest.approx(9.0)  # the one before ended long ago: first audio now
+
