@@ -22,9 +22,11 @@ passes plus HiFT, and overlaps the LM's steps.
 Chunks (t2w/chunking.py, with the flow's K/V cache): the first ends after `first_hop_tokens`
 (15), the next on the 25-token grid (so it carries 10 tokens), then 25 tokens each; a chunk that
 is not the last waits for 3 lookahead tokens; the last carries what is left. A token is 40 ms of
-audio, 960 samples at 24 kHz. An answer has `len(text) / 14` seconds of audio (cosyvoice's own
-estimate, `chars_per_second`), so its token count is known at prepare; the PCM is a speech-like
-harmonic signal with a syllable envelope and a little noise (Opus does real work on it).
+audio, 960 samples at 24 kHz. An answer is spoken at a natural pace: 14 characters a second
+(`chars_per_second`), a Han character or Hangul block 0.18 s and a kana 0.12 s (Mandarin is spoken
+at 4-5 syllables a second, not 14 characters; `speech_s`), and the backend knows that length at
+prepare (its `est_audio_s`), as it knows its token count; the PCM is a speech-like harmonic signal
+with a syllable envelope and a little noise (Opus does real work on it).
 
 The costs (raw output of the 2026-12-04 run on one H200, build a5eb7dd; docs/benchmarks.md, "GPU:
 LM, flow and pipeline"), fitted or interpolated in code from the points below:
@@ -66,6 +68,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -102,6 +105,19 @@ HIFT_POINTS = ((1.0, 22.0), (6.2, 25.0), (22.3, 58.0), (36.3, 98.0))
 
 
 SIGNAL_S = 20.0  # the PCM every stream reads from, at its own offset
+_SYLLABLES = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7a3]")
+_KANA = re.compile(r"[\u3041-\u3096\u30a1-\u30fa\u30fc\uff66-\uff9d]")
+
+
+def speech_s(text: str, shape: GpuShape) -> float:
+    """Seconds `text` takes to speak at speed 1, by script (module doc). Its own rule, not the
+    engine's guess (engine.types.estimate_audio_s): a build before that guess changed gets the
+    same audio for the same text."""
+    num_syllables = len(_SYLLABLES.findall(text))
+    num_kana = len(_KANA.findall(text))
+    num_other = len(text) - num_syllables - num_kana
+    return (num_other / shape.chars_per_second + num_syllables * shape.s_per_syllable
+            + num_kana * shape.s_per_kana)
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -152,6 +168,8 @@ class GpuShape:
     samples_per_token: int = 960  # 40 ms at 24 kHz
     sample_rate: int = 24000
     chars_per_second: float = 14.0
+    s_per_syllable: float = 0.18  # a Han character or a Hangul block (speech_s)
+    s_per_kana: float = 0.12
     host_ms_per_step: float = 0.0
     #: the cosyvoice backend's flow rows by horizon (its config, scheduler.plan_flow): rows due
     #: later than this join a tick only while it has fewer than `flow_min_rows`; 0: every row
@@ -351,7 +369,7 @@ class GpuShapedBackend(Backend):
             raise UnknownVoiceError(f"unknown voice {request.voice!r}; expected one of: joe")
         text = request.text.strip()
         speed = request.params.speed
-        est = max(0.2, len(text) / self.shape.chars_per_second / speed) if text else 0.0
+        est = max(0.2, speech_s(text, self.shape) / speed) if text else 0.0
         tokens = math.ceil(est * self.sample_rate / self.shape.samples_per_token)
         self._num_prepared += 1  # streams start at different places of the signal
         state = _Stream(

@@ -6,6 +6,7 @@ scheduler and backends share them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -19,16 +20,31 @@ MIN_SPEED, MAX_SPEED = 0.5, 2.0
 #: piper's joe speaks ~15 characters a second), used to predict when audio that
 #: is not made yet will run out.
 EST_S_PER_CHAR = 0.065
+#: A Han character or a Hangul block is a syllable: Mandarin is spoken at 4-5
+#: syllables a second, Korean at 5-7; 0.18 s keeps to the short side of both.
+EST_S_PER_SYLLABLE = 0.18
+#: A kana is about one mora: Japanese is spoken at 7-8 morae a second.
+EST_S_PER_KANA = 0.12
+_SYLLABLES = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7a3]")
+_KANA = re.compile(r"[\u3041-\u3096\u30a1-\u30fa\u30fc\uff66-\uff9d]")
 
 
-def estimate_audio_s(text: str, speed: float = 1.0) -> float:
+def estimate_audio_s(text: str, speed: float = 1.0, s_per_char: float = EST_S_PER_CHAR) -> float:
     """How long `text` will take to speak at `speed`, before any audio exists.
 
     The engine's guess for a request not prepared yet (when the audio after it
     is due, engine/clock.py); a backend's own estimate, once it has prepared
-    the request, is `BackendRequest.est_audio_s`.
+    the request, is `BackendRequest.est_audio_s` (cosyvoice's starts from this
+    one, with its own `s_per_char`). Characters count by script: a CJK one is a
+    syllable or a mora, three or two Latin letters' time, so a Chinese answer is
+    not guessed three times shorter than it plays (its next segment would then
+    look due seconds before it is).
     """
-    return EST_S_PER_CHAR * len(text) / speed
+    num_syllables = len(_SYLLABLES.findall(text))
+    num_kana = len(_KANA.findall(text))
+    num_other = len(text) - num_syllables - num_kana
+    return (num_other * s_per_char + num_syllables * EST_S_PER_SYLLABLE
+            + num_kana * EST_S_PER_KANA) / speed
 
 
 @dataclass(slots=True, frozen=True)

@@ -53,7 +53,7 @@ from engine.backends.cosyvoice.t2w.worker import FlowWorker
 from engine.backends.cosyvoice.tick import SeqInputs, inputs_of, run_flow, run_lm
 from engine.backends.cosyvoice.voices import SAMPLE_RATE, CosyVoices, features_version
 from engine.errors import BackendFailure, EngineBusyError, EngineError, UnsupportedOptionError
-from engine.types import SynthesisRequest, VoiceInfo
+from engine.types import SynthesisRequest, VoiceInfo, estimate_audio_s
 
 log = logging.getLogger("voxgate.engine")
 
@@ -135,7 +135,8 @@ class CosyVoiceBackend(Backend):
         if not request.text.strip():
             seq.state = SeqState.DONE  # nothing to say: finishes empty at its first step
         self.table.add(seq)
-        est = max(0.2, len(request.text.strip()) / self.config.chars_per_second / params.speed)
+        est = max(0.2, estimate_audio_s(request.text.strip(), params.speed,
+                                        1.0 / self.config.chars_per_second))
         item = BackendRequest(request=request, state=seq, est_audio_s=est)
         self._items[key] = item
         return item

@@ -92,7 +92,7 @@ class CosyVoiceBackendConfig:
     default_voice_text: str = ""  # ... and its transcript
     default_voice_language: str = "en"
     num_threads: int = 0  # torch CPU threads; 0: half the cores
-    chars_per_second: float = 14.0  # est_audio_s = len(text) / this
+    chars_per_second: float = 14.0  # est_audio_s of Latin text (engine.types.estimate_audio_s)
 
     def __post_init__(self) -> None:
         if self.model_dir is not None:

@@ -6,6 +6,7 @@ the model's arithmetic, never a wall time.
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -71,6 +72,16 @@ def test_chunks_are_a_short_first_hop_then_the_25_token_grid_then_the_rest() -> 
     audio = np.concatenate(chunks)
     assert len(audio) == 125 * 960 and item.est_audio_s == pytest.approx(5.0)
     assert 0.02 < float(np.sqrt(np.mean(audio**2))) < 0.5  # speech-like, not silence
+
+
+def test_a_chinese_answer_is_spoken_at_a_syllable_pace_not_at_fourteen_characters() -> None:
+    backend, _ = make_backend()
+    chinese = prepare(backend, "没问题，关于存钱，", "zh")  # 7 syllables at 0.18 s, 2 commas
+    japanese = prepare(backend, "こんにちは", "ja")  # 5 kana at 0.12 s
+    assert chinese.est_audio_s == pytest.approx(7 * 0.18 + 2 / 14)
+    assert japanese.est_audio_s == pytest.approx(5 * 0.12)
+    made = run_to_end(backend, [chinese])["zh"]
+    assert sum(len(r.pcm) for r in made) == math.ceil(chinese.est_audio_s * 25) * 960
 
 
 def test_a_short_answer_is_one_chunk_and_empty_text_finishes_silent() -> None:

@@ -156,3 +156,21 @@ def test_a_context_plays_after_the_one_before_it_never_before_its_own_submission
         SynthesisRequest(RequestId("c0"), "text", "v"), 9.0)
     assert late.start() == pytest.approx(9.0)  # the one before ended long ago: first audio now
 
+
+@pytest.mark.parametrize(("text", "per_char_s"), [
+    ("没问题关于存钱", 0.18),  # Mandarin: 4-5 syllables a second, one character each
+    ("안녕하세요", 0.18),  # a Hangul block is a syllable
+    ("こんにちは", 0.12),  # a kana is about one mora
+    ("Hello there", 0.065),  # anything else: about 15 characters a second
+])
+def test_a_guess_counts_each_character_by_its_script(text: str, per_char_s: float) -> None:
+    assert estimate_audio_s(text) == pytest.approx(len(text) * per_char_s)
+    assert estimate_audio_s(text, speed=2.0) == pytest.approx(len(text) * per_char_s / 2)
+
+
+def test_a_chinese_segment_is_not_guessed_three_times_shorter_than_its_english() -> None:
+    # "No problem, about saving money," said in both: about two seconds of speech each
+    chinese = estimate_audio_s("没问题，关于存钱，")
+    english = estimate_audio_s("No problem, about saving money,")
+    assert chinese == pytest.approx(7 * 0.18 + 2 * 0.065)
+    assert 0.6 < chinese / english < 1.6

@@ -204,6 +204,18 @@ def test_instructions_speak_without_the_voice_tokens_and_other_languages_cross_l
         backend.release(item)
 
 
+def test_the_length_guessed_at_prepare_counts_a_chinese_character_as_a_syllable(
+        backend: CosyVoiceBackend) -> None:
+    english = prepare(backend, "No problem at all.")
+    chinese = prepare(backend, "没问题，关于存钱，")
+    slow = prepare(backend, "没问题，关于存钱，", params=SamplingParams(speed=0.5))
+    assert english.est_audio_s == pytest.approx(18 / 14)  # chars_per_second
+    assert chinese.est_audio_s == pytest.approx(7 * 0.18 + 2 / 14)  # not 9 / 14
+    assert slow.est_audio_s == pytest.approx(2 * chinese.est_audio_s)
+    for item in (english, chinese, slow):
+        backend.release(item)
+
+
 def test_bad_requests_are_refused_at_prepare(backend: CosyVoiceBackend) -> None:
     with pytest.raises(UnknownVoiceError, match="default"):
         backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody"))
