@@ -57,6 +57,9 @@ from engine.types import SynthesisRequest, VoiceInfo, estimate_audio_s
 
 log = logging.getLogger("voxgate.engine")
 
+#: seconds of audio a speech token makes at speed 1 (25 tokens a second)
+TOKEN_S = 0.04
+
 
 class CosyVoiceBackend(Backend):
     name = "cosyvoice"
@@ -171,6 +174,9 @@ class CosyVoiceBackend(Backend):
             elif seq.key in plan.waiting and not seq.outbox:  # audio made meanwhile goes out
                 results[id(item)] = StepResult(waiting=plan.waiting[seq.key].value)
             else:
+                if seq.state in (SeqState.FLUSHING, SeqState.DONE):  # the LM ended: the length
+                    # is known, so the next segment's due follows it, not the guess at prepare
+                    item.est_audio_s = len(seq.tokens) * TOKEN_S / inputs_of(seq).speed
                 results[id(item)] = StepResult(pcm=seq.take_audio(),
                                                is_finished=seq.state is SeqState.DONE)
         return [results[id(item)] for item in batch]

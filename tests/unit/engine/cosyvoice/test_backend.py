@@ -216,6 +216,18 @@ def test_the_length_guessed_at_prepare_counts_a_chinese_character_as_a_syllable(
         backend.release(item)
 
 
+def test_once_the_lm_ends_the_length_is_the_audio_made_not_the_guess(
+        backend: CosyVoiceBackend) -> None:
+    items = {speed: prepare(backend, "Hello world, once more.", params=SamplingParams(speed=speed))
+             for speed in (1.0, 0.8)}
+    guesses = {speed: item.est_audio_s for speed, item in items.items()}
+    got = run(backend, list(items.values()))
+    for speed, item in items.items():
+        made_s = len(got[item.request_id][1]) / 24000
+        assert made_s != pytest.approx(guesses[speed], abs=0.05)  # random weights: not the guess
+        assert item.est_audio_s == pytest.approx(made_s, abs=0.021)  # within a mel frame
+
+
 def test_bad_requests_are_refused_at_prepare(backend: CosyVoiceBackend) -> None:
     with pytest.raises(UnknownVoiceError, match="default"):
         backend.prepare(SynthesisRequest(RequestId("x"), "Hi.", "nobody"))
