@@ -243,7 +243,7 @@ def run_level(
         "gaps": gaps.get("count", 0),
         # gaps whose segment's text came too late for any server (loadtest/metrics.py)
         "text_late_gaps": gaps.get("text_late", 0),
-        "server_gaps": gaps.get("server", gaps.get("count", 0)),
+        "server_gaps": gaps.get("server", 0),
         # the server's gaps that fell inside a segment (streaming fell behind), not at a
         # segment's first audio (a first-audio miss)
         "inside_segment_gaps": gaps.get("server_inside_segment", 0),
